@@ -1,0 +1,38 @@
+"""The attention zoo: efficient attention variants behind one interface.
+
+>>> import zoo
+>>> attn = zoo.create_attention("bigbird", dim=512, num_heads=8)   # (B, L, 512) -> (B, L, 512)
+>>> out = zoo.attention(q, k, v, variant="longformer", causal=True)  # (B, H, L, D), like SDPA
+>>> zoo.list_variants("*local*")
+"""
+
+from .backends import Backend, Capabilities, get_backend, list_backends, register_backend
+from .functional import attention, dense_mask
+from .layout import allowed_pairs
+from .module import MultiHeadAttention, create_attention
+from .patterns import Pattern, list_families, register_pattern
+from .registry import VariantSpec, get_spec, list_variants, load_registry
+from .scores import AdditiveScore
+
+list_pattern_families = list_families
+
+__all__ = [
+    "AdditiveScore",
+    "Backend",
+    "Capabilities",
+    "MultiHeadAttention",
+    "Pattern",
+    "VariantSpec",
+    "allowed_pairs",
+    "attention",
+    "create_attention",
+    "dense_mask",
+    "get_backend",
+    "get_spec",
+    "list_backends",
+    "list_pattern_families",
+    "list_variants",
+    "load_registry",
+    "register_backend",
+    "register_pattern",
+]

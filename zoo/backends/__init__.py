@@ -1,0 +1,66 @@
+"""How attention is computed: backends by name, and the ``auto`` choice among them."""
+
+from __future__ import annotations
+
+from ..call import AttentionCall
+from ..checks import suggest
+from .base import Backend, Capabilities
+from .blocked import BlockedBackend
+from .flex import FlexBackend
+from .reference import ReferenceBackend
+from .sdpa import SdpaBackend
+
+_BACKENDS: dict[str, Backend] = {
+    b.name: b for b in (ReferenceBackend(), SdpaBackend(), FlexBackend(), BlockedBackend())
+}
+
+
+def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
+    """Make a backend selectable by its ``name`` (``backend="name"``)."""
+    if backend.name in _BACKENDS and not replace:
+        raise ValueError(f"backend {backend.name!r} is already registered; pass replace=True to replace it")
+    _BACKENDS[backend.name] = backend
+    return backend
+
+
+def list_backends(available_only: bool = False) -> list[str]:
+    """Backend names (``available_only``: those whose libraries load here); 'auto' chooses."""
+    return sorted(n for n, b in _BACKENDS.items() if not available_only or b.unavailable() is None)
+
+
+def get_backend(name: str) -> Backend:
+    if name not in _BACKENDS:
+        raise ValueError(suggest("backend", name, [*_BACKENDS, "auto"], "zoo.list_backends()"))
+    return _BACKENDS[name]
+
+
+def able_backends(call: AttentionCall) -> list[str]:
+    return [n for n, b in sorted(_BACKENDS.items()) if b.reason_against(call) is None]
+
+
+def resolve_backend(backend: str | Backend, call: AttentionCall) -> Backend:
+    """The backend to run the call, or a ValueError that says why not and which can."""
+    from .auto import choose
+
+    if isinstance(backend, str) and backend == "auto":
+        return choose(call, _BACKENDS)
+    chosen = get_backend(backend) if isinstance(backend, str) else backend
+    reason = chosen.reason_against(call)
+    if reason is not None:
+        able = ", ".join(able_backends(call)) or "none"
+        raise ValueError(f"backend {chosen.name!r} cannot run this call: {reason}; backends that can: {able}")
+    return chosen
+
+
+__all__ = [
+    "Backend",
+    "BlockedBackend",
+    "Capabilities",
+    "FlexBackend",
+    "ReferenceBackend",
+    "SdpaBackend",
+    "get_backend",
+    "list_backends",
+    "register_backend",
+    "resolve_backend",
+]

@@ -1,0 +1,140 @@
+"""FlexAttention (``torch.nn.attention.flex_attention``) with a ``BlockMask`` built from the
+analytic block layout (``BlockMask.from_kv_blocks``), never by evaluating all n^2 pairs.
+
+The pattern's ``allowed`` is the mask_mod for partial blocks, a positional bias the score_mod. The
+kernel is compiled once per shape and pattern and cached by ``torch.compile``. Compiled
+FlexAttention on CPU runs inference only: no backward, so training on CPU goes to another backend.
+Block masks are cached per pattern and shape; a key padding mask makes the layout per sequence
+(wholly padded key blocks are skipped, partly padded ones masked).
+
+Strided and dilated patterns run here in the natural token order, where their blocks are dense;
+the ``blocked`` backend runs them in their regrouped order.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+from ..call import AttentionCall
+from ..checks import check_int
+from ..frames import build_frame
+from ..layout import build_layout
+from ..patterns import EMPTY, FULL, PARTIAL, Pattern
+from .base import FLOATS, Backend, Capabilities
+
+# Every pattern and shape is a separate compiled graph; dynamo's default of 8 would send the
+# ninth silently to the slow, unfused eager path.
+_RECOMPILE_LIMIT = 256
+
+
+def _flex_module():
+    from torch.nn.attention import flex_attention
+
+    return flex_attention
+
+
+@lru_cache(maxsize=2)
+def _kernel(compiled: bool):
+    flex = _flex_module().flex_attention
+    if not compiled:
+        return flex
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, _RECOMPILE_LIMIT)
+    return torch.compile(flex, dynamic=False)
+
+
+def flex_block_tensors(state: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) from a [B, Qb, Kb] state,
+    shaped [B, 1, Qb, ...] (one layout for all heads)."""
+
+    def ordered(which: Tensor) -> tuple[Tensor, Tensor]:
+        count = which.sum(dim=-1).to(torch.int32)
+        index = torch.argsort(which.to(torch.int8), dim=-1, descending=True, stable=True)
+        return count[:, None].contiguous(), index.to(torch.int32)[:, None].contiguous()
+
+    return (*ordered(state == PARTIAL), *ordered(state == FULL))
+
+
+@lru_cache(maxsize=128)
+def _pattern_block_mask(pattern: Pattern, q_len: int, kv_len: int, block: int, device: torch.device):
+    frame = build_frame(1, q_len, kv_len, block, block, device)
+    state = build_layout(pattern, frame).state[None]
+    return _flex_module().BlockMask.from_kv_blocks(
+        *flex_block_tensors(state),
+        BLOCK_SIZE=block,
+        mask_mod=pattern.mask_mod(q_len, kv_len),
+        seq_lengths=(q_len, kv_len),
+    )
+
+
+def _padded_block_mask(call: AttentionCall, block: int):
+    """A per-sequence block mask: key blocks all padding are skipped, partly padded ones masked."""
+    frame = build_frame(1, call.q_len, call.kv_len, block, block, call.device)
+    state = build_layout(call.pattern, frame).state
+    keep = frame.k.gather(~call.key_padding_mask[:, :, None])[..., 0]  # (B, slots); padding slots False
+    by_block = keep.view(keep.shape[0], -1, block)
+    any_kept, all_kept = by_block.any(-1)[:, None, :], by_block.all(-1)[:, None, :]
+    state = torch.where(all_kept, state, torch.clamp(state, max=PARTIAL))
+    state = torch.where(any_kept, state, EMPTY)
+    pattern_mask = call.pattern.mask_mod(call.q_len, call.kv_len)
+
+    def padded_mask(b, h, q_idx, kv_idx):
+        return pattern_mask(b, h, q_idx, kv_idx) & keep[b, kv_idx]
+
+    return _flex_module().BlockMask.from_kv_blocks(
+        *flex_block_tensors(state),
+        BLOCK_SIZE=block,
+        mask_mod=padded_mask,
+        seq_lengths=(call.q_len, call.kv_len),
+    )
+
+
+class FlexBackend(Backend):
+    """FlexAttention; ``compile=False`` runs its eager (dense, unfused) path, for tests only."""
+
+    name = "flex"
+    capabilities = Capabilities(
+        devices=("cpu", "cuda"),
+        backward=("cuda",),
+        dtypes=FLOATS,
+        patterns="any",
+        score_bias=True,
+        sparse=True,
+    )
+
+    def __init__(self, block_size: int = 128, compile: bool = True) -> None:
+        self.block_size = check_int("block_size", block_size)
+        self.compile = compile
+
+    def __repr__(self) -> str:
+        return f"FlexBackend(block_size={self.block_size}, compile={self.compile})"
+
+    def unavailable(self) -> str | None:
+        try:
+            _flex_module()
+        except ImportError as error:
+            return f"torch.nn.attention.flex_attention does not import ({error})"
+        return None
+
+    def block_mask(self, call: AttentionCall):
+        if call.key_padding_mask is None:
+            return _pattern_block_mask(call.pattern, call.q_len, call.kv_len, self.block_size, call.device)
+        return _padded_block_mask(call, self.block_size)
+
+    def forward(self, call: AttentionCall) -> tuple[Tensor, None]:
+        score_mod = None
+        if call.bias is not None:
+            bias, offset = call.bias, call.kv_len - call.q_len
+
+            def positional_bias(score, b, h, q_idx, kv_idx):
+                return score + bias(h, q_idx + offset, kv_idx).to(score.dtype)
+
+            score_mod = positional_bias
+        out = _kernel(self.compile)(
+            call.q, call.k, call.v, score_mod=score_mod, block_mask=self.block_mask(call), scale=call.scale
+        )
+        return out, None

@@ -1,0 +1,66 @@
+"""The oracle: dense scores in float32 (float64 for float64 inputs) and an explicit softmax."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+from ..call import AttentionCall
+from ..patterns import Pattern, query_positions
+from .base import FLOATS, Backend, Capabilities, head_index, key_keep
+
+
+@lru_cache(maxsize=64)
+def dense_mask(pattern: Pattern, q_len: int, kv_len: int, device: torch.device) -> Tensor:
+    """The pattern's dense view on a device, built once per shape."""
+    return pattern.dense(q_len, kv_len).to(device)
+
+
+def safe_softmax(scores: Tensor) -> Tensor:
+    """Softmax over the last dim that gives zeros, with zero gradients, for rows of -inf only."""
+    peak = scores.amax(dim=-1, keepdim=True).detach()
+    exp = torch.exp(scores - torch.where(torch.isfinite(peak), peak, 0))
+    total = exp.sum(dim=-1, keepdim=True)
+    return exp / torch.where(total > 0, total, 1)
+
+
+def attention_mask(call: AttentionCall) -> Tensor:
+    """(B or 1, 1, Lq, Lk) bool: the pattern and the key padding."""
+    mask = dense_mask(call.pattern, call.q_len, call.kv_len, call.device)[None, None]
+    keep = key_keep(call)
+    return mask if keep is None else mask & keep[:, None, None, :]
+
+
+def score_bias(call: AttentionCall, dtype: torch.dtype) -> Tensor:
+    """(H, Lq, Lk) positional bias on the dense grid."""
+    q_pos = query_positions(call.q_len, call.kv_len, call.device)
+    k_pos = torch.arange(call.kv_len, device=call.device)
+    heads = head_index(call.q.shape[1], call.device, 2)
+    return call.bias(heads, q_pos[None, :, None], k_pos[None, None, :]).to(dtype)
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+    capabilities = Capabilities(
+        devices=("cpu", "cuda"),
+        backward=("cpu", "cuda"),
+        dtypes=(*FLOATS, torch.float64),
+        patterns="any",
+        scores=("dot", "additive"),
+        score_bias=True,
+        dropout=True,
+        return_weights=True,
+    )
+
+    def forward(self, call: AttentionCall) -> tuple[Tensor, Tensor]:
+        dtype = torch.float64 if call.q.dtype == torch.float64 else torch.float32
+        q, k = call.score.prepare(call.q.to(dtype), call.k.to(dtype))
+        scores = call.score.pairwise(q, k)  # (B, H, Lq, Lk)
+        if call.bias is not None:
+            scores = scores + score_bias(call, scores.dtype)
+        weights = safe_softmax(scores.masked_fill(~attention_mask(call), float("-inf")))
+        dropped = torch.nn.functional.dropout(weights, call.dropout_p) if call.dropout_p else weights
+        out = dropped @ call.v.to(dtype)
+        return out.to(call.q.dtype), weights

@@ -1,0 +1,44 @@
+"""``torch.nn.functional.scaled_dot_product_attention``: FlashAttention for full and causal
+attention on GPU (no mask at all), a dense boolean mask for everything else."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.nn.functional import scaled_dot_product_attention
+
+from ..call import AttentionCall
+from .base import FLOATS, Backend, Capabilities
+from .reference import attention_mask, score_bias
+
+
+class SdpaBackend(Backend):
+    name = "sdpa"
+    capabilities = Capabilities(
+        devices=("cpu", "cuda"),
+        backward=("cpu", "cuda"),
+        dtypes=(*FLOATS, torch.float64),
+        patterns="any",
+        score_bias=True,
+        dropout=True,
+    )
+
+    def forward(self, call: AttentionCall) -> tuple[Tensor, None]:
+        kind = call.pattern.kind
+        plain = call.key_padding_mask is None and call.bias is None
+        if plain and (kind == "full" or kind == "causal" and call.q_len == call.kv_len):
+            out = scaled_dot_product_attention(
+                call.q, call.k, call.v, dropout_p=call.dropout_p, is_causal=kind == "causal", scale=call.scale
+            )
+            return out, None
+        mask = attention_mask(call)
+        # SDPA gives NaN for a row with no allowed key: let such rows see every key, then zero them.
+        has_key = mask.any(dim=-1, keepdim=True)
+        mask = mask | ~has_key
+        if call.bias is not None:
+            bias = score_bias(call, call.q.dtype)
+            mask = bias.masked_fill(~mask, float("-inf"))
+        out = scaled_dot_product_attention(
+            call.q, call.k, call.v, attn_mask=mask, dropout_p=call.dropout_p, scale=call.scale
+        )
+        return out * has_key, None

@@ -1,0 +1,114 @@
+"""One attention call, checked once, as every backend receives it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .checks import check_probability
+from .patterns import Pattern
+from .scores import AdditiveScore, DotProduct
+
+ScoreBias = Callable[[Tensor, Tensor, Tensor], Tensor]  # (head, q_pos, kv_pos) -> bias
+
+
+@dataclass
+class AttentionCall:
+    """Everything a backend needs. Tensors are (batch, heads, length, head_dim), as in SDPA."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    pattern: Pattern  # specialized for these lengths, causality included
+    variant: str  # the name, for messages
+    key_padding_mask: Tensor | None  # (batch, kv_len) bool, True where the key is padding
+    score: DotProduct | AdditiveScore
+    dropout_p: float = 0.0
+    bias: ScoreBias | None = None  # a positional score bias, see zoo.positional
+    return_weights: bool = False
+
+    @property
+    def q_len(self) -> int:
+        return self.q.shape[-2]
+
+    @property
+    def kv_len(self) -> int:
+        return self.k.shape[-2]
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def needs_grad(self) -> bool:
+        tensors = [self.q, self.k, self.v]
+        if isinstance(self.score, AdditiveScore):
+            tensors += list(self.score.parameters())
+        return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+    @property
+    def scale(self) -> float:
+        return self.score.scale if isinstance(self.score, DotProduct) else 1.0
+
+
+def _shape(t: Tensor) -> str:
+    return "(" + ", ".join(str(s) for s in t.shape) + ")"
+
+
+def check_qkv(q: object, k: object, v: object) -> None:
+    """q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv): same dtype, device, batch and heads."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must have 4 dimensions (batch, heads, length, head_dim), got shape {_shape(t)}"
+            )
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device} and {v.device}")
+    if not q.shape[:2] == k.shape[:2] == v.shape[:2]:
+        raise ValueError(
+            f"q, k and v must agree in batch and heads (dims 0 and 1), got shapes "
+            f"{_shape(q)}, {_shape(k)} and {_shape(v)}"
+        )
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must have the same length (dim 2), got {_shape(k)} and {_shape(v)}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k must have the same head_dim (dim 3), got {_shape(q)} and {_shape(k)}")
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        raise ValueError(f"q and k need at least one position, got {_shape(q)} and {_shape(k)}")
+
+
+def check_key_padding_mask(mask: object, batch: int, kv_len: int, device: torch.device) -> Tensor | None:
+    """A (batch, kv_len) bool tensor, True where the key is padding (as in nn.MultiheadAttention)."""
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+        what = f"dtype {mask.dtype}" if isinstance(mask, Tensor) else type(mask).__name__
+        raise TypeError(f"key_padding_mask must be a bool tensor (True = padding), got {what}")
+    if tuple(mask.shape) != (batch, kv_len):
+        raise ValueError(
+            f"key_padding_mask must have shape (batch, kv_len) = ({batch}, {kv_len}), "
+            f"got {_shape(mask)}"
+        )
+    return mask.to(device)
+
+
+def resolve_scale(scale: object, head_dim: int) -> float:
+    if scale is None:
+        return 1 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0:
+        raise ValueError(f"scale must be a positive number or None (1/sqrt(head_dim)), got {scale!r}")
+    return float(scale)
+
+
+def check_dropout(dropout_p: object) -> float:
+    return check_probability("dropout_p", dropout_p)

@@ -1,0 +1,111 @@
+"""Token orders for block-sparse kernels.
+
+A kernel works on blocks of consecutive slots. A *frame* says which token sits in each slot: in
+the natural frame (stride 1) slot t holds token t, and the axes are padded to whole blocks. In the
+frame of stride s, tokens are regrouped by position mod s (s groups, each in position order and
+padded to whole blocks), which turns strided and dilated patterns into dense or banded blocks::
+
+    positions 0..7, stride 2, blocks of 2:   slots [0 2 | 4 6 | 1 3 | 5 7]
+
+Padding slots are marked invalid; masks exclude them and outputs drop them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+from .patterns.base import Spans
+
+_FAR = 2**62  # larger than any position; marks the bounds of blocks with no valid slot
+
+
+@dataclass(frozen=True, eq=False)
+class Axis:
+    """One side (queries or keys) of a frame."""
+
+    length: int  # tokens in the original order
+    index: Tensor  # [slots] original token of each slot (0 for padding slots)
+    position: Tensor  # [slots] position of each slot's token
+    valid: Tensor  # [slots] False for padding slots
+    slot_of: Tensor  # [length] the slot of each original token
+    block: int
+    step: int
+
+    @property
+    def slots(self) -> int:
+        return self.index.shape[0]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.slots // self.block
+
+    @property
+    def identity(self) -> bool:
+        """Slot t holds token t (only padding added at the end)."""
+        return self.step == 1
+
+    def spans(self) -> Spans:
+        """The progression of valid positions in each block."""
+        pos = self.position.view(-1, self.block)
+        valid = self.valid.view(-1, self.block)
+        lo = torch.where(valid, pos, _FAR).amin(dim=1)
+        hi = torch.where(valid, pos, -_FAR).amax(dim=1)
+        return Spans(lo, hi, self.step, valid.all(dim=1))
+
+    def gather(self, x: Tensor, dim: int = -2) -> Tensor:
+        """Tokens of ``x`` (original order along ``dim``) placed into this frame's slots."""
+        if self.identity:
+            pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, self.slots - self.length]
+            return torch.nn.functional.pad(x, pad)
+        return x.index_select(dim, self.index)
+
+    def scatter(self, x: Tensor, dim: int = -2) -> Tensor:
+        """Slots of ``x`` back into the original order (padding slots dropped)."""
+        if self.identity:
+            return x.narrow(dim, 0, self.length)
+        return x.index_select(dim, self.slot_of)
+
+
+def _axis(length: int, start: int, stride: int, block: int, device: torch.device) -> Axis:
+    """Positions start .. start + length - 1 regrouped by position mod ``stride``."""
+    if stride == 1:
+        slots = -(-length // block) * block
+        t = torch.arange(slots, device=device)
+        valid = t < length
+        return Axis(length, t.clamp(max=length - 1), t + start, valid, t[:length], block, 1)
+    base = start // stride * stride  # first position of group 0 at or before `start`
+    group_len = -(-(start + length - base) // stride)
+    padded = -(-group_len // block) * block
+    slot = torch.arange(stride * padded, device=device)
+    residue, t = slot // padded, slot % padded
+    position = base + t * stride + residue
+    valid = (t < group_len) & (position >= start) & (position < start + length)
+    index = (position - start).clamp(0, length - 1)
+    p = torch.arange(length, device=device) + start - base
+    slot_of = (p % stride) * padded + p // stride
+    return Axis(length, index, position, valid, slot_of, block, stride)
+
+
+@dataclass(frozen=True, eq=False)
+class Frame:
+    """Query and key axes in one token order (compared by identity; built once per shape)."""
+
+    q: Axis
+    k: Axis
+    stride: int
+
+
+@lru_cache(maxsize=256)
+def build_frame(
+    stride: int, q_len: int, kv_len: int, block_q: int, block_k: int, device: torch.device
+) -> Frame:
+    """The frame of ``stride`` for these lengths, with queries aligned to the keys' end."""
+    return Frame(
+        _axis(q_len, kv_len - q_len, stride, block_q, device),
+        _axis(kv_len, 0, stride, block_k, device),
+        stride,
+    )

@@ -1,0 +1,131 @@
+"""``zoo.MultiHeadAttention``: projections, heads, and any variant on any backend."""
+
+from __future__ import annotations
+
+import torch
+from einops import rearrange
+from torch import Tensor, nn
+
+from .backends import Backend
+from .checks import check_int, check_probability
+from .functional import attention, resolve_pattern
+from .patterns import Pattern
+from .registry import get_spec
+from .scores import AdditiveScore
+
+SCORES = ("dot", "additive")
+
+
+def padding_from_lengths(valid_lens: Tensor, kv_len: int) -> Tensor:
+    """(B,) numbers of valid keys -> (B, kv_len) key padding mask (True = padding)."""
+    if not isinstance(valid_lens, Tensor) or valid_lens.dim() != 1 or valid_lens.is_floating_point():
+        shown = tuple(valid_lens.shape) if isinstance(valid_lens, Tensor) else type(valid_lens).__name__
+        raise ValueError(f"valid_lens must be a 1-D integer tensor of key counts per sequence, got {shown}")
+    if bool(((valid_lens < 0) | (valid_lens > kv_len)).any()):
+        raise ValueError(f"valid_lens must lie in [0, {kv_len}] (the key length), got {valid_lens.tolist()}")
+    return torch.arange(kv_len, device=valid_lens.device)[None, :] >= valid_lens[:, None]
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention, (B, L, dim) -> (B, L, dim), with the pattern of ``variant``.
+
+    Args:
+        dim: model width; ``num_heads`` must divide it (head_dim = dim // num_heads).
+        variant: a registry name or a Pattern; ``**params`` override the variant's parameters.
+        backend: a backend name, a Backend instance, or "auto".
+        dropout: dropout on the attention weights, in training mode only.
+        causal: intersect the pattern with the causal mask (a decoder).
+        bias: whether the q, k, v and output projections have a bias.
+        score: "dot" (scaled dot product) or "additive" (a small learned network over q and k,
+            Bahdanau et al.; the reference and blocked backends compute it).
+        kv_dim: width of ``context`` in cross-attention, if not ``dim``.
+
+    ``forward(x, context=None, key_padding_mask=None, valid_lens=None, return_weights=False)``:
+    ``context`` (B, Lk, kv_dim) makes it cross-attention: queries from x, keys and values from
+    context, aligned to the context's end when the lengths differ (see ``zoo.patterns.base``).
+    ``key_padding_mask`` (B, Lk) is True at padding; ``valid_lens`` (B,) counts the valid keys
+    instead. ``return_weights=True`` returns (output, weights (B, H, Lq, Lk)).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        variant: str | Pattern = "full",
+        backend: str | Backend = "auto",
+        dropout: float = 0.0,
+        causal: bool = False,
+        bias: bool = True,
+        score: str = "dot",
+        kv_dim: int | None = None,
+        **params: object,
+    ) -> None:
+        super().__init__()
+        check_int("dim", dim)
+        check_int("num_heads", num_heads)
+        if dim % num_heads:
+            raise ValueError(f"num_heads ({num_heads}) must divide dim ({dim}); head_dim would be {dim / num_heads}")
+        if score not in SCORES:
+            raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+        self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
+        self.variant, self.backend, self.causal = variant, backend, causal
+        self.dropout = check_probability("dropout", dropout)
+        self.params = dict(params)
+        resolve_pattern(variant, causal, self.params)  # fail now, not at the first forward
+        kv_dim = dim if kv_dim is None else check_int("kv_dim", kv_dim)
+        self.q_proj = nn.Linear(dim, dim, bias=bias)
+        self.k_proj = nn.Linear(kv_dim, dim, bias=bias)
+        self.v_proj = nn.Linear(kv_dim, dim, bias=bias)
+        self.out_proj = nn.Linear(dim, dim, bias=bias)
+        self.score = AdditiveScore(num_heads, self.head_dim) if score == "additive" else None
+
+    def extra_repr(self) -> str:
+        variant = self.variant if isinstance(self.variant, str) else type(self.variant).__name__
+        params = "".join(f", {k}={v!r}" for k, v in self.params.items())
+        return f"dim={self.dim}, num_heads={self.num_heads}, variant={variant!r}{params}, causal={self.causal}"
+
+    def forward(
+        self,
+        x: Tensor,
+        context: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+        valid_lens: Tensor | None = None,
+        return_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
+            shown = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"x must have shape (batch, length, {self.dim}), got {shown}")
+        source = x if context is None else context
+        if source.dim() != 3 or source.shape[0] != x.shape[0]:
+            raise ValueError(f"context must have shape ({x.shape[0]}, kv_len, kv_dim), got {tuple(source.shape)}")
+        if valid_lens is not None:
+            if key_padding_mask is not None:
+                raise ValueError("give key_padding_mask or valid_lens, not both")
+            key_padding_mask = padding_from_lengths(valid_lens.to(x.device), source.shape[1])
+        heads = self.num_heads
+        q = rearrange(self.q_proj(x), "b l (h d) -> b h l d", h=heads)  # (B, H, Lq, hd)
+        k = rearrange(self.k_proj(source), "b l (h d) -> b h l d", h=heads)  # (B, H, Lk, hd)
+        v = rearrange(self.v_proj(source), "b l (h d) -> b h l d", h=heads)
+        result = attention(
+            q,
+            k,
+            v,
+            variant=self.variant,
+            backend=self.backend,
+            causal=self.causal,
+            key_padding_mask=key_padding_mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            score=self.score,
+            return_weights=return_weights,
+            **self.params,
+        )
+        out, weights = result if return_weights else (result, None)
+        out = self.out_proj(rearrange(out, "b h l d -> b l (h d)"))  # (B, Lq, dim)
+        return (out, weights) if return_weights else out
+
+
+def create_attention(name: str, *, dim: int, num_heads: int, **overrides: object) -> MultiHeadAttention:
+    """A MultiHeadAttention for a registry variant; overrides set module options or parameters."""
+    get_spec(name)  # an unknown name fails here, with suggestions
+    return MultiHeadAttention(dim, num_heads, variant=name, **overrides)

@@ -1,0 +1,132 @@
+"""The Pattern protocol: a set of allowed (query position, key position) pairs, in three views.
+
+Positions. Keys sit at positions 0 .. kv_len-1. Queries are aligned to the *bottom right*, as in
+FlashAttention: query i sits at position i + (kv_len - q_len). With q_len == kv_len this is the
+ordinary diagonal; with fewer queries than keys (decoding with a cache) the last query is level
+with the last key::
+
+    q_len=2, kv_len=5, causal        q_len=5, kv_len=2, causal
+          keys 0 1 2 3 4                   keys 0 1
+    q0 (pos 3)   x x x x .           q0 (pos -3)  . .   <- no key: output is zero
+    q1 (pos 4)   x x x x x           q1 (pos -2)  . .
+                                     q2 (pos -1)  . .
+                                     q3 (pos 0)   x .
+                                     q4 (pos 1)   x x
+
+The three views, held equal by the tests:
+1. ``allowed(q_pos, kv_pos)``: elementwise on broadcastable int tensors of positions, with no
+   ``.item()`` and no Python branching on tensor values, so FlexAttention can compile it. Positions
+   outside the sequence (padding slots) may be passed; the result there is ignored.
+2. ``block_state(q_spans, kv_spans)``: for blocks of positions, EMPTY, PARTIAL or FULL, computed
+   from the blocks' position ranges alone. It may say PARTIAL where the truth is EMPTY or FULL
+   (the mask then decides), never the reverse.
+3. ``dense(q_len, kv_len)``: a [q_len, kv_len] bool tensor, built independently where that is
+   natural; the oracle for tests and pictures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Spans:
+    """The positions in each block of a grid: the progression lo, lo + step, ..., hi.
+
+    Tensors have one entry per block and broadcast against each other (queries as a column, keys as
+    a row). A block with no valid position has lo > hi. ``complete`` is False where a block holds
+    padding slots; such a block is never FULL, so the mask sees the padding.
+    """
+
+    lo: Tensor
+    hi: Tensor
+    step: int
+    complete: Tensor
+
+    @property
+    def nonempty(self) -> Tensor:
+        return self.lo <= self.hi
+
+    def column(self) -> Spans:
+        return Spans(self.lo[:, None], self.hi[:, None], self.step, self.complete[:, None])
+
+    def row(self) -> Spans:
+        return Spans(self.lo[None, :], self.hi[None, :], self.step, self.complete[None, :])
+
+
+def state_from(any_allowed: Tensor, all_allowed: Tensor, q: Spans, k: Spans) -> Tensor:
+    """Combine 'some pair allowed' and 'every pair allowed' into EMPTY / PARTIAL / FULL.
+
+    Blocks without a valid position are EMPTY and blocks with padding are at most PARTIAL, so a
+    family's formulas need not think about either.
+    """
+    some = any_allowed & q.nonempty & k.nonempty
+    full = some & all_allowed & q.complete & k.complete
+    return torch.where(full, FULL, torch.where(some, PARTIAL, EMPTY)).to(torch.int8)
+
+
+def query_positions(q_len: int, kv_len: int, device: torch.device | str | None = None) -> Tensor:
+    """Positions of the queries under bottom-right alignment (see the module docstring)."""
+    return torch.arange(q_len, device=device) + (kv_len - q_len)
+
+
+class Pattern:
+    """Base class of every pattern. Subclasses are frozen dataclasses: hashable, so layouts cache.
+
+    ``stride`` names the token order in which the pattern is block-sparse: 1 is the natural order;
+    s > 1 means the pattern is sparse once tokens are regrouped by position mod s (strided and
+    dilated patterns), which the ``blocked`` backend exploits.
+    """
+
+    stride: int = 1
+
+    def allowed(self, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def block_state(self, q: Spans, k: Spans) -> Tensor:
+        raise NotImplementedError
+
+    def dense(self, q_len: int, kv_len: int) -> Tensor:
+        """Default dense view: ``allowed`` on the whole grid (families override with their own)."""
+        q = query_positions(q_len, kv_len)
+        return self.allowed(q[:, None], torch.arange(kv_len)[None, :])
+
+    def specialize(self, q_len: int, kv_len: int, device: torch.device | None = None) -> Pattern:
+        """The pattern for these lengths on this device (random blocks are drawn here).
+
+        Raises ValueError where the parameters do not fit the lengths.
+        """
+        return self
+
+    def parts(self) -> tuple[Pattern, ...]:
+        """Disjoint pieces whose union is this pattern, each block-sparse in its own ``stride``."""
+        return (self,)
+
+    @property
+    def kind(self) -> str:
+        """'full', 'causal' or 'sparse': dense kernels run the first two without a mask."""
+        return "sparse"
+
+    def mask_mod(self, q_len: int, kv_len: int):
+        """The FlexAttention view: a function of (batch, head, query index, key index)."""
+        offset = kv_len - q_len
+
+        def pattern_mask(b, h, q_idx, kv_idx):
+            return self.allowed(q_idx + offset, kv_idx)
+
+        return pattern_mask
+
+    def __or__(self, other: Pattern) -> Pattern:
+        from .compose import Union
+
+        return Union((self, other))
+
+    def __and__(self, other: Pattern) -> Pattern:
+        from .compose import Intersection
+
+        return Intersection((self, other))

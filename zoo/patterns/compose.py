@@ -1,0 +1,136 @@
+"""Composition: union, intersection and difference of patterns, in all three views.
+
+``a | b`` and ``a & b`` build them in Python; ``union:``, ``intersection:`` and ``causal:`` build them
+in registry.yaml. Block states combine conservatively: a union takes the larger state, an
+intersection the smaller, so EMPTY and FULL stay exact claims.
+
+A union whose members are sparse in different token orders (a local band and a strided pattern,
+say) splits into disjoint ``parts()``: the first order's members as they are, each later order's
+members minus everything before them. A backend computes each part in its own order and merges the
+partial softmaxes exactly (see ``zoo.backends.merge``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from functools import reduce
+
+import torch
+from torch import Tensor
+
+from .base import EMPTY, FULL, PARTIAL, Pattern, Spans
+
+
+def _flatten(kind: type, children: tuple[Pattern, ...]) -> tuple[Pattern, ...]:
+    flat: list[Pattern] = []
+    for child in children:
+        flat.extend(child.children if isinstance(child, kind) else (child,))
+    return tuple(flat)
+
+
+@dataclass(frozen=True)
+class Union(Pattern):
+    """Pairs allowed by any member."""
+
+    children: tuple[Pattern, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "children", _flatten(Union, self.children))
+
+    @property
+    def stride(self) -> int:  # type: ignore[override]
+        strides = {child.stride for child in self.children}
+        return strides.pop() if len(strides) == 1 else 1
+
+    def allowed(self, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
+        return reduce(torch.logical_or, (c.allowed(q_pos, kv_pos) for c in self.children))
+
+    def block_state(self, q: Spans, k: Spans) -> Tensor:
+        return reduce(torch.maximum, (c.block_state(q, k) for c in self.children))
+
+    def dense(self, q_len: int, kv_len: int) -> Tensor:
+        return reduce(torch.logical_or, (c.dense(q_len, kv_len) for c in self.children))
+
+    def specialize(self, q_len: int, kv_len: int, device: torch.device | None = None) -> Pattern:
+        return Union(tuple(c.specialize(q_len, kv_len, device) for c in self.children))
+
+    @property
+    def kind(self) -> str:
+        kinds = {c.kind for c in self.children}
+        return "full" if "full" in kinds else kinds.pop() if kinds == {"causal"} else "sparse"
+
+    def parts(self) -> tuple[Pattern, ...]:
+        by_stride: dict[int, list[Pattern]] = {}
+        for piece in itertools.chain.from_iterable(c.parts() for c in self.children):
+            by_stride.setdefault(piece.stride, []).append(piece)
+        groups = [g[0] if len(g) == 1 else Union(tuple(g)) for _, g in sorted(by_stride.items())]
+        parts = [groups[0]]
+        for i, group in enumerate(groups[1:], start=1):
+            earlier = groups[0] if i == 1 else Union(tuple(groups[:i]))
+            parts.append(Difference(group, earlier))
+        return tuple(parts)
+
+
+@dataclass(frozen=True)
+class Intersection(Pattern):
+    """Pairs allowed by every member."""
+
+    children: tuple[Pattern, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "children", _flatten(Intersection, self.children))
+
+    @property
+    def stride(self) -> int:  # type: ignore[override]
+        return max(child.stride for child in self.children)
+
+    def allowed(self, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
+        return reduce(torch.logical_and, (c.allowed(q_pos, kv_pos) for c in self.children))
+
+    def block_state(self, q: Spans, k: Spans) -> Tensor:
+        return reduce(torch.minimum, (c.block_state(q, k) for c in self.children))
+
+    def dense(self, q_len: int, kv_len: int) -> Tensor:
+        return reduce(torch.logical_and, (c.dense(q_len, kv_len) for c in self.children))
+
+    def specialize(self, q_len: int, kv_len: int, device: torch.device | None = None) -> Pattern:
+        return Intersection(tuple(c.specialize(q_len, kv_len, device) for c in self.children))
+
+    @property
+    def kind(self) -> str:
+        kinds = {c.kind for c in self.children}
+        return "full" if kinds == {"full"} else "causal" if kinds <= {"full", "causal"} else "sparse"
+
+    def parts(self) -> tuple[Pattern, ...]:
+        # Intersection distributes over the disjoint parts of each member.
+        combos = itertools.product(*(c.parts() for c in self.children))
+        return tuple(combo[0] if len(combo) == 1 else Intersection(combo) for combo in combos)
+
+
+@dataclass(frozen=True)
+class Difference(Pattern):
+    """Pairs allowed by ``include`` and not by ``exclude``; computed in ``include``'s order."""
+
+    include: Pattern
+    exclude: Pattern
+
+    @property
+    def stride(self) -> int:  # type: ignore[override]
+        return self.include.stride
+
+    def allowed(self, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
+        return self.include.allowed(q_pos, kv_pos) & ~self.exclude.allowed(q_pos, kv_pos)
+
+    def block_state(self, q: Spans, k: Spans) -> Tensor:
+        kept = torch.clamp(self.include.block_state(q, k), max=PARTIAL)
+        return torch.where(self.exclude.block_state(q, k) == FULL, EMPTY, kept).to(torch.int8)
+
+    def dense(self, q_len: int, kv_len: int) -> Tensor:
+        return self.include.dense(q_len, kv_len) & ~self.exclude.dense(q_len, kv_len)
+
+    def specialize(self, q_len: int, kv_len: int, device: torch.device | None = None) -> Pattern:
+        return Difference(
+            self.include.specialize(q_len, kv_len, device),
+            self.exclude.specialize(q_len, kv_len, device),
+        )

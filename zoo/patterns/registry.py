@@ -1,0 +1,81 @@
+"""Pattern families by name: the built-in ones, ``@register_pattern`` for a user's own, and
+``package.module:factory`` for a factory that lives outside the zoo."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+
+from ..checks import suggest
+from .base import Pattern
+
+PatternFactory = Callable[..., Pattern]
+_FAMILIES: dict[str, PatternFactory] = {}
+
+
+def register_pattern(name: str, *, replace: bool = False) -> Callable[[PatternFactory], PatternFactory]:
+    """Register a pattern family: a Pattern class or a function returning a Pattern.
+
+    Its keyword parameters become the family's parameters, usable from ``registry.yaml``::
+
+        @zoo.register_pattern("my_band")
+        def my_band(window_size: int = 8) -> zoo.Pattern:
+            return zoo.patterns.Local(window_size) | zoo.patterns.Global(1)
+    """
+
+    def decorate(factory: PatternFactory) -> PatternFactory:
+        if name in _FAMILIES and not replace and _FAMILIES[name] is not factory:
+            raise ValueError(
+                f"pattern family {name!r} is already registered (by {_FAMILIES[name].__module__}); "
+                "choose another name or pass replace=True"
+            )
+        _FAMILIES[name] = factory
+        return factory
+
+    return decorate
+
+
+def list_families() -> list[str]:
+    return sorted(_FAMILIES)
+
+
+def resolve_family(name: str) -> PatternFactory:
+    """A family by registered name, or a factory given as ``package.module:attribute``."""
+    if ":" in name:
+        module_name, _, attribute = name.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as error:
+            raise ValueError(f"pattern {name!r}: cannot import module {module_name!r} ({error})") from error
+        factory = getattr(module, attribute, None)
+        if not callable(factory):
+            raise ValueError(f"pattern {name!r}: module {module_name!r} has no callable {attribute!r}")
+        return factory
+    if name not in _FAMILIES:
+        raise ValueError(suggest("pattern family", name, _FAMILIES, "zoo.list_pattern_families()"))
+    return _FAMILIES[name]
+
+
+def family_parameters(factory: PatternFactory) -> dict[str, object]:
+    """The family's parameters and their defaults (``inspect.Parameter.empty`` if required)."""
+    return {
+        p.name: p.default
+        for p in inspect.signature(factory).parameters.values()
+        if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+    }
+
+
+def build_family(name: str, params: dict[str, object]) -> Pattern:
+    """Call a family with parameters, turning YAML lists into tuples and naming any unknown one."""
+    factory = resolve_family(name)
+    known = family_parameters(factory)
+    for key in params:
+        if key not in known:
+            valid = ", ".join(known) or "none"
+            raise TypeError(f"pattern {name!r} has no parameter {key!r} (its parameters: {valid})")
+    args = {k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}
+    pattern = factory(**args)
+    if not isinstance(pattern, Pattern):
+        raise TypeError(f"pattern {name!r} returned {type(pattern).__name__}, not a zoo Pattern")
+    return pattern
