@@ -7,7 +7,7 @@
 """
 
 from .backends import Backend, Capabilities, get_backend, list_backends, register_backend
-from .functional import attention, dense_mask
+from .functional import attention, dense_mask, explain
 from .layout import allowed_pairs
 from .module import MultiHeadAttention, create_attention
 from .patterns import Pattern, list_families, register_pattern
@@ -27,6 +27,7 @@ __all__ = [
     "attention",
     "create_attention",
     "dense_mask",
+    "explain",
     "get_backend",
     "get_spec",
     "list_backends",

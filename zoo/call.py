@@ -66,29 +66,38 @@ def check_qkv(q: object, k: object, v: object) -> None:
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(
-                f"{name} must have 4 dimensions (batch, heads, length, head_dim), got shape {_shape(t)}"
+                f"{name} must have 4 dimensions (batch, heads, length, head_dim), "
+                f"got shape {_shape(t)}"
             )
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
     if not q.device == k.device == v.device:
-        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device} and {v.device}")
+        raise ValueError(
+            f"q, k and v must be on one device, got {q.device}, {k.device} and {v.device}"
+        )
     if not q.shape[:2] == k.shape[:2] == v.shape[:2]:
         raise ValueError(
             f"q, k and v must agree in batch and heads (dims 0 and 1), got shapes "
             f"{_shape(q)}, {_shape(k)} and {_shape(v)}"
         )
     if k.shape[2] != v.shape[2]:
-        raise ValueError(f"k and v must have the same length (dim 2), got {_shape(k)} and {_shape(v)}")
+        raise ValueError(
+            f"k and v must have the same length (dim 2), got {_shape(k)} and {_shape(v)}"
+        )
     if q.shape[3] != k.shape[3]:
-        raise ValueError(f"q and k must have the same head_dim (dim 3), got {_shape(q)} and {_shape(k)}")
+        raise ValueError(
+            f"q and k must have the same head_dim (dim 3), got {_shape(q)} and {_shape(k)}"
+        )
     if q.shape[2] == 0 or k.shape[2] == 0:
         raise ValueError(f"q and k need at least one position, got {_shape(q)} and {_shape(k)}")
 
 
-def check_key_padding_mask(mask: object, batch: int, kv_len: int, device: torch.device) -> Tensor | None:
-    """A (batch, kv_len) bool tensor, True where the key is padding (as in nn.MultiheadAttention)."""
+def check_key_padding_mask(
+    mask: object, batch: int, kv_len: int, device: torch.device
+) -> Tensor | None:
+    """A (batch, kv_len) bool tensor, True where a key is padding (as nn.MultiheadAttention)."""
     if mask is None:
         return None
     if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
@@ -106,7 +115,9 @@ def resolve_scale(scale: object, head_dim: int) -> float:
     if scale is None:
         return 1 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0:
-        raise ValueError(f"scale must be a positive number or None (1/sqrt(head_dim)), got {scale!r}")
+        raise ValueError(
+            f"scale must be a positive number or None (1/sqrt(head_dim)), got {scale!r}"
+        )
     return float(scale)
 
 

@@ -18,11 +18,21 @@ SCORES = ("dot", "additive")
 
 def padding_from_lengths(valid_lens: Tensor, kv_len: int) -> Tensor:
     """(B,) numbers of valid keys -> (B, kv_len) key padding mask (True = padding)."""
-    if not isinstance(valid_lens, Tensor) or valid_lens.dim() != 1 or valid_lens.is_floating_point():
-        shown = tuple(valid_lens.shape) if isinstance(valid_lens, Tensor) else type(valid_lens).__name__
-        raise ValueError(f"valid_lens must be a 1-D integer tensor of key counts per sequence, got {shown}")
+    if (
+        not isinstance(valid_lens, Tensor)
+        or valid_lens.dim() != 1
+        or valid_lens.is_floating_point()
+    ):
+        shown = (
+            tuple(valid_lens.shape) if isinstance(valid_lens, Tensor) else type(valid_lens).__name__
+        )
+        raise ValueError(
+            f"valid_lens must be a 1-D integer tensor of key counts per sequence, got {shown}"
+        )
     if bool(((valid_lens < 0) | (valid_lens > kv_len)).any()):
-        raise ValueError(f"valid_lens must lie in [0, {kv_len}] (the key length), got {valid_lens.tolist()}")
+        raise ValueError(
+            f"valid_lens must lie in [0, {kv_len}] (the key length), got {valid_lens.tolist()}"
+        )
     return torch.arange(kv_len, device=valid_lens.device)[None, :] >= valid_lens[:, None]
 
 
@@ -44,7 +54,8 @@ class MultiHeadAttention(nn.Module):
     ``context`` (B, Lk, kv_dim) makes it cross-attention: queries from x, keys and values from
     context, aligned to the context's end when the lengths differ (see ``zoo.patterns.base``).
     ``key_padding_mask`` (B, Lk) is True at padding; ``valid_lens`` (B,) counts the valid keys
-    instead. ``return_weights=True`` returns (output, weights (B, H, Lq, Lk)).
+    instead. ``return_weights=True`` returns (output, weights (B, H, Lq, Lk)); that call runs on
+    the reference backend, which computes the same attention densely and keeps the weights.
     """
 
     def __init__(
@@ -65,7 +76,10 @@ class MultiHeadAttention(nn.Module):
         check_int("dim", dim)
         check_int("num_heads", num_heads)
         if dim % num_heads:
-            raise ValueError(f"num_heads ({num_heads}) must divide dim ({dim}); head_dim would be {dim / num_heads}")
+            raise ValueError(
+                f"num_heads ({num_heads}) must divide dim ({dim}); "
+                f"head_dim would be {dim / num_heads}"
+            )
         if score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {score!r}")
         self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
@@ -83,7 +97,10 @@ class MultiHeadAttention(nn.Module):
     def extra_repr(self) -> str:
         variant = self.variant if isinstance(self.variant, str) else type(self.variant).__name__
         params = "".join(f", {k}={v!r}" for k, v in self.params.items())
-        return f"dim={self.dim}, num_heads={self.num_heads}, variant={variant!r}{params}, causal={self.causal}"
+        return (
+            f"dim={self.dim}, num_heads={self.num_heads}, variant={variant!r}{params}, "
+            f"causal={self.causal}"
+        )
 
     def forward(
         self,
@@ -98,7 +115,9 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"x must have shape (batch, length, {self.dim}), got {shown}")
         source = x if context is None else context
         if source.dim() != 3 or source.shape[0] != x.shape[0]:
-            raise ValueError(f"context must have shape ({x.shape[0]}, kv_len, kv_dim), got {tuple(source.shape)}")
+            raise ValueError(
+                f"context must have shape ({x.shape[0]}, kv_len, kv_dim), got {tuple(source.shape)}"
+            )
         if valid_lens is not None:
             if key_padding_mask is not None:
                 raise ValueError("give key_padding_mask or valid_lens, not both")
@@ -112,7 +131,7 @@ class MultiHeadAttention(nn.Module):
             k,
             v,
             variant=self.variant,
-            backend=self.backend,
+            backend="reference" if return_weights else self.backend,
             causal=self.causal,
             key_padding_mask=key_padding_mask,
             dropout_p=self.dropout if self.training else 0.0,
@@ -125,7 +144,9 @@ class MultiHeadAttention(nn.Module):
         return (out, weights) if return_weights else out
 
 
-def create_attention(name: str, *, dim: int, num_heads: int, **overrides: object) -> MultiHeadAttention:
+def create_attention(
+    name: str, *, dim: int, num_heads: int, **overrides: object
+) -> MultiHeadAttention:
     """A MultiHeadAttention for a registry variant; overrides set module options or parameters."""
     get_spec(name)  # an unknown name fails here, with suggestions
     return MultiHeadAttention(dim, num_heads, variant=name, **overrides)

@@ -63,7 +63,9 @@ class VariantSpec:
         for key in overrides:
             if key not in known:
                 valid = ", ".join(known) or "none"
-                raise TypeError(f"variant {self.name!r} has no parameter {key!r} (its parameters: {valid})")
+                raise TypeError(
+                    f"variant {self.name!r} has no parameter {key!r} (its parameters: {valid})"
+                )
         return _build_cached(self, _freeze({**self.params, **overrides}))
 
     def __hash__(self) -> int:
@@ -92,8 +94,8 @@ def _compose(node: object, params: dict[str, object]) -> Pattern:
         return build_family(node, {})
     if not isinstance(node, dict) or len(node) != 1:
         raise ValueError(
-            f"a pattern spec is a family name or a one-key mapping (union, intersection, causal, or "
-            f"a family with its parameters), got {node!r}"
+            "a pattern spec is a family name or a one-key mapping (union, intersection, "
+            f"causal, or a family with its parameters), got {node!r}"
         )
     ((key, value),) = node.items()
     if key in ("union", "intersection"):
@@ -114,7 +116,9 @@ def _substitute(value: object, params: dict[str, object]) -> object:
     if isinstance(value, str) and value.startswith("$"):
         name = value[1:]
         if name not in params:
-            raise ValueError(f"{value} refers to a parameter that the entry's params do not declare")
+            raise ValueError(
+                f"{value} refers to a parameter that the entry's params do not declare"
+            )
         return params[name]
     return value
 
@@ -157,7 +161,9 @@ def read_registry_file(path: str | os.PathLike) -> dict[str, dict[str, object]]:
         raise ValueError(f"{path}: a registry file is a mapping with sections {sorted(SECTIONS)}")
     for section in data:
         if section not in SECTIONS:
-            raise ValueError(f"{path}: {suggest('section', str(section), SECTIONS, 'the registry docs')}")
+            raise ValueError(
+                f"{path}: {suggest('section', str(section), SECTIONS, 'the registry docs')}"
+            )
         if not isinstance(data[section], dict):
             raise ValueError(f"{path}: section {section!r} must map names to entries")
     return data
@@ -169,7 +175,9 @@ def parse_variant(name: str, entry: object, source: str) -> VariantSpec:
         raise ValueError(f"{where}: an entry is a mapping with keys {sorted(ENTRY_KEYS)}")
     for key in entry:
         if key not in ENTRY_KEYS:
-            raise ValueError(f"{where}: {suggest('key', str(key), ENTRY_KEYS, 'the registry docs')}")
+            raise ValueError(
+                f"{where}: {suggest('key', str(key), ENTRY_KEYS, 'the registry docs')}"
+            )
     if "pattern" not in entry:
         raise ValueError(f"{where}: needs a 'pattern' (a family name or a composition)")
     for key in ("description", "paper", "complexity"):
@@ -191,7 +199,9 @@ def parse_variant(name: str, entry: object, source: str) -> VariantSpec:
         if not isinstance(spec.pattern, str):
             unused = set(params) - _references(spec.pattern)
             if unused:
-                raise ValueError(f"params {sorted(unused)} are declared but no $name in the pattern uses them")
+                raise ValueError(
+                    f"params {sorted(unused)} are declared but no $name in the pattern uses them"
+                )
         spec.build()
     except (TypeError, ValueError) as error:
         raise ValueError(f"{where}: {error}") from error
@@ -210,12 +220,15 @@ class Registry:
         """Add a file's entries; returns the names it added."""
         data = read_registry_file(path)
         source = str(path)
-        new = {name: parse_variant(name, entry, source) for name, entry in data.get("variants", {}).items()}
+        new = {
+            name: parse_variant(name, entry, source)
+            for name, entry in data.get("variants", {}).items()
+        }
         for name in new:
             if name in self.variants:
                 raise ValueError(
-                    f"{source}: variant {name!r} is already defined in {self.variants[name].source}; "
-                    "give it another name"
+                    f"{source}: variant {name!r} is already defined in "
+                    f"{self.variants[name].source}; give it another name"
                 )
         self.variants.update(new)
         self.positional.update(data.get("positional", {}))
@@ -227,7 +240,7 @@ _registry: Registry | None = None
 
 
 def registry() -> Registry:
-    """The process-wide registry: built-in file, then ``ZOO_REGISTRY`` files, loaded on first use."""
+    """The process-wide registry: the built-in file, then ``ZOO_REGISTRY`` files, on first use."""
     global _registry
     if _registry is None:
         fresh = Registry()

@@ -63,5 +63,7 @@ class AdditiveScore(nn.Module):
     def pairwise(self, q: Tensor, k: Tensor) -> Tensor:
         """q [B, H, ..., Lq, e], k [B, H, ..., Lk, e] -> [B, H, ..., Lq, Lk]."""
         features = torch.tanh(q.unsqueeze(-2) + k.unsqueeze(-3))  # (B, H, ..., Lq, Lk, e)
-        w_v = self.w_v.to(features.dtype).view(1, -1, *([1] * (features.dim() - 3)), self.w_v.shape[1])
+        w_v = self.w_v.to(features.dtype).view(
+            1, -1, *([1] * (features.dim() - 3)), self.w_v.shape[1]
+        )
         return (features * w_v).sum(-1)

@@ -18,7 +18,9 @@ _BACKENDS: dict[str, Backend] = {
 def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
     """Make a backend selectable by its ``name`` (``backend="name"``)."""
     if backend.name in _BACKENDS and not replace:
-        raise ValueError(f"backend {backend.name!r} is already registered; pass replace=True to replace it")
+        raise ValueError(
+            f"backend {backend.name!r} is already registered; pass replace=True to replace it"
+        )
     _BACKENDS[backend.name] = backend
     return backend
 
@@ -38,6 +40,12 @@ def able_backends(call: AttentionCall) -> list[str]:
     return [n for n, b in sorted(_BACKENDS.items()) if b.reason_against(call) is None]
 
 
+def explain_backend(call: AttentionCall) -> str:
+    from .auto import explain_choice
+
+    return explain_choice(call, _BACKENDS)
+
+
 def resolve_backend(backend: str | Backend, call: AttentionCall) -> Backend:
     """The backend to run the call, or a ValueError that says why not and which can."""
     from .auto import choose
@@ -48,7 +56,9 @@ def resolve_backend(backend: str | Backend, call: AttentionCall) -> Backend:
     reason = chosen.reason_against(call)
     if reason is not None:
         able = ", ".join(able_backends(call)) or "none"
-        raise ValueError(f"backend {chosen.name!r} cannot run this call: {reason}; backends that can: {able}")
+        raise ValueError(
+            f"backend {chosen.name!r} cannot run this call: {reason}; backends that can: {able}"
+        )
     return chosen
 
 
@@ -59,6 +69,7 @@ __all__ = [
     "FlexBackend",
     "ReferenceBackend",
     "SdpaBackend",
+    "explain_backend",
     "get_backend",
     "list_backends",
     "register_backend",

@@ -25,12 +25,32 @@ def fallback_order(call: AttentionCall) -> list[str]:
     return ["blocked", "sdpa", "reference"]
 
 
-def choose(call: AttentionCall, backends: dict[str, Backend]) -> Backend:
+def choose_with_reasons(
+    call: AttentionCall, backends: dict[str, Backend]
+) -> tuple[Backend | None, list[str]]:
+    """The chosen backend (None if none can) and why each earlier one was passed over."""
     reasons = []
     for name in fallback_order(call):
         backend = backends[name]
         reason = backend.reason_against(call)
         if reason is None:
-            return backend
+            return backend, reasons
         reasons.append(f"{name}: {reason}")
-    raise ValueError("no backend can run this call (" + "; ".join(reasons) + ")")
+    return None, reasons
+
+
+def choose(call: AttentionCall, backends: dict[str, Backend]) -> Backend:
+    backend, reasons = choose_with_reasons(call, backends)
+    if backend is None:
+        raise ValueError("no backend can run this call (" + "; ".join(reasons) + ")")
+    return backend
+
+
+def explain_choice(call: AttentionCall, backends: dict[str, Backend]) -> str:
+    """A sentence on which backend ``auto`` takes for this call, and why."""
+    backend, reasons = choose_with_reasons(call, backends)
+    order = " > ".join(fallback_order(call))
+    head = f"auto -> {backend.name}" if backend else "auto -> no backend"
+    skipped = f"; passed over {'; '.join(reasons)}" if reasons else ""
+    where = f"{call.pattern.kind} pattern of {call.variant!r} on {call.device.type}"
+    return f"{head} (fallback order for a {where}: {order}{skipped})"

@@ -35,7 +35,7 @@ class Capabilities:
         if call.needs_grad and device not in self.backward:
             return f"it has no backward pass on {device}"
         if self.patterns == "dense" and call.pattern.kind == "sparse":
-            return f"it runs full and causal attention only, not the sparse pattern of {call.variant!r}"
+            return f"it runs full and causal attention only, not the pattern of {call.variant!r}"
         if call.score.kind not in self.scores:
             return f"it computes {', '.join(self.scores)} scores, not {call.score.kind}"
         if call.bias is not None and not self.score_bias:
@@ -64,6 +64,11 @@ class Backend:
     def forward(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         """(output (B, H, Lq, Dv) in q's dtype, weights (B, H, Lq, Lk) or None)."""
         raise NotImplementedError
+
+    def scored_pairs(self, call: AttentionCall) -> int:
+        """How many (query, key) scores one head of one sequence computes: Lq * Lk for a dense
+        backend, the computed blocks' pairs for a sparse one."""
+        return call.q_len * call.kv_len
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

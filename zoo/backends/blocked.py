@@ -3,9 +3,9 @@ them, and nothing else. Real sparsity with autograd on any device, without a com
 
 Each part of the pattern (see ``Pattern.parts``) runs in its own token order (see ``zoo.frames``).
 Query blocks are grouped by how many key blocks they need (``BlockLayout.row_groups``), so global
-rows do not make the rest dense. Every group keeps unnormalised sums: numerator, denominator and
-the row maximum; parts merge exactly, as FlashAttention merges key blocks. Memory is
-O(B * H * computed pairs): a query block's scores against its gathered keys, never n x n.
+rows do not make the rest dense. Each part keeps, per query, its normalised output, its softmax
+mass and the row maximum, from which parts merge exactly, as FlashAttention merges key blocks.
+Memory is O(B * H * computed pairs): a query block's scores against its gathered keys, never n^2.
 """
 
 from __future__ import annotations
@@ -26,39 +26,45 @@ from .base import FLOATS, Backend, Capabilities, head_index, key_keep
 
 @dataclass
 class Partial:
-    """Unnormalised attention over one part's keys, in the original query order."""
+    """Attention over one part's keys, in the original query order."""
 
-    numerator: Tensor  # (B, H, Lq, Dv), float32
-    denominator: Tensor  # (B, H, Lq)
+    output: Tensor  # (B, H, Lq, Dv): softmax over this part's keys @ v; zero where it has none
+    denominator: Tensor  # (B, H, Lq): sum of exp(score - peak) over this part's keys
     peak: Tensor  # (B, H, Lq), detached; -inf where the part allows no key
 
 
 def merge(partials: list[Partial]) -> Tensor:
-    """softmax(all scores) @ v from the parts' sums; zero for a query that no part lets attend."""
+    """softmax over all parts' keys @ v, from each part's normalised output and its softmax mass.
+
+    A part's share of a query's attention is denominator * exp(peak - overall peak), normalised
+    over the parts; a query that no part lets attend gets zero.
+    """
     if len(partials) == 1:
-        numerator, denominator = partials[0].numerator, partials[0].denominator
-    else:
-        peak = torch.stack([p.peak for p in partials]).amax(dim=0)
-        peak = torch.where(torch.isfinite(peak), peak, 0)
-        weights = [torch.exp(p.peak - peak) for p in partials]
-        numerator = sum(w[..., None] * p.numerator for w, p in zip(weights, partials, strict=True))
-        denominator = sum(w * p.denominator for w, p in zip(weights, partials, strict=True))
-    return numerator / torch.where(denominator > 0, denominator, 1)[..., None]
+        return partials[0].output
+    peak = torch.stack([p.peak for p in partials]).amax(dim=0)
+    peak = torch.where(torch.isfinite(peak), peak, 0)
+    mass = [p.denominator * torch.exp(p.peak - peak) for p in partials]
+    total = sum(mass)
+    total = torch.where(total > 0, total, 1)
+    return sum((m / total)[..., None] * p.output for m, p in zip(mass, partials, strict=True))
 
 
 def gather_blocks(x: Tensor, blocks: Tensor, block: int) -> Tensor:
-    """(B, H, slots, D) -> (B, H, R, W * block, D): the key blocks named in each row of ``blocks``.
-
-    A key block is gathered for several query blocks, so its gradient is a sum of copies; in
-    bfloat16 that sum loses digits. Gathering from a float32 view makes the backward accumulate in
-    float32, as one matmul would.
-    """
-    source = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
-    return source.unflatten(2, (-1, block))[:, :, blocks].flatten(3, 4).to(x.dtype)
+    """(B, H, slots, D) -> (B, H, R, W * block, D): the blocks named in each row of ``blocks``."""
+    return x.unflatten(2, (-1, block))[:, :, blocks].flatten(3, 4)
 
 
 class BlockedBackend(Backend):
-    """Block-sparse attention in plain PyTorch; ``block_size`` is the kernel block (64 by default)."""
+    """Block-sparse attention in plain PyTorch.
+
+    Args:
+        block_size: the kernel block, for queries and keys (64 by default).
+        compute_dtype: the dtype of the block matmuls. By default float32 for 16-bit inputs: a key
+            block is gathered for several query blocks, so its gradient is a sum of per-block
+            matmul results, and rounding each of them to bfloat16 doubles the gradient error of
+            one dense matmul (measured in tests/test_backends.py). Pass torch.bfloat16 to trade
+            that precision for speed.
+    """
 
     name = "blocked"
     capabilities = Capabilities(
@@ -72,43 +78,64 @@ class BlockedBackend(Backend):
         sparse=True,
     )
 
-    def __init__(self, block_size: int = 64, waste: float = 0.25) -> None:
+    def __init__(
+        self, block_size: int = 64, compute_dtype: torch.dtype | None = None, waste: float = 0.25
+    ) -> None:
         self.block_size = check_int("block_size", block_size)
+        self.compute_dtype = compute_dtype
         self.waste = waste
 
     def __repr__(self) -> str:
-        return f"BlockedBackend(block_size={self.block_size})"
+        dtype = "" if self.compute_dtype is None else f", compute_dtype={self.compute_dtype}"
+        return f"BlockedBackend(block_size={self.block_size}{dtype})"
+
+    def scored_pairs(self, call: AttentionCall) -> int:
+        total = 0
+        for part in call.pattern.parts():
+            frame = build_frame(
+                part.stride, call.q_len, call.kv_len, self.block_size, self.block_size, call.device
+            )
+            for group in build_layout(part, frame).row_groups(self.waste):
+                total += group.kv_blocks.numel() * frame.q.block * frame.k.block
+        return total
 
     def forward(self, call: AttentionCall) -> tuple[Tensor, None]:
-        partials = [self._attend_part(call, part) for part in call.pattern.parts()]
+        dtype = self.compute_dtype
+        if dtype is None:
+            dtype = (
+                torch.float32 if call.q.dtype in (torch.bfloat16, torch.float16) else call.q.dtype
+            )
+        partials = [self._attend_part(call, part, dtype) for part in call.pattern.parts()]
         return merge(partials).to(call.q.dtype), None
 
-    def _attend_part(self, call: AttentionCall, part: Pattern) -> Partial:
-        frame = build_frame(part.stride, call.q_len, call.kv_len, self.block_size, self.block_size, call.device)
+    def _attend_part(self, call: AttentionCall, part: Pattern, dtype: torch.dtype) -> Partial:
+        frame = build_frame(
+            part.stride, call.q_len, call.kv_len, self.block_size, self.block_size, call.device
+        )
         layout = build_layout(part, frame)
-        q, k = call.score.prepare(call.q, call.k)
-        q, k, v = frame.q.gather(q), frame.k.gather(k), frame.k.gather(call.v)
+        q, k = call.score.prepare(call.q.to(dtype), call.k.to(dtype))
+        q, k, v = frame.q.gather(q), frame.k.gather(k), frame.k.gather(call.v.to(dtype))
         keep = frame.k.valid[None]  # (1 or B, slots)
         padding = key_keep(call)
         if padding is not None:
             keep = keep & frame.k.gather(padding[:, :, None])[..., 0]
         B, H = call.q.shape[:2]
-        dtype = score_dtype(call.q)
-        numerator = q.new_zeros(B, H, frame.q.num_blocks, frame.q.block, v.shape[-1], dtype=dtype)
+        dtype = score_dtype(v)
+        output = v.new_zeros(B, H, frame.q.num_blocks, frame.q.block, v.shape[-1])
         denominator = q.new_zeros(B, H, frame.q.num_blocks, frame.q.block, dtype=dtype)
         peak = q.new_full((B, H, frame.q.num_blocks, frame.q.block), float("-inf"), dtype=dtype)
         groups = layout.row_groups(self.waste)
         if groups:
             sums = [self._attend_group(call, part, frame, g, q, k, v, keep) for g in groups]
             rows = torch.cat([g.rows for g in groups])
-            numerator = numerator.index_copy(2, rows, torch.cat([s[0] for s in sums], dim=2))
+            output = output.index_copy(2, rows, torch.cat([s[0] for s in sums], dim=2))
             denominator = denominator.index_copy(2, rows, torch.cat([s[1] for s in sums], dim=2))
             peak = peak.index_copy(2, rows, torch.cat([s[2] for s in sums], dim=2))
 
         def original_order(x: Tensor) -> Tensor:  # (B, H, blocks, bq, ...) -> (B, H, Lq, ...)
             return frame.q.scatter(x.flatten(2, 3), dim=2)
 
-        return Partial(original_order(numerator), original_order(denominator), original_order(peak))
+        return Partial(original_order(output), original_order(denominator), original_order(peak))
 
     def _attend_group(
         self,
@@ -126,7 +153,9 @@ class BlockedBackend(Backend):
         q_blk = q.unflatten(2, (-1, bq))[:, :, rows]  # (B, H, R, bq, D)
         k_blk = gather_blocks(k, kv_blocks, bk)  # (B, H, R, W*bk, D)
         v_blk = gather_blocks(v, kv_blocks, bk)  # (B, H, R, W*bk, Dv)
-        k_slot = (kv_blocks[..., None] * bk + torch.arange(bk, device=q.device)).flatten(1)  # (R, W*bk)
+        k_slot = (kv_blocks[..., None] * bk + torch.arange(bk, device=q.device)).flatten(
+            1
+        )  # (R, W*bk)
         q_pos = frame.q.position.view(-1, bq)[rows][:, :, None]  # (R, bq, 1)
         k_pos = frame.k.position[k_slot][:, None, :]  # (R, 1, W*bk)
         allowed = part.allowed(q_pos, k_pos) & group.used.repeat_interleave(bk, dim=1)[:, None, :]
@@ -139,7 +168,8 @@ class BlockedBackend(Backend):
         peak = scores.amax(dim=-1).detach()
         exp = torch.exp(scores - torch.where(torch.isfinite(peak), peak, 0)[..., None])
         denominator = exp.sum(dim=-1)
+        weights = exp / torch.where(denominator > 0, denominator, 1)[..., None]
         if call.dropout_p:
-            exp = torch.nn.functional.dropout(exp, call.dropout_p)
-        numerator = (exp.to(v.dtype) @ v_blk).to(exp.dtype)
-        return numerator, denominator, peak
+            weights = torch.nn.functional.dropout(weights, call.dropout_p)
+        # Normalised weights meet v in v's dtype, as in FlashAttention: one rounding of the output.
+        return weights.to(v.dtype) @ v_blk, denominator, peak

@@ -60,7 +60,9 @@ def flex_block_tensors(state: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 
 
 @lru_cache(maxsize=128)
-def _pattern_block_mask(pattern: Pattern, q_len: int, kv_len: int, block: int, device: torch.device):
+def _pattern_block_mask(
+    pattern: Pattern, q_len: int, kv_len: int, block: int, device: torch.device
+):
     frame = build_frame(1, q_len, kv_len, block, block, device)
     state = build_layout(pattern, frame).state[None]
     return _flex_module().BlockMask.from_kv_blocks(
@@ -75,7 +77,9 @@ def _padded_block_mask(call: AttentionCall, block: int):
     """A per-sequence block mask: key blocks all padding are skipped, partly padded ones masked."""
     frame = build_frame(1, call.q_len, call.kv_len, block, block, call.device)
     state = build_layout(call.pattern, frame).state
-    keep = frame.k.gather(~call.key_padding_mask[:, :, None])[..., 0]  # (B, slots); padding slots False
+    keep = frame.k.gather(~call.key_padding_mask[:, :, None])[
+        ..., 0
+    ]  # (B, slots); padding slots False
     by_block = keep.view(keep.shape[0], -1, block)
     any_kept, all_kept = by_block.any(-1)[:, None, :], by_block.all(-1)[:, None, :]
     state = torch.where(all_kept, state, torch.clamp(state, max=PARTIAL))
@@ -122,8 +126,16 @@ class FlexBackend(Backend):
 
     def block_mask(self, call: AttentionCall):
         if call.key_padding_mask is None:
-            return _pattern_block_mask(call.pattern, call.q_len, call.kv_len, self.block_size, call.device)
+            return _pattern_block_mask(
+                call.pattern, call.q_len, call.kv_len, self.block_size, call.device
+            )
         return _padded_block_mask(call, self.block_size)
+
+    def scored_pairs(self, call: AttentionCall) -> int:
+        frame = build_frame(
+            1, call.q_len, call.kv_len, self.block_size, self.block_size, call.device
+        )
+        return build_layout(call.pattern, frame).computed_blocks * self.block_size**2
 
     def forward(self, call: AttentionCall) -> tuple[Tensor, None]:
         score_mod = None
@@ -135,6 +147,11 @@ class FlexBackend(Backend):
 
             score_mod = positional_bias
         out = _kernel(self.compile)(
-            call.q, call.k, call.v, score_mod=score_mod, block_mask=self.block_mask(call), scale=call.scale
+            call.q,
+            call.k,
+            call.v,
+            score_mod=score_mod,
+            block_mask=self.block_mask(call),
+            scale=call.scale,
         )
         return out, None

@@ -61,6 +61,8 @@ class ReferenceBackend(Backend):
         if call.bias is not None:
             scores = scores + score_bias(call, scores.dtype)
         weights = safe_softmax(scores.masked_fill(~attention_mask(call), float("-inf")))
-        dropped = torch.nn.functional.dropout(weights, call.dropout_p) if call.dropout_p else weights
+        dropped = (
+            torch.nn.functional.dropout(weights, call.dropout_p) if call.dropout_p else weights
+        )
         out = dropped @ call.v.to(dtype)
         return out.to(call.q.dtype), weights

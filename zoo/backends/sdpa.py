@@ -23,12 +23,24 @@ class SdpaBackend(Backend):
         dropout=True,
     )
 
+    def scored_pairs(self, call: AttentionCall) -> int:
+        if call.pattern.kind == "causal" and call.q.is_cuda and call.key_padding_mask is None:
+            return (
+                call.q_len * call.kv_len // 2
+            )  # FlashAttention skips the blocks above the diagonal
+        return call.q_len * call.kv_len
+
     def forward(self, call: AttentionCall) -> tuple[Tensor, None]:
         kind = call.pattern.kind
         plain = call.key_padding_mask is None and call.bias is None
-        if plain and (kind == "full" or kind == "causal" and call.q_len == call.kv_len):
+        if plain and (kind == "full" or (kind == "causal" and call.q_len == call.kv_len)):
             out = scaled_dot_product_attention(
-                call.q, call.k, call.v, dropout_p=call.dropout_p, is_causal=kind == "causal", scale=call.scale
+                call.q,
+                call.k,
+                call.v,
+                dropout_p=call.dropout_p,
+                is_causal=kind == "causal",
+                scale=call.scale,
             )
             return out, None
         mask = attention_mask(call)

@@ -1,7 +1,7 @@
 """Composition: union, intersection and difference of patterns, in all three views.
 
-``a | b`` and ``a & b`` build them in Python; ``union:``, ``intersection:`` and ``causal:`` build them
-in registry.yaml. Block states combine conservatively: a union takes the larger state, an
+``a | b`` and ``a & b`` build them in Python; ``union:``, ``intersection:`` and ``causal:``
+build them in registry.yaml. Block states combine conservatively: a union takes the larger state, an
 intersection the smaller, so EMPTY and FULL stay exact claims.
 
 A union whose members are sparse in different token orders (a local band and a strided pattern,
@@ -100,7 +100,9 @@ class Intersection(Pattern):
     @property
     def kind(self) -> str:
         kinds = {c.kind for c in self.children}
-        return "full" if kinds == {"full"} else "causal" if kinds <= {"full", "causal"} else "sparse"
+        return (
+            "full" if kinds == {"full"} else "causal" if kinds <= {"full", "causal"} else "sparse"
+        )
 
     def parts(self) -> tuple[Pattern, ...]:
         # Intersection distributes over the disjoint parts of each member.

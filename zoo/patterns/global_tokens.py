@@ -97,7 +97,8 @@ class Global(Pattern):
         start = self._ranges[-1][0]
         if start >= kv_len:
             raise ValueError(
-                f"global_tokens={self.global_tokens!r} (block_size={self.block_size}) puts a global "
-                f"position at {start}, beyond the {kv_len} keys; use positions below {kv_len}"
+                f"global_tokens={self.global_tokens!r} (block_size={self.block_size}) puts a "
+                f"global position at {start}, beyond the {kv_len} keys; use positions below "
+                f"{kv_len}"
             )
         return self

@@ -29,9 +29,13 @@ def window_pair(window_size: object) -> tuple[int, int]:
     """``w`` or ``(left, right)`` as a (left, right) pair of non-negative ints."""
     if isinstance(window_size, list | tuple):
         if len(window_size) != 2:
-            raise ValueError(f"window_size must be an int or a (left, right) pair, got {window_size!r}")
+            raise ValueError(
+                f"window_size must be an int or a (left, right) pair, got {window_size!r}"
+            )
         left, right = window_size
-        return check_int("window_size[0]", left, minimum=0), check_int("window_size[1]", right, minimum=0)
+        return check_int("window_size[0]", left, minimum=0), check_int(
+            "window_size[1]", right, minimum=0
+        )
     w = check_int("window_size", window_size, minimum=0)
     return w, w
 

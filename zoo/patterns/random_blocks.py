@@ -4,9 +4,10 @@ Positions are cut into blocks of ``block_size`` (the last one shorter when the l
 multiple). For every query block, ``num_blocks`` distinct key blocks are drawn uniformly (Floyd's
 algorithm); with fewer key blocks than that, the query block sees them all. The draw uses a CPU
 ``torch.Generator`` seeded with ``seed``: the same seed and lengths give the same blocks on every
-device, in training and in evaluation; the draw depends on the seed and the key length only (queries
-are aligned to the keys' end, see ``zoo.patterns.base``), and query block i's row depends on i, not on
-how many query blocks follow. Query positions before 0 (more queries than keys) get no random block::
+device, in training and in evaluation. The draw depends on the seed and the key length only
+(queries are aligned to the keys' end, see ``zoo.patterns.base``), and query block i's row on i,
+not on how many query blocks follow. Query positions before 0 (more queries than keys) get no
+random block::
 
     block_size=2, num_blocks=1, seed=0 (6x6), one possible draw
     . . x x . .

@@ -14,7 +14,9 @@ PatternFactory = Callable[..., Pattern]
 _FAMILIES: dict[str, PatternFactory] = {}
 
 
-def register_pattern(name: str, *, replace: bool = False) -> Callable[[PatternFactory], PatternFactory]:
+def register_pattern(
+    name: str, *, replace: bool = False
+) -> Callable[[PatternFactory], PatternFactory]:
     """Register a pattern family: a Pattern class or a function returning a Pattern.
 
     Its keyword parameters become the family's parameters, usable from ``registry.yaml``::
@@ -47,10 +49,14 @@ def resolve_family(name: str) -> PatternFactory:
         try:
             module = importlib.import_module(module_name)
         except ImportError as error:
-            raise ValueError(f"pattern {name!r}: cannot import module {module_name!r} ({error})") from error
+            raise ValueError(
+                f"pattern {name!r}: cannot import module {module_name!r} ({error})"
+            ) from error
         factory = getattr(module, attribute, None)
         if not callable(factory):
-            raise ValueError(f"pattern {name!r}: module {module_name!r} has no callable {attribute!r}")
+            raise ValueError(
+                f"pattern {name!r}: module {module_name!r} has no callable {attribute!r}"
+            )
         return factory
     if name not in _FAMILIES:
         raise ValueError(suggest("pattern family", name, _FAMILIES, "zoo.list_pattern_families()"))

@@ -1,0 +1,69 @@
+"""Build every registered variant by name, run it forward and backward, and print what it cost.
+
+``python -m eval demo [--seq-len N]``: for each variant, the backend that ``auto`` chose, the
+allowed pairs and the pairs that backend scored (both as a fraction of n^2), and the median time
+of a forward + backward pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import zoo
+from zoo.backends import resolve_backend
+from zoo.describe import markdown_table
+from zoo.functional import prepare_call
+from zoo.registry import get_spec
+
+
+def time_variant(variant: str, x: torch.Tensor, repeats: int) -> tuple[str, float, float, float]:
+    """(backend, allowed fraction, scored fraction, median seconds) for one variant."""
+    n = x.shape[2]
+    q, k, v = (x.clone().requires_grad_() for _ in range(3))
+    call = prepare_call(q, k, v, variant=variant)
+    backend = resolve_backend("auto", call)
+    allowed = zoo.allowed_pairs(get_spec(variant).build(), n, n) / n**2
+    scored = backend.scored_pairs(call) / n**2
+    times = []
+    for _ in range(repeats + 1):  # the first run builds and caches the layout
+        start = time.perf_counter()
+        zoo.attention(q, k, v, variant=variant).sum().backward()
+        times.append(time.perf_counter() - start)
+    return backend.name, allowed, scored, statistics.median(times[1:])
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(prog="python -m eval demo", description=__doc__)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--variants", default="*", help="a glob over variant names")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    x = torch.randn(1, args.heads, args.seq_len, args.head_dim)
+    rows = []
+    for name in zoo.list_variants(args.variants):
+        backend, allowed, scored, seconds = time_variant(name, x, args.repeats)
+        rows.append(
+            [
+                name,
+                backend,
+                f"{allowed:.3f}",
+                f"{scored:.3f}",
+                f"{seconds * 1e3:.1f}",
+                get_spec(name).complexity,
+            ]
+        )
+    headers = ["variant", "backend", "allowed / n²", "scored / n²", "fwd+bwd ms", "complexity"]
+    table = markdown_table(headers, rows)
+    print(
+        f"n = {args.seq_len}, heads = {args.heads}, head_dim = {args.head_dim}, "
+        f"CPU float32, median of {args.repeats}"
+    )
+    print(table)
+    return table

@@ -1,0 +1,139 @@
+"""Shared test helpers: the tolerance convention, the oracle, and small-size parameters.
+
+Tolerance (STYLE.md, after flash-attention's tests): a backend's error against a float64 oracle
+may be at most twice the error of plain PyTorch attention computed in the test's dtype, plus a
+floor of a few float32 ulps (1e-6) so that an unusually lucky baseline does not fail an equally
+good backend.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zoo
+
+FLOOR = 1e-6
+
+# Small values for the registry's parameters, chosen by parameter name so that tests generated from
+# the registry see sparse patterns at lengths of ~100 (the defaults are sized for thousands).
+SMALL = {"window_size": 7, "block_size": 16, "stride": 9, "dilation": 3}
+
+HAS_CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU; this machine has none")
+
+
+def small_params(variant: str) -> dict[str, object]:
+    params = zoo.get_spec(variant).parameters()
+    small = {k: v for k, v in SMALL.items() if k in params}
+    if "dilation" in small and "window_size" in small:
+        small["window_size"] = 4  # a dilated window of 4 keys, 3 apart, spans 12 on each side
+    return small
+
+
+def random_qkv(
+    batch, heads, q_len, kv_len, head_dim=16, v_dim=None, dtype=torch.float32, device="cpu", seed=0
+):
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [
+        (batch, heads, q_len, head_dim),
+        (batch, heads, kv_len, head_dim),
+        (batch, heads, kv_len, v_dim or head_dim),
+    ]
+    return [
+        torch.randn(s, generator=generator, dtype=torch.float64).to(device, dtype).requires_grad_()
+        for s in shapes
+    ]
+
+
+def padding_mask(batch, kv_len, device="cpu"):
+    """Sequence 0 unpadded, sequence 1 with its second half padding, others a third padded."""
+    mask = torch.zeros(batch, kv_len, dtype=torch.bool, device=device)
+    if batch > 1:
+        mask[1, kv_len // 2 :] = True
+    for b in range(2, batch):
+        mask[b, -(kv_len // 3) :] = True
+    return mask
+
+
+def naive_attention(q, k, v, allowed, scale=None):
+    """Plain PyTorch attention computed in the inputs' dtype: the baseline of the convention."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return weights @ v
+
+
+def outputs_and_grads(fn, tensors, grad_out):
+    out = fn(*tensors)
+    grads = torch.autograd.grad(out, tensors, grad_out, allow_unused=True)
+    return [
+        out.detach(),
+        *(g if g is not None else torch.zeros_like(t) for g, t in zip(grads, tensors, strict=True)),
+    ]
+
+
+def assert_within_convention(results, baseline, oracle, names=("out", "dq", "dk", "dv")):
+    """Each of results[i] is within 2x the baseline's error of oracle[i] (plus FLOOR)."""
+    for name, got, base, ref in zip(names, results, baseline, oracle, strict=False):
+        ref = ref.to(torch.float64)
+        error = (got.to(torch.float64) - ref).abs().max().item()
+        allowed = 2 * (base.to(torch.float64) - ref).abs().max().item() + FLOOR
+        assert error <= allowed, (
+            f"{name}: error {error:.3g} exceeds 2 x same-dtype PyTorch error + floor "
+            f"= {allowed:.3g}"
+        )
+
+
+def allowed_mask(variant, causal, q_len, kv_len, key_padding, params, device="cpu"):
+    """(B or 1, 1, Lq, Lk) pairs that may attend: the pattern's dense view and the padding."""
+    mask = zoo.dense_mask(variant, q_len, kv_len, causal=causal, **params).to(device)[None, None]
+    return mask if key_padding is None else mask & ~key_padding[:, None, None, :]
+
+
+def check_against_reference(
+    variant,
+    backend,
+    *,
+    q_len,
+    kv_len,
+    causal=False,
+    padded=False,
+    params=None,
+    grads=True,
+    dtype=torch.float32,
+    device="cpu",
+    head_dim=16,
+):
+    """Output (and, with ``grads``, dq, dk, dv) of ``backend`` against the float64 reference, by
+    the tolerance convention, on 3 random sequences of 2 heads; sequence 1 and 2 padded if asked."""
+    params = small_params(variant) if params is None else params
+    q, k, v = random_qkv(
+        3, 2, q_len, kv_len, head_dim=head_dim, v_dim=8, dtype=dtype, device=device
+    )
+    key_padding = padding_mask(3, kv_len, device=device) if padded else None
+    generator = torch.Generator().manual_seed(1)
+    grad_out = torch.randn(3, 2, q_len, 8, generator=generator).to(device, dtype)
+
+    def run(choice):
+        def fn(q, k, v):
+            return zoo.attention(
+                q, k, v, variant=variant, backend=choice, causal=causal,
+                key_padding_mask=key_padding, **params,
+            )  # fmt: skip
+
+        return fn
+
+    oracle_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    oracle = outputs_and_grads(run("reference"), oracle_inputs, grad_out.double())
+    mask = allowed_mask(variant, causal, q_len, kv_len, key_padding, params, device)
+    baseline = outputs_and_grads(
+        lambda q, k, v: naive_attention(q, k, v, mask), [q, k, v], grad_out
+    )
+    if grads:
+        got = outputs_and_grads(run(backend), [q, k, v], grad_out)
+    else:
+        with torch.no_grad():
+            got = [run(backend)(q.detach(), k.detach(), v.detach())]
+    assert_within_convention(got, baseline, oracle)

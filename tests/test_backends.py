@@ -1,0 +1,118 @@
+"""Every registry variant on every backend that claims it matches the reference: output and the
+gradients of q, k and v, causal or not, padded or not, self- and cross-attention, at lengths that
+are and are not multiples of the block size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import (
+    assert_within_convention,
+    check_against_reference,
+    outputs_and_grads,
+    padding_mask,
+    random_qkv,
+    small_params,
+)
+
+import zoo
+from zoo.backends import BlockedBackend, FlexBackend
+
+SHAPES = [(96, 96), (100, 100), (70, 100), (100, 70)]  # 96 divides by 16 and 32; 100 and 70 do not
+BACKENDS = {
+    "blocked-16": BlockedBackend(block_size=16),
+    "blocked-64": BlockedBackend(),
+    "sdpa": "sdpa",
+}
+VARIANTS = zoo.list_variants()
+
+
+@pytest.mark.parametrize("q_len,kv_len", SHAPES)
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_backend_matches_reference(variant, backend, causal, padded, q_len, kv_len):
+    check_against_reference(
+        variant, BACKENDS[backend], q_len=q_len, kv_len=kv_len, causal=causal, padded=padded
+    )
+
+
+@pytest.mark.parametrize("q_len,kv_len", SHAPES)
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_flex_forward_matches_reference(variant, causal, padded, q_len, kv_len):
+    """FlexAttention's eager path with our BlockMask and mask_mod (forward: CPU has no backward).
+    The compiled kernel is tested in test_flex.py."""
+    backend = FlexBackend(block_size=16, compile=False)
+    check_against_reference(
+        variant, backend, q_len=q_len, kv_len=kv_len, causal=causal, padded=padded, grads=False
+    )
+
+
+@pytest.mark.parametrize("variant", ["full", "local", "strided", "bigbird"])
+def test_registry_defaults_match_reference(variant):
+    """The registry's own parameters (windows of 128, blocks of 64), at a length where they are
+    sparse."""
+    check_against_reference(variant, "blocked", q_len=300, kv_len=300, padded=True, params={})
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_additive_score_blocked_matches_reference(variant, causal, padded):
+    q, k, v = random_qkv(2, 2, 90, 90)
+    key_padding = padding_mask(2, 90) if padded else None
+    params = small_params(variant)
+    score = zoo.AdditiveScore(num_heads=2, head_dim=16, hidden=8)
+    grad_out = torch.randn(2, 2, 90, 16, generator=torch.Generator().manual_seed(2))
+
+    def run(backend):
+        def fn(q, k, v, *weights):
+            return zoo.attention(
+                q,
+                k,
+                v,
+                variant=variant,
+                backend=backend,
+                causal=causal,
+                key_padding_mask=key_padding,
+                score=score,
+                **params,
+            )
+
+        return fn
+
+    tensors = [q, k, v, *score.parameters()]
+    oracle_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    oracle = outputs_and_grads(run("reference"), oracle_inputs, grad_out.double())
+    baseline = outputs_and_grads(run("reference"), [q, k, v], grad_out)
+    got = outputs_and_grads(run(BlockedBackend(block_size=16)), [q, k, v], grad_out)
+    assert_within_convention(got, baseline, oracle)
+    # The score's own weights get the same gradients from both backends.
+    w_ref = torch.autograd.grad(run("reference")(*tensors[:3]), list(score.parameters()), grad_out)
+    w_blk = torch.autograd.grad(
+        run(BlockedBackend(block_size=16))(*tensors[:3]), list(score.parameters()), grad_out
+    )
+    for a, b in zip(w_ref, w_blk, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "blocked"])
+def test_dropout_is_unbiased_and_random(backend):
+    """Dropout on the weights: two draws differ; their mean approaches the dropout-free output."""
+    q, k, v = (t.detach() for t in random_qkv(1, 2, 64, 64))
+    kwargs = dict(variant="local", backend=backend, window_size=7)
+    clean = zoo.attention(q, k, v, **kwargs)
+    torch.manual_seed(0)
+    draws = torch.stack([zoo.attention(q, k, v, dropout_p=0.3, **kwargs) for _ in range(400)])
+    assert not torch.equal(draws[0], draws[1])
+    assert (draws.mean(0) - clean).abs().mean() < 0.1 * clean.abs().mean()
+    assert (draws[0] - clean).abs().mean() > 0.1 * clean.abs().mean()
+
+
+def test_bfloat16_blocked_matches_reference():
+    """Low precision on CPU: the convention's baseline is PyTorch attention in bfloat16."""
+    backend = BlockedBackend(block_size=16)
+    check_against_reference("longformer", backend, q_len=100, kv_len=100, dtype=torch.bfloat16)

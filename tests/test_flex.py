@@ -1,0 +1,102 @@
+"""The flex backend: its BlockMask holds exactly the pattern's blocks, and the compiled kernel
+matches the reference (forward on CPU, where compiled FlexAttention has no backward; forward and
+backward on GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import check_against_reference, gpu, padding_mask, random_qkv, small_params
+
+import zoo
+from zoo.backends import FlexBackend
+from zoo.functional import prepare_call
+
+VARIANTS = zoo.list_variants()
+
+
+def block_truth(variant, causal, q_len, kv_len, key_padding, block, params):
+    """(B, Qb, Kb) 'some pair allowed' and 'every pair allowed' per block, from the dense mask."""
+    mask = zoo.dense_mask(variant, q_len, kv_len, causal=causal, **params)[None]
+    mask = mask & ~key_padding[:, None, :] if key_padding is not None else mask
+    pad_q, pad_k = -q_len % block, -kv_len % block
+    mask = F.pad(mask, (0, pad_k, 0, pad_q))
+    blocks = mask.view(mask.shape[0], (q_len + pad_q) // block, block, -1, block)
+    some = blocks.any(4).any(2)
+    valid = F.pad(torch.ones(q_len, kv_len, dtype=torch.bool), (0, pad_k, 0, pad_q))
+    whole = valid.view(1, blocks.shape[1], block, -1, block).all(4).all(2)
+    return some, blocks.all(4).all(2) & whole
+
+
+def full_blocks(block_mask):
+    num, idx = block_mask.full_kv_num_blocks, block_mask.full_kv_indices
+    dense = torch.zeros(*idx.shape[:-1], idx.shape[-1] + 1, dtype=torch.bool)
+    used = torch.arange(idx.shape[-1]) < num[..., None]
+    dense.scatter_(-1, torch.where(used, idx.long(), idx.shape[-1]), True)
+    return dense[..., :-1][:, 0]
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_block_mask_holds_the_pattern_blocks(variant, causal, padded):
+    params = small_params(variant)
+    for q_len, kv_len in [(96, 96), (100, 100), (70, 100), (100, 70)]:
+        q, k, v = random_qkv(3, 1, q_len, kv_len)
+        key_padding = padding_mask(3, kv_len) if padded else None
+        call = prepare_call(
+            q, k, v, variant=variant, causal=causal, key_padding_mask=key_padding, **params
+        )
+        block_mask = FlexBackend(block_size=16, compile=False).block_mask(call)
+        some, every = block_truth(variant, causal, q_len, kv_len, key_padding, 16, params)
+        computed = block_mask.to_dense()[:, 0].bool()
+        assert not (some & ~computed).any(), "a block with allowed pairs is skipped"
+        assert not (full_blocks(block_mask) & ~every).any(), "a block marked full is not"
+        if not padded:  # single families and their unions in the natural order are exact here
+            waste = (computed & ~some).sum() / computed.sum()
+            assert waste <= 0.2 or variant in ("strided", "dilated")
+
+
+COMPILED_CASES = [(v, False, True, (70, 100)) for v in VARIANTS] + [
+    ("bigbird", True, False, (100, 100))
+]
+
+
+@pytest.mark.parametrize("variant,causal,padded,shape", COMPILED_CASES)
+def test_compiled_flex_forward_on_cpu(variant, causal, padded, shape):
+    """The compiled kernel, not just the eager path: mask_mods must survive compilation (a
+    reduction inside one once compiled silently wrong). One compile costs seconds on CPU, so each
+    variant runs once, padded and with fewer queries than keys."""
+    q_len, kv_len = shape
+    backend = FlexBackend(block_size=16)
+    check_against_reference(
+        variant, backend, q_len=q_len, kv_len=kv_len, causal=causal, padded=padded, grads=False
+    )
+
+
+def test_flex_refuses_backward_on_cpu_and_names_who_can():
+    q, k, v = random_qkv(1, 1, 32, 32)
+    with pytest.raises(ValueError, match=r"no backward pass on cpu.*backends that can: blocked"):
+        zoo.attention(q, k, v, variant="local", backend="flex", window_size=4)
+
+
+@gpu
+@pytest.mark.parametrize("backend", ["flex", "blocked", "sdpa"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gpu_forward_backward_matches_reference(variant, causal, dtype, backend):
+    for padded, (q_len, kv_len) in [(False, (256, 256)), (True, (200, 300))]:
+        check_against_reference(
+            variant, backend, q_len=q_len, kv_len=kv_len, causal=causal, padded=padded,
+            dtype=dtype, device="cuda", head_dim=64,
+        )  # fmt: skip
+
+
+@gpu
+def test_random_blocks_are_the_same_on_gpu_and_cpu():
+    cpu = zoo.dense_mask("bigbird", 512, block_size=32)
+    q, k, v = random_qkv(1, 1, 512, 512, device="cuda")
+    _, weights = zoo.attention(q, k, v, variant="bigbird", block_size=32, return_weights=True)
+    assert torch.equal((weights[0, 0] > 0).cpu(), cpu)

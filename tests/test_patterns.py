@@ -1,0 +1,213 @@
+"""The three views of every pattern agree, and each family has its defining property."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from helpers import small_params
+
+import zoo
+from zoo.frames import build_frame
+from zoo.functional import resolve_pattern
+from zoo.layout import build_layout, specialized
+from zoo.patterns import (
+    EMPTY,
+    FULL,
+    PARTIAL,
+    BlockLocal,
+    Causal,
+    Global,
+    Local,
+    Random,
+    dilated,
+    query_positions,
+    strided,
+)
+
+CPU = torch.device("cpu")
+SHAPES = [(37, 37), (100, 100), (70, 100), (100, 70), (1, 33)]
+BLOCKS = [(16, 16), (8, 32), (32, 8), (64, 64)]
+
+
+def exact_state(pattern, frame, q_len, kv_len):
+    """The true block states of a frame, from the dense mask: the test's independent answer."""
+    dense = pattern.dense(q_len, kv_len)
+    valid = frame.q.valid[:, None] & frame.k.valid[None, :]
+    mask = dense[frame.q.index][:, frame.k.index] & valid
+    shape = (frame.q.num_blocks, frame.q.block, frame.k.num_blocks, frame.k.block)
+    some = mask.view(shape).any(3).any(1)
+    every = mask.view(shape).all(3).all(1)
+    return torch.where(every, FULL, torch.where(some, PARTIAL, EMPTY)).to(torch.int8)
+
+
+def flex_view(pattern, q_len, kv_len):
+    """The mask_mod, called as FlexAttention calls it, on the whole grid."""
+    mask_mod = pattern.mask_mod(q_len, kv_len)
+    return mask_mod(0, 0, torch.arange(q_len)[:, None], torch.arange(kv_len)[None, :])
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("variant", zoo.list_variants())
+def test_three_views_agree(variant, causal):
+    pattern = resolve_pattern(variant, causal, small_params(variant))
+    for (q_len, kv_len), (bq, bk) in itertools.product(SHAPES, BLOCKS):
+        p = specialized(pattern, q_len, kv_len, CPU)
+        dense = p.dense(q_len, kv_len)
+        assert torch.equal(flex_view(p, q_len, kv_len), dense), (q_len, kv_len)
+        union = torch.zeros_like(dense, dtype=torch.int)
+        for part in p.parts():
+            union += part.dense(q_len, kv_len).int()
+            for stride in sorted({1, part.stride}):
+                frame = build_frame(stride, q_len, kv_len, bq, bk, CPU)
+                state = build_layout(part, frame).state
+                truth = exact_state(part, frame, q_len, kv_len)
+                where = f"{variant} {q_len}x{kv_len} blocks {bq}x{bk} stride {stride}"
+                assert not ((truth != EMPTY) & (state == EMPTY)).any(), (
+                    f"{where}: a block with pairs is EMPTY"
+                )
+                assert not ((state == FULL) & (truth != FULL)).any(), (
+                    f"{where}: a FULL block is not full"
+                )
+        assert torch.equal(union, dense.int()), "parts must be disjoint and cover the pattern"
+
+
+FAMILIES = [
+    Local(3),
+    Local((2, 0)),
+    BlockLocal(8),
+    BlockLocal(8, neighbors=1),
+    strided(stride=5),
+    dilated(window_size=2, dilation=3),
+    Global(2),
+    Global((1, 4), block_size=3),
+    Random(block_size=8, num_blocks=2, seed=3),
+    Causal(),
+]
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=repr)
+def test_single_family_layout_is_exact(family):
+    """A family alone, in its own token order, computes exactly the blocks that hold pairs."""
+    for (q_len, kv_len), (bq, bk) in itertools.product(SHAPES[:4], BLOCKS):
+        p = specialized(family, q_len, kv_len, CPU)
+        frame = build_frame(p.stride, q_len, kv_len, bq, bk, CPU)
+        assert torch.equal(build_layout(p, frame).state, exact_state(p, frame, q_len, kv_len))
+
+
+def test_strided_regrouping_makes_blocks_dense():
+    """In its own order the residue pattern fills whole blocks; in the natural order it does not."""
+    p = specialized(strided(stride=8), 512, 512, CPU)
+    natural = build_layout(p, build_frame(1, 512, 512, 32, 32, CPU))
+    grouped = build_layout(p, build_frame(8, 512, 512, 32, 32, CPU))
+    assert natural.density() == 1.0  # every block holds some pair 8 apart
+    assert grouped.density() == pytest.approx(1 / 8)  # one residue group in eight
+    assert bool((grouped.state[grouped.state != EMPTY] == FULL).all())
+
+
+def positions(q_len, kv_len):
+    return query_positions(q_len, kv_len)[:, None], torch.arange(kv_len)[None, :]
+
+
+@pytest.mark.parametrize("q_len,kv_len", [(50, 50), (20, 50), (50, 20)])
+def test_local_window_width(q_len, kv_len):
+    i, j = positions(q_len, kv_len)
+    assert torch.equal(Local(4).dense(q_len, kv_len), (i - j).abs() <= 4)
+    assert torch.equal(Local((3, 1)).dense(q_len, kv_len), (j >= i - 3) & (j <= i + 1))
+    rows = Local(4).dense(60, 60).sum(1)
+    assert rows[4:-4].eq(9).all() and rows[0] == 5  # 2w + 1 keys away from the edges
+
+
+@pytest.mark.parametrize("q_len,kv_len", [(50, 50), (20, 50), (50, 20)])
+def test_causal_is_bottom_right_aligned(q_len, kv_len):
+    mask = zoo.dense_mask("causal", q_len, kv_len)
+    i, j = positions(q_len, kv_len)
+    assert torch.equal(mask, j <= i)
+    assert mask[-1].all()  # the last query sees every key
+    sliding = zoo.dense_mask("sliding_window", q_len, kv_len, window_size=3)
+    assert torch.equal(sliding, (j <= i) & (j >= i - 3))
+
+
+def test_block_local_chunks_with_a_short_last_chunk():
+    mask = BlockLocal(8).dense(30, 30)
+    chunk = torch.arange(30) // 8
+    assert torch.equal(mask, chunk[:, None] == chunk[None, :])
+    assert mask[29].sum() == 6  # the last chunk holds positions 24..29
+    neighbours = BlockLocal(8, neighbors=1).dense(30, 30)
+    assert torch.equal(neighbours, (chunk[:, None] - chunk[None, :]).abs() <= 1)
+
+
+def test_strided_and_dilated_offsets():
+    i, j = positions(60, 60)
+    assert torch.equal(
+        zoo.dense_mask("strided", 60, stride=7, window_size=2),
+        ((i - j) % 7 == 0) | ((i - j).abs() <= 2),
+    )
+    assert torch.equal(zoo.dense_mask("strided", 60, stride=7, window_size=0), (i - j) % 7 == 0)
+    d = zoo.dense_mask("dilated", 60, window_size=2, dilation=3)
+    assert torch.equal(d, ((i - j) % 3 == 0) & ((i - j).abs() <= 6))
+    assert d[30].sum() == 5  # 2 keys on each side, 3 apart, and the query itself
+
+
+def test_global_rows_and_columns():
+    mask = zoo.dense_mask("global", 40, global_tokens=[0, 7])
+    assert mask[[0, 7]].all() and mask[:, [0, 7]].all()
+    others = torch.ones(40, dtype=torch.bool)
+    others[[0, 7]] = False
+    assert not mask[others][:, others].any()
+    blocks = Global(2, block_size=5).dense(40, 40)
+    assert blocks[:10].all() and blocks[:, :10].all() and not blocks[10:, 10:].any()
+
+
+def test_random_blocks_reproducible_by_seed():
+    def draw(seed, kv_len=256):
+        return specialized(
+            Random(block_size=16, num_blocks=3, seed=seed), kv_len, kv_len, CPU
+        ).dense(kv_len, kv_len)
+
+    assert torch.equal(draw(5), draw(5))
+    assert not torch.equal(draw(5), draw(6))
+    per_block = draw(5).view(16, 16, 16, 16).any(3).any(1).sum(1)
+    assert per_block.eq(3).all(), "each query block attends exactly num_blocks key blocks"
+    # Fewer queries than keys (decoding): the last queries see the blocks of the square case.
+    decode = specialized(Random(16, 3, 5), 40, 256, CPU).dense(40, 256)
+    assert torch.equal(decode, draw(5)[-40:])
+
+
+def test_random_blocks_do_not_depend_on_the_module_mode():
+    attn = zoo.create_attention("random", dim=32, num_heads=2, block_size=8, backend="reference")
+    x = torch.randn(1, 64, 32)
+    attn.train()
+    _, w_train = attn(x, return_weights=True)
+    attn.eval()
+    _, w_eval = attn(x, return_weights=True)
+    assert torch.equal(w_train > 0, w_eval > 0)
+
+
+def test_bigbird_is_window_plus_global_plus_random():
+    params = dict(block_size=8, window_neighbors=1, global_blocks=1, random_blocks=2, seed=1)
+    mask = zoo.dense_mask("bigbird", 128, **params)
+    window = BlockLocal(8, neighbors=1).dense(128, 128)
+    assert mask[window].all()
+    assert mask[:8].all() and mask[:, :8].all()
+    extra = (mask & ~window).view(16, 8, 16, 8).any(3).any(1)
+    extra[0] = False
+    extra[:, 0] = False
+    assert extra.sum(1)[1:].ge(1).all()  # random blocks beyond the window and global ones
+
+
+def test_longformer_dilation_is_optional():
+    plain = zoo.dense_mask("longformer", 64, window_size=3)
+    dilated_ = zoo.dense_mask("longformer", 64, window_size=3, dilation=2)
+    assert plain[20].sum() == 7 + 1 and dilated_[20].sum() == 7 + 1  # 2w + 1 keys plus token 0
+    assert dilated_[20, 14] and not plain[20, 14]
+
+
+def test_allowed_pairs_counts_exactly():
+    for variant in zoo.list_variants():
+        params = small_params(variant)
+        for q_len, kv_len in [(100, 100), (70, 100), (300, 300)]:
+            truth = int(zoo.dense_mask(variant, q_len, kv_len, **params).sum())
+            pattern = resolve_pattern(variant, False, params)
+            assert zoo.allowed_pairs(pattern, q_len, kv_len, block=32) == truth, variant

@@ -1,0 +1,24 @@
+"""The README states what the code does: its variant table and its quick start."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from zoo.describe import variant_table
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def test_variant_table_is_generated_from_the_registry():
+    block = re.search(r"<!-- variants:start -->\n(.*?)<!-- variants:end -->", README, re.S)
+    assert block, "README lacks the variants markers"
+    assert block.group(1).strip() == variant_table().strip(), "run: python -m zoo readme"
+
+
+def test_quick_start_test_command_is_what_ci_runs():
+    commands = re.search(r"## Quick start.*?```bash\n(.*?)```", README, re.S).group(1).splitlines()
+    assert len(commands) == 2, "the quick start has exactly two commands"
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert commands[1] in ci.splitlines()

@@ -1,0 +1,200 @@
+"""registry.yaml: the built-in entries, users' own files, and errors that name file and entry."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import zoo
+import zoo.registry
+from zoo.registry import Registry
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path: Path, text: str, name: str = "mine.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+@pytest.fixture
+def fresh_registry(monkeypatch):
+    """The process-wide registry, reloaded for one test and restored after it."""
+    monkeypatch.setattr(zoo.registry, "_registry", None)
+    yield zoo.registry.registry()
+
+
+def test_root_file_is_the_shipped_file():
+    assert (ROOT / "registry.yaml").read_text() == zoo.registry.BUILTIN_REGISTRY.read_text()
+
+
+@pytest.mark.parametrize("name", zoo.list_variants())
+def test_builtin_entries_are_complete(name):
+    spec = zoo.get_spec(name)
+    assert spec.description and spec.paper and spec.complexity.startswith("O(")
+    assert isinstance(spec.build(), zoo.Pattern)
+
+
+def test_glob_listing():
+    assert zoo.list_variants("*local*") == ["block_local", "local"]
+    assert set(zoo.list_variants()) >= {
+        "full",
+        "local",
+        "strided",
+        "global",
+        "random",
+        "longformer",
+        "bigbird",
+    }
+
+
+def test_unknown_variant_suggests_close_names():
+    with pytest.raises(ValueError, match=r"unknown variant 'bigbrid'; did you mean 'bigbird'\?"):
+        zoo.get_spec("bigbrid")
+
+
+def test_overrides_win_and_unknown_overrides_fail():
+    assert zoo.get_spec("local").build(window_size=3) == zoo.patterns.Local(3)
+    with pytest.raises(
+        TypeError, match=r"variant 'bigbird' has no parameter 'window_size'.*block_size"
+    ):
+        zoo.get_spec("bigbird").build(window_size=3)
+
+
+def test_user_file_adds_a_composition(fresh_registry, tmp_path):
+    path = write(
+        tmp_path,
+        """
+        variants:
+          band_and_first:
+            pattern:
+              union:
+                - local: {window_size: $w}
+                - global: {global_tokens: 1}
+            params: {w: 2}
+            description: A narrow band plus the first token.
+        """,
+    )
+    assert zoo.load_registry(path) == ["band_and_first"]
+    mask = zoo.dense_mask("band_and_first", 10, w=1)
+    assert mask[5].tolist() == [True, False, False, False, True, True, True, False, False, False]
+    attn = zoo.create_attention("band_and_first", dim=16, num_heads=2, w=3)
+    assert attn(torch.randn(1, 12, 16)).shape == (1, 12, 16)
+
+
+def test_zoo_registry_environment_variable(tmp_path):
+    path = write(
+        tmp_path,
+        "variants:\n  wide_local:\n    pattern: local\n"
+        "    params: {window_size: 512}\n    description: d\n",
+    )
+    env = {**os.environ, "ZOO_REGISTRY": str(path)}
+    code = "import zoo; print(zoo.get_spec('wide_local').build())"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Local(window_size=(512, 512))" in done.stdout
+
+
+def test_user_pattern_family_by_decorator_and_by_module_path(fresh_registry, tmp_path, monkeypatch):
+    module = tmp_path / "my_patterns.py"
+    module.write_text(
+        textwrap.dedent(
+            """
+            import zoo
+            from zoo.patterns import Local, Global
+
+            @zoo.register_pattern("band_plus_last")
+            def band_plus_last(window_size: int = 1):
+                return Local(window_size) | Global([9])
+
+            def only_band(window_size: int = 1):
+                return Local(window_size)
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import my_patterns  # noqa: F401  (registers the family)
+
+    path = write(
+        tmp_path,
+        """
+        variants:
+          by_decorator: {pattern: band_plus_last, description: d}
+          by_path: {pattern: "my_patterns:only_band", params: {window_size: 2}, description: d}
+        """,
+    )
+    zoo.load_registry(path)
+    assert zoo.dense_mask("by_decorator", 10)[0, 9] and zoo.dense_mask("by_decorator", 10)[9].all()
+    assert zoo.dense_mask("by_path", 10)[5].sum() == 5
+    with pytest.raises(ValueError, match="already registered"):
+        zoo.register_pattern("band_plus_last")(lambda: None)
+
+
+BAD_FILES = {
+    "duplicate key": (
+        "variants:\n  a: {pattern: full, description: d}\n  a: {pattern: full, description: d}\n",
+        "duplicate key 'a'",
+    ),
+    "unknown entry key": (
+        "variants:\n  a: {pattern: full, descripton: d}\n",
+        "variant 'a': unknown key 'descripton'; did you mean 'description'",
+    ),
+    "unknown family": (
+        "variants:\n  a: {pattern: lokal, description: d}\n",
+        "variant 'a': unknown pattern family 'lokal'; did you mean 'local'",
+    ),
+    "unknown family parameter": (
+        "variants:\n  a: {pattern: local, params: {window: 3}, description: d}\n",
+        "variant 'a': .*no parameter 'window'",
+    ),
+    "wrong type": (
+        "variants:\n  a: {pattern: local, params: {window_size: wide}, description: d}\n",
+        "variant 'a': window_size must be an int, got 'wide'",
+    ),
+    "undeclared reference": (
+        "variants:\n  a:\n    pattern: {local: {window_size: $w}}\n    description: d\n",
+        r"variant 'a': \$w refers to a parameter",
+    ),
+    "unused parameter": (
+        "variants:\n  a:\n    pattern: {local: {window_size: 3}}\n"
+        "    params: {w: 2}\n    description: d\n",
+        r"variant 'a': params \['w'\] are declared",
+    ),
+    "missing pattern": ("variants:\n  a: {description: d}\n", "variant 'a': needs a 'pattern'"),
+    "not a mapping": ("variants:\n  a: 3\n", "variant 'a': an entry is a mapping"),
+    "unknown section": ("variantz: {}\n", "unknown section 'variantz'; did you mean 'variants'"),
+    "bad yaml": ("variants: [unclosed\n", "not valid YAML"),
+    "union of one": (
+        "variants:\n  a:\n    pattern: {union: [full]}\n    description: d\n",
+        "union takes a list of at least two",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_malformed_files_name_the_file_and_the_entry(case, tmp_path):
+    text, message = BAD_FILES[case]
+    path = write(tmp_path, text)
+    with pytest.raises(ValueError, match=message) as error:
+        Registry().load(path)
+    assert str(path) in str(error.value)
+
+
+def test_a_name_defined_twice_across_files(tmp_path):
+    registry = Registry()
+    registry.load(zoo.registry.BUILTIN_REGISTRY)
+    path = write(tmp_path, "variants:\n  local: {pattern: full, description: d}\n")
+    with pytest.raises(
+        ValueError,
+        match=r"variant 'local' is already defined in .*registry.yaml; give it another name",
+    ):
+        registry.load(path)
