@@ -56,10 +56,20 @@ def padding_mask(batch, kv_len, device="cpu"):
     return mask
 
 
-def naive_attention(q, k, v, allowed, scale=None):
-    """Plain PyTorch attention computed in the inputs' dtype: the baseline of the convention."""
+def naive_attention(q, k, v, allowed, scale=None, pos=None):
+    """Plain PyTorch attention computed in the inputs' dtype: the baseline of the convention.
+    ``pos`` is a rotate or bias encoding, applied at the zoo's aligned positions."""
+    q_pos = torch.arange(q.shape[2], device=q.device) + k.shape[2] - q.shape[2]
+    k_pos = torch.arange(k.shape[2], device=q.device)
+    if pos is not None and pos.kind == "rotate":
+        q, k = pos.rotate(q, k, q_pos, k_pos)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = (q @ k.transpose(-1, -2)) * scale
+    if pos is not None and pos.kind == "bias":
+        heads = torch.arange(q.shape[1], device=q.device)[:, None, None]
+        scores = scores + pos.bias(heads, q_pos[None, :, None], k_pos[None, None, :]).to(
+            scores.dtype
+        )
     scores = scores.masked_fill(~allowed, float("-inf"))
     weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     return weights @ v
@@ -105,9 +115,11 @@ def check_against_reference(
     dtype=torch.float32,
     device="cpu",
     head_dim=16,
+    pos=None,
 ):
-    """Output (and, with ``grads``, dq, dk, dv) of ``backend`` against the float64 reference, by
-    the tolerance convention, on 3 random sequences of 2 heads; sequence 1 and 2 padded if asked."""
+    """Output (and, with ``grads``, dq, dk, dv and the encoding's parameters' gradients) of
+    ``backend`` against the float64 reference, by the tolerance convention, on 3 random sequences
+    of 2 heads; sequences 1 and 2 padded if asked. ``pos``: an encoding instance for 2 heads."""
     params = small_params(variant) if params is None else params
     q, k, v = random_qkv(
         3, 2, q_len, kv_len, head_dim=head_dim, v_dim=8, dtype=dtype, device=device

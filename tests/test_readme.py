@@ -5,16 +5,19 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from zoo.describe import variant_table
+import pytest
+
+from zoo.describe import TABLES
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
 
-def test_variant_table_is_generated_from_the_registry():
-    block = re.search(r"<!-- variants:start -->\n(.*?)<!-- variants:end -->", README, re.S)
-    assert block, "README lacks the variants markers"
-    assert block.group(1).strip() == variant_table().strip(), "run: python -m zoo readme"
+@pytest.mark.parametrize("name", list(TABLES))
+def test_tables_are_generated_from_the_registry(name):
+    block = re.search(rf"<!-- {name}:start -->\n(.*?)<!-- {name}:end -->", README, re.S)
+    assert block, f"README lacks the {name} markers"
+    assert block.group(1).strip() == TABLES[name]().strip(), "run: python -m zoo readme"
 
 
 def test_quick_start_test_command_is_what_ci_runs():

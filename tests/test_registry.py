@@ -169,7 +169,7 @@ BAD_FILES = {
         "    params: {w: 2}\n    description: d\n",
         r"variant 'a': params \['w'\] are declared",
     ),
-    "missing pattern": ("variants:\n  a: {description: d}\n", "variant 'a': needs a 'pattern'"),
+    "missing pattern": ("variants:\n  a: {description: d}\n", "variant 'a': needs 'pattern'"),
     "not a mapping": ("variants:\n  a: 3\n", "variant 'a': an entry is a mapping"),
     "unknown section": ("variantz: {}\n", "unknown section 'variantz'; did you mean 'variants'"),
     "bad yaml": ("variants: [unclosed\n", "not valid YAML"),

@@ -7,11 +7,19 @@
 """
 
 from .backends import Backend, Capabilities, get_backend, list_backends, register_backend
-from .functional import attention, dense_mask, explain
+from .functional import attention, build_encoding, dense_mask, explain
 from .layout import allowed_pairs
 from .module import MultiHeadAttention, create_attention
 from .patterns import Pattern, list_families, register_pattern
-from .registry import VariantSpec, get_spec, list_variants, load_registry
+from .positional import PositionalEncoding, register_encoding
+from .registry import (
+    VariantSpec,
+    get_encoding_spec,
+    get_spec,
+    list_encodings,
+    list_variants,
+    load_registry,
+)
 from .scores import AdditiveScore
 
 list_pattern_families = list_families
@@ -22,18 +30,23 @@ __all__ = [
     "Capabilities",
     "MultiHeadAttention",
     "Pattern",
+    "PositionalEncoding",
     "VariantSpec",
     "allowed_pairs",
     "attention",
+    "build_encoding",
     "create_attention",
     "dense_mask",
     "explain",
     "get_backend",
+    "get_encoding_spec",
     "get_spec",
     "list_backends",
+    "list_encodings",
     "list_pattern_families",
     "list_variants",
     "load_registry",
     "register_backend",
+    "register_encoding",
     "register_pattern",
 ]

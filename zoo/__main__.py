@@ -15,14 +15,25 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("list", help="print the registry as a markdown table")
     readme = commands.add_parser("readme", help="write the variant table into a README")
     readme.add_argument("path", nargs="?", default="README.md")
+    encoding = commands.add_parser("encoding", help="draw a positional encoding's table as PNG")
+    encoding.add_argument("name")
+    encoding.add_argument("--length", type=int, default=128)
+    encoding.add_argument("--dim", type=int, default=64)
+    encoding.add_argument("--out", default=None, help="PNG path (default: NAME.png)")
     args = parser.parse_args(argv)
     from . import describe
 
     if args.command == "list":
-        print(describe.variant_table())
+        print(describe.variant_table(), describe.encoding_table(), sep="\n\n")
     elif args.command == "readme":
         changed = describe.update_readme(args.path)
         print(f"{args.path}: {'updated' if changed else 'already up to date'}")
+    elif args.command == "encoding":
+        from .functional import build_encoding
+        from .positional import draw_encoding
+
+        enc = build_encoding(args.name, dim=args.dim, num_heads=1)
+        print(draw_encoding(enc, args.length, args.out or f"{args.name}.png"))
     return 0
 
 

@@ -1,28 +1,14 @@
-"""The registry as a table, for the terminal and for the README (which a test keeps in step)."""
+"""The registry as tables, for the terminal and for the README (which a test keeps in step)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .registry import get_spec, list_variants
+from .registry import get_encoding_spec, get_spec, list_encodings, list_variants
 
 
 def format_params(params: dict[str, object]) -> str:
     return ", ".join(f"{k}={v}" for k, v in params.items()) or "-"
-
-
-def variant_rows() -> list[list[str]]:
-    rows = []
-    for name in list_variants():
-        spec = get_spec(name)
-        pattern = spec.pattern if isinstance(spec.pattern, str) else "composition"
-        rows.append(
-            [f"`{name}`", pattern, format_params(spec.params), spec.description, spec.complexity]
-        )
-    return rows
-
-
-VARIANT_HEADERS = ["variant", "pattern", "parameters", "description", "complexity"]
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -38,21 +24,39 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
 
 
 def variant_table() -> str:
-    return markdown_table(VARIANT_HEADERS, variant_rows())
+    rows = []
+    for name in list_variants():
+        spec = get_spec(name)
+        pattern = spec.pattern if isinstance(spec.pattern, str) else "composition"
+        rows.append(
+            [f"`{name}`", pattern, format_params(spec.params), spec.description, spec.complexity]
+        )
+    return markdown_table(["variant", "pattern", "parameters", "description", "complexity"], rows)
 
 
-START, END = "<!-- variants:start -->", "<!-- variants:end -->"
+def encoding_table() -> str:
+    rows = []
+    for name in list_encodings():
+        spec = get_encoding_spec(name)
+        rows.append([f"`{name}`", spec.kind, format_params(spec.parameters()), spec.description])
+    return markdown_table(["encoding", "kind", "parameters", "description"], rows)
+
+
+TABLES = {"variants": variant_table, "encodings": encoding_table}
 
 
 def update_readme(path: str) -> bool:
-    """Rewrite the variant table between the README's markers; True if it changed."""
+    """Rewrite each generated table between its README markers; True if anything changed."""
     with open(path) as f:
         text = f.read()
-    if START not in text or END not in text:
-        raise ValueError(f"{path} has no {START} ... {END} markers to fill")
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    new = f"{head}{START}\n{variant_table()}\n{END}{tail}"
+    new = text
+    for name, table in TABLES.items():
+        start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+        if start not in new or end not in new:
+            raise ValueError(f"{path} has no {start} ... {end} markers to fill")
+        head, rest = new.split(start, 1)
+        _, tail = rest.split(end, 1)
+        new = f"{head}{start}\n{table()}\n{end}{tail}"
     if new != text:
         with open(path, "w") as f:
             f.write(new)

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 from torch import Tensor
 
 from .backends import Backend, explain_backend, resolve_backend
 from .call import AttentionCall, check_dropout, check_key_padding_mask, check_qkv, resolve_scale
 from .layout import specialized
-from .patterns import Causal, Intersection, Pattern
-from .registry import get_spec
+from .patterns import Causal, Intersection, Pattern, query_positions
+from .positional import PositionalEncoding
+from .registry import get_encoding_spec, get_spec
 from .scores import AdditiveScore, DotProduct
+
+Encoding = str | PositionalEncoding | None
 
 
 def resolve_pattern(variant: str | Pattern, causal: bool, params: dict[str, object]) -> Pattern:
@@ -28,6 +33,66 @@ def resolve_pattern(variant: str | Pattern, causal: bool, params: dict[str, obje
     return Intersection((pattern, Causal())) if causal else pattern
 
 
+def build_encoding(
+    name: str | PositionalEncoding,
+    *,
+    dim: int,
+    num_heads: int,
+    causal: bool = False,
+    **params: object,
+) -> PositionalEncoding:
+    """A positional encoding from the registry (``zoo.list_encodings()``), or the instance given."""
+    if isinstance(name, PositionalEncoding):
+        if params:
+            raise TypeError(
+                f"parameters {sorted(params)} apply to an encoding name, not to an instance"
+            )
+        return name
+    return get_encoding_spec(name).build(dim=dim, num_heads=num_heads, causal=causal, **params)
+
+
+@lru_cache(maxsize=64)
+def _shared_encoding(
+    name: str, dim: int, num_heads: int, causal: bool, device: torch.device
+) -> PositionalEncoding:
+    encoding = build_encoding(name, dim=dim, num_heads=num_heads, causal=causal).to(device)
+    if any(True for _ in encoding.parameters()):
+        raise ValueError(
+            f"pos={name!r} has learned parameters, which a functional call would draw anew each "
+            f"time; build it once and pass the instance: zoo.build_encoding({name!r}, dim=..., "
+            "num_heads=...)"
+        )
+    return encoding
+
+
+def attention_encoding(
+    pos: Encoding, q: Tensor, k: Tensor, causal: bool
+) -> PositionalEncoding | None:
+    """The encoding that acts inside attention (rotate or bias kind), checked against q and k."""
+    if pos is None:
+        return None
+    num_heads, head_dim = q.shape[1], q.shape[-1]
+    if isinstance(pos, str):
+        pos = _shared_encoding(pos, num_heads * head_dim, num_heads, causal, q.device)
+    if not isinstance(pos, PositionalEncoding):
+        raise TypeError(
+            f"pos must be an encoding name or a PositionalEncoding, got {type(pos).__name__}"
+        )
+    if pos.kind == "embed":
+        raise ValueError(
+            f"pos={pos.name!r} adds a table to a model's input (kind 'embed'), not to attention; "
+            "apply it to the input (zoo.MultiHeadAttention does), or use rope, alibi or t5 here"
+        )
+    if pos.kind == "none":
+        return None
+    if pos.kind == "bias" and pos.num_heads != num_heads:
+        raise ValueError(
+            f"pos={pos.name!r} was built for {pos.num_heads} heads, but q has {num_heads}"
+        )
+    pos.check(q_len=q.shape[2], kv_len=k.shape[2], head_dim=head_dim)
+    return pos
+
+
 def prepare_call(
     q: Tensor,
     k: Tensor,
@@ -39,12 +104,18 @@ def prepare_call(
     dropout_p: float = 0.0,
     scale: float | None = None,
     score: AdditiveScore | None = None,
+    pos: Encoding = None,
     return_weights: bool = False,
     **params: object,
 ) -> AttentionCall:
-    """Check the arguments of ``attention`` and bind them into the call a backend receives."""
+    """Check the arguments of ``attention`` and bind them into the call a backend receives;
+    a rotary encoding turns q and k here, before any backend sees them."""
     check_qkv(q, k, v)
     pattern = resolve_pattern(variant, causal, params)
+    encoding = attention_encoding(pos, q, k, causal)
+    if encoding is not None and encoding.kind == "rotate":
+        q_pos = query_positions(q.shape[2], k.shape[2], q.device)
+        q, k = encoding.rotate(q, k, q_pos, torch.arange(k.shape[2], device=k.device))
     return AttentionCall(
         q=q,
         k=k,
@@ -54,6 +125,7 @@ def prepare_call(
         key_padding_mask=check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device),
         score=score if score is not None else DotProduct(resolve_scale(scale, q.shape[-1])),
         dropout_p=check_dropout(dropout_p),
+        bias=encoding.bias if encoding is not None and encoding.kind == "bias" else None,
         return_weights=return_weights,
     )
 
@@ -70,6 +142,7 @@ def attention(
     dropout_p: float = 0.0,
     scale: float | None = None,
     score: AdditiveScore | None = None,
+    pos: Encoding = None,
     return_weights: bool = False,
     **params: object,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -84,6 +157,10 @@ def attention(
         dropout_p: dropout on the attention weights (pass 0.0 in evaluation).
         scale: score scale; default 1/sqrt(D).
         score: an ``AdditiveScore`` for additive attention instead of the dot product.
+        pos: a positional encoding that acts inside attention: "rope" turns q and k by their
+            positions, "alibi" and "t5" add a bias to the scores (a name builds a shared
+            parameter-free one; pass an instance for one with learned parameters). Positions
+            follow the alignment above: query i at i + Lk - Lq, key j at j.
         return_weights: also return the (B, H, Lq, Lk) weights (the reference backend computes
             them: dense, for inspection).
         **params: the variant's parameters, overriding its registry defaults (e.g. window_size).
@@ -101,6 +178,7 @@ def attention(
         dropout_p=dropout_p,
         scale=scale,
         score=score,
+        pos=pos,
         return_weights=return_weights,
         **params,
     )

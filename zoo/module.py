@@ -8,8 +8,9 @@ from torch import Tensor, nn
 
 from .backends import Backend
 from .checks import check_int, check_probability
-from .functional import attention, resolve_pattern
+from .functional import attention, build_encoding, resolve_pattern
 from .patterns import Pattern
+from .positional import PositionalEncoding
 from .registry import get_spec
 from .scores import AdditiveScore
 
@@ -42,6 +43,11 @@ class MultiHeadAttention(nn.Module):
     Args:
         dim: model width; ``num_heads`` must divide it (head_dim = dim // num_heads).
         variant: a registry name or a Pattern; ``**params`` override the variant's parameters.
+        pos: a positional encoding, by name (``zoo.list_encodings()``) or instance, with
+            ``pos_params`` overriding its parameters. Its kind says where it acts: "embed"
+            encodings (sinusoidal, learned) are added to the module's inputs, x and context, each
+            from position 0, before the projections; "rotate" (rope) turns q and k, and "bias"
+            (alibi, t5) adds to the scores inside the kernel, both at the aligned positions.
         backend: a backend name, a Backend instance, or "auto".
         dropout: dropout on the attention weights, in training mode only.
         causal: intersect the pattern with the causal mask (a decoder).
@@ -64,6 +70,8 @@ class MultiHeadAttention(nn.Module):
         num_heads: int,
         *,
         variant: str | Pattern = "full",
+        pos: str | PositionalEncoding = "none",
+        pos_params: dict[str, object] | None = None,
         backend: str | Backend = "auto",
         dropout: float = 0.0,
         causal: bool = False,
@@ -93,6 +101,14 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(kv_dim, dim, bias=bias)
         self.out_proj = nn.Linear(dim, dim, bias=bias)
         self.score = AdditiveScore(num_heads, self.head_dim) if score == "additive" else None
+        self.pos = build_encoding(
+            pos, dim=dim, num_heads=num_heads, causal=causal, **(pos_params or {})
+        )
+        if self.pos.kind == "embed" and kv_dim != dim:
+            raise ValueError(
+                f"pos={self.pos.name!r} adds a table of width {dim} to the inputs, but context has "
+                f"kv_dim={kv_dim}; use a rotate or bias encoding (rope, alibi, t5) for this module"
+            )
 
     def extra_repr(self) -> str:
         variant = self.variant if isinstance(self.variant, str) else type(self.variant).__name__
@@ -122,6 +138,9 @@ class MultiHeadAttention(nn.Module):
             if key_padding_mask is not None:
                 raise ValueError("give key_padding_mask or valid_lens, not both")
             key_padding_mask = padding_from_lengths(valid_lens.to(x.device), source.shape[1])
+        if self.pos.kind == "embed":  # each sequence from its own position 0
+            x = self.pos.embed(x)
+            source = x if context is None else self.pos.embed(context)
         heads = self.num_heads
         q = rearrange(self.q_proj(x), "b l (h d) -> b h l d", h=heads)  # (B, H, Lq, hd)
         k = rearrange(self.k_proj(source), "b l (h d) -> b h l d", h=heads)  # (B, H, Lk, hd)
@@ -136,6 +155,7 @@ class MultiHeadAttention(nn.Module):
             key_padding_mask=key_padding_mask,
             dropout_p=self.dropout if self.training else 0.0,
             score=self.score,
+            pos=self.pos if self.pos.kind in ("rotate", "bias") else None,
             return_weights=return_weights,
             **self.params,
         )

@@ -1,0 +1,65 @@
+"""A named positional encoding from the registry's ``positional:`` section.
+
+::
+
+    positional:
+      rope_long:
+        encoding: rope                 # a registered class name, or package.module:Class
+        params: {base: 500000}         # defaults; callers may override any of the class's params
+        description: Rotary positions with a long wavelength.
+        paper: Su et al., RoFormer, 2021.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+from . import resolve_encoding
+from .base import PositionalEncoding
+
+SHARED = ("dim", "num_heads", "causal")  # what the attention module supplies to every encoding
+
+
+@dataclass(frozen=True)
+class EncodingSpec:
+    name: str
+    encoding: str  # a class name in ENCODINGS, or package.module:Class
+    params: dict = field(default_factory=dict)
+    description: str = ""
+    paper: str = ""
+    source: str = ""
+
+    def encoding_class(self) -> type[PositionalEncoding]:
+        return resolve_encoding(self.encoding)
+
+    @property
+    def kind(self) -> str:
+        return self.encoding_class().kind
+
+    def parameters(self) -> dict[str, object]:
+        """The parameters a caller may set, with their defaults."""
+        signature = inspect.signature(self.encoding_class().__init__).parameters.values()
+        own = {
+            p.name: p.default
+            for p in signature
+            if p.kind == p.KEYWORD_ONLY and p.name not in SHARED
+        }
+        return {**own, **self.params}
+
+    def build(
+        self, *, dim: int, num_heads: int, causal: bool = False, **overrides: object
+    ) -> PositionalEncoding:
+        known = self.parameters()
+        for key in overrides:
+            if key not in known:
+                valid = ", ".join(known) or "none"
+                raise TypeError(
+                    f"encoding {self.name!r} has no parameter {key!r} (its parameters: {valid})"
+                )
+        cls = self.encoding_class()
+        return cls(dim=dim, num_heads=num_heads, causal=causal, **{**self.params, **overrides})
+
+    def validate(self) -> None:
+        """Build it once at a typical size, so that a bad parameter fails when the file loads."""
+        self.build(dim=64, num_heads=4)

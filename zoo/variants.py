@@ -1,0 +1,118 @@
+"""A variant: a named pattern with defaults, built from its registry entry.
+
+With a single family (``pattern: local``), every parameter of that family may be overridden and the
+entry's ``params`` give defaults. With a composition (``union``, ``intersection``, ``causal``), the
+entry's ``params`` declare the parameters and ``$name`` places them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from .patterns import Causal, Intersection, Pattern, Union, build_family, resolve_family
+from .patterns.registry import family_parameters
+
+
+@dataclass(frozen=True)
+class VariantSpec:
+    """One registry entry."""
+
+    name: str
+    pattern: object  # the YAML pattern spec
+    params: dict = field(default_factory=dict)
+    description: str = ""
+    paper: str = ""
+    complexity: str = ""
+    source: str = ""  # the file it came from
+
+    def parameters(self) -> dict[str, object]:
+        """The parameters a caller may override, with their defaults."""
+        if isinstance(self.pattern, str):
+            return {**family_parameters(resolve_family(self.pattern)), **self.params}
+        return dict(self.params)
+
+    def build(self, **overrides: object) -> Pattern:
+        """The pattern with the entry's defaults and the caller's overrides."""
+        known = self.parameters()
+        for key in overrides:
+            if key not in known:
+                valid = ", ".join(known) or "none"
+                raise TypeError(
+                    f"variant {self.name!r} has no parameter {key!r} (its parameters: {valid})"
+                )
+        return _build_cached(self, _freeze({**self.params, **overrides}))
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.source))
+
+    def validate(self) -> None:
+        """Build the pattern with its defaults; a composition must use every declared param."""
+        if not isinstance(self.pattern, str):
+            unused = set(self.params) - _references(self.pattern)
+            if unused:
+                raise ValueError(
+                    f"params {sorted(unused)} are declared but no $name in the pattern uses them"
+                )
+        self.build()
+
+
+def _freeze(value: object) -> object:
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+@lru_cache(maxsize=512)
+def _build_cached(spec: VariantSpec, frozen_params: tuple) -> Pattern:
+    params = dict(frozen_params)
+    if isinstance(spec.pattern, str):
+        return build_family(spec.pattern, params)
+    return _compose(spec.pattern, params)
+
+
+def _compose(node: object, params: dict[str, object]) -> Pattern:
+    """A pattern from a YAML spec node, with ``$name`` replaced by the variant's parameters."""
+    if isinstance(node, str):
+        return build_family(node, {})
+    if not isinstance(node, dict) or len(node) != 1:
+        raise ValueError(
+            "a pattern spec is a family name or a one-key mapping (union, intersection, "
+            f"causal, or a family with its parameters), got {node!r}"
+        )
+    ((key, value),) = node.items()
+    if key in ("union", "intersection"):
+        if not isinstance(value, list) or len(value) < 2:
+            raise ValueError(f"{key} takes a list of at least two pattern specs, got {value!r}")
+        members = tuple(_compose(v, params) for v in value)
+        return Union(members) if key == "union" else Intersection(members)
+    if key == "causal":
+        return Intersection((_compose(value, params), Causal()))
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise ValueError(f"the parameters of pattern {key!r} must be a mapping, got {value!r}")
+    return build_family(key, {k: _substitute(v, params) for k, v in value.items()})
+
+
+def _substitute(value: object, params: dict[str, object]) -> object:
+    if isinstance(value, str) and value.startswith("$"):
+        name = value[1:]
+        if name not in params:
+            raise ValueError(
+                f"{value} refers to a parameter that the entry's params do not declare"
+            )
+        return params[name]
+    return value
+
+
+def _references(node: object) -> set[str]:
+    if isinstance(node, str):
+        return {node[1:]} if node.startswith("$") else set()
+    if isinstance(node, dict):
+        return set().union(*(_references(v) for v in node.values()))
+    if isinstance(node, list):
+        return set().union(*(_references(v) for v in node))
+    return set()
