@@ -59,6 +59,8 @@ class Axis:
     def gather(self, x: Tensor, dim: int = -2) -> Tensor:
         """Tokens of ``x`` (original order along ``dim``) placed into this frame's slots."""
         if self.identity:
+            if self.slots == self.length:
+                return x
             pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, self.slots - self.length]
             return torch.nn.functional.pad(x, pad)
         return x.index_select(dim, self.index)

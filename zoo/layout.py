@@ -84,19 +84,19 @@ def specialized(pattern: Pattern, q_len: int, kv_len: int, device: torch.device)
 
 def allowed_pairs(pattern: Pattern, q_len: int, kv_len: int, block: int = 128) -> int:
     """The exact number of allowed pairs, counted block by block: full blocks by size, partial
-    blocks by evaluating the mask on them alone. Never evaluates the empty blocks."""
+    blocks by evaluating the mask on them alone, empty blocks never. Each disjoint part of the
+    pattern is counted in its own token order, where its blocks are sparse."""
     device = torch.device("cpu")
-    pattern = specialized(pattern, q_len, kv_len, device)
-    frame = build_frame(1, q_len, kv_len, block, block, device)
-    state = build_layout(pattern, frame).state
-    total = int((state == FULL).sum()) * block * block
-    q_pos = frame.q.position.view(-1, block)
-    q_ok = frame.q.valid.view(-1, block)
-    k_pos = frame.k.position.view(-1, block)
-    k_ok = frame.k.valid.view(-1, block)
-    q_blocks, k_blocks = torch.nonzero(state == PARTIAL, as_tuple=True)
-    for chunk in torch.split(torch.arange(q_blocks.numel()), 4096):
-        qb, kb = q_blocks[chunk], k_blocks[chunk]
-        hit = pattern.allowed(q_pos[qb][:, :, None], k_pos[kb][:, None, :])
-        total += int((hit & q_ok[qb][:, :, None] & k_ok[kb][:, None, :]).sum())
+    total = 0
+    for part in specialized(pattern, q_len, kv_len, device).parts():
+        frame = build_frame(part.stride, q_len, kv_len, block, block, device)
+        state = build_layout(part, frame).state
+        total += int((state == FULL).sum()) * block * block
+        q_pos, q_ok = frame.q.position.view(-1, block), frame.q.valid.view(-1, block)
+        k_pos, k_ok = frame.k.position.view(-1, block), frame.k.valid.view(-1, block)
+        q_blocks, k_blocks = torch.nonzero(state == PARTIAL, as_tuple=True)
+        for chunk in torch.split(torch.arange(q_blocks.numel()), 1024):
+            qb, kb = q_blocks[chunk], k_blocks[chunk]
+            hit = part.allowed(q_pos[qb][:, :, None], k_pos[kb][:, None, :])
+            total += int((hit & q_ok[qb][:, :, None] & k_ok[kb][:, None, :]).sum())
     return total

@@ -27,11 +27,12 @@ class DotProduct:
         self.scale = scale
 
     def prepare(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        return q, k
+        """Scale q once per token rather than every score."""
+        return q * self.scale, k
 
     def pairwise(self, q: Tensor, k: Tensor) -> Tensor:
-        """q [..., Lq, D], k [..., Lk, D] -> [..., Lq, Lk]."""
-        return (q @ k.transpose(-1, -2)).to(score_dtype(q)) * self.scale
+        """q [..., Lq, D] (scaled), k [..., Lk, D] -> [..., Lq, Lk]."""
+        return (q @ k.transpose(-1, -2)).to(score_dtype(q))
 
 
 class AdditiveScore(nn.Module):

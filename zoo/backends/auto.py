@@ -5,8 +5,12 @@ The order, until the benchmark's measured table replaces it:
 - attention weights asked for: reference (the only backend that returns them);
 - full and causal attention: sdpa (FlashAttention on GPU, no mask), then the others;
 - sparse patterns on GPU: flex (compiled, block-sparse), blocked, sdpa, reference;
-- sparse patterns on CPU: blocked (block-sparse, with backward), sdpa, reference. Compiled flex is
-  left out on CPU: it has no backward there and compiles for seconds on first use.
+- sparse patterns on CPU: blocked where it scores few enough pairs to win, else sdpa with a dense
+  mask; then reference. Measured on a 2-core CPU (float32, 4 heads of 64, eval/configs/
+  bench_cpu.yaml): per scored pair the blocked backend costs about 1.4x a dense SDPA pair
+  forward and 2.6x forward and backward, plus a fixed cost that dominates below ~1K tokens; so
+  it goes first from 1024 keys when it scores under 40% of the pairs. Compiled flex is left out
+  on CPU: it has no backward there and compiles for seconds on first use.
 """
 
 from __future__ import annotations
@@ -14,15 +18,26 @@ from __future__ import annotations
 from ..call import AttentionCall
 from .base import Backend
 
+CPU_SPARSE_MIN_KEYS = 1024
+CPU_SPARSE_MAX_DENSITY = 0.4
 
-def fallback_order(call: AttentionCall) -> list[str]:
+
+def blocked_wins_on_cpu(call: AttentionCall, blocked: Backend) -> bool:
+    if call.kv_len < CPU_SPARSE_MIN_KEYS or blocked.reason_against(call) is not None:
+        return False
+    return blocked.scored_pairs(call) <= CPU_SPARSE_MAX_DENSITY * call.q_len * call.kv_len
+
+
+def fallback_order(call: AttentionCall, backends: dict[str, Backend]) -> list[str]:
     if call.return_weights:
         return ["reference"]
     if call.pattern.kind in ("full", "causal"):
         return ["sdpa", "flex", "blocked", "reference"]
     if call.device.type == "cuda":
         return ["flex", "blocked", "sdpa", "reference"]
-    return ["blocked", "sdpa", "reference"]
+    if blocked_wins_on_cpu(call, backends["blocked"]):
+        return ["blocked", "sdpa", "reference"]
+    return ["sdpa", "blocked", "reference"]
 
 
 def choose_with_reasons(
@@ -30,7 +45,7 @@ def choose_with_reasons(
 ) -> tuple[Backend | None, list[str]]:
     """The chosen backend (None if none can) and why each earlier one was passed over."""
     reasons = []
-    for name in fallback_order(call):
+    for name in fallback_order(call, backends):
         backend = backends[name]
         reason = backend.reason_against(call)
         if reason is None:
@@ -49,7 +64,7 @@ def choose(call: AttentionCall, backends: dict[str, Backend]) -> Backend:
 def explain_choice(call: AttentionCall, backends: dict[str, Backend]) -> str:
     """A sentence on which backend ``auto`` takes for this call, and why."""
     backend, reasons = choose_with_reasons(call, backends)
-    order = " > ".join(fallback_order(call))
+    order = " > ".join(fallback_order(call, backends))
     head = f"auto -> {backend.name}" if backend else "auto -> no backend"
     skipped = f"; passed over {'; '.join(reasons)}" if reasons else ""
     where = f"{call.pattern.kind} pattern of {call.variant!r} on {call.device.type}"

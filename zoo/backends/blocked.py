@@ -18,10 +18,10 @@ from torch import Tensor
 from ..call import AttentionCall
 from ..checks import check_int
 from ..frames import Frame, build_frame
-from ..layout import RowGroup, build_layout
 from ..patterns import Pattern
 from ..scores import score_dtype
-from .base import FLOATS, Backend, Capabilities, head_index, key_keep
+from .base import FLOATS, Backend, Capabilities, head_index
+from .block_plan import GroupPlan, gather_blocks, key_windows, plan
 
 
 @dataclass
@@ -47,11 +47,6 @@ def merge(partials: list[Partial]) -> Tensor:
     total = sum(mass)
     total = torch.where(total > 0, total, 1)
     return sum((m / total)[..., None] * p.output for m, p in zip(mass, partials, strict=True))
-
-
-def gather_blocks(x: Tensor, blocks: Tensor, block: int) -> Tensor:
-    """(B, H, slots, D) -> (B, H, R, W * block, D): the blocks named in each row of ``blocks``."""
-    return x.unflatten(2, (-1, block))[:, :, blocks].flatten(3, 4)
 
 
 class BlockedBackend(Backend):
@@ -89,15 +84,16 @@ class BlockedBackend(Backend):
         dtype = "" if self.compute_dtype is None else f", compute_dtype={self.compute_dtype}"
         return f"BlockedBackend(block_size={self.block_size}{dtype})"
 
+    def _frame(self, call: AttentionCall, part: Pattern) -> Frame:
+        size = self.block_size
+        return build_frame(part.stride, call.q_len, call.kv_len, size, size, call.device)
+
     def scored_pairs(self, call: AttentionCall) -> int:
-        total = 0
-        for part in call.pattern.parts():
-            frame = build_frame(
-                part.stride, call.q_len, call.kv_len, self.block_size, self.block_size, call.device
-            )
-            for group in build_layout(part, frame).row_groups(self.waste):
-                total += group.kv_blocks.numel() * frame.q.block * frame.k.block
-        return total
+        return sum(
+            g.masked.numel()
+            for part in call.pattern.parts()
+            for g in plan(part, self._frame(call, part), self.waste)
+        )
 
     def forward(self, call: AttentionCall) -> tuple[Tensor, None]:
         dtype = self.compute_dtype
@@ -105,28 +101,142 @@ class BlockedBackend(Backend):
             dtype = (
                 torch.float32 if call.q.dtype in (torch.bfloat16, torch.float16) else call.q.dtype
             )
-        partials = [self._attend_part(call, part, dtype) for part in call.pattern.parts()]
+        parts = call.pattern.parts()
+        if len(parts) == 1 and call.score.kind == "dot":
+            return self._fused(call, parts[0], dtype).to(call.q.dtype), None
+        partials = [self._attend_part(call, part, dtype) for part in parts]
         return merge(partials).to(call.q.dtype), None
 
-    def _attend_part(self, call: AttentionCall, part: Pattern, dtype: torch.dtype) -> Partial:
-        frame = build_frame(
-            part.stride, call.q_len, call.kv_len, self.block_size, self.block_size, call.device
+    def _fused(self, call: AttentionCall, part: Pattern, dtype: torch.dtype) -> Tensor:
+        """One part, dot-product scores: PyTorch's fused SDPA kernel on each group's blocks (a
+        strided view for band windows, gathered copies otherwise), with the group's mask. Same
+        result as the explicit path without its separate passes over the scores."""
+        frame = self._frame(call, part)
+        q, k, v = (
+            frame.q.gather(call.q.to(dtype)),
+            frame.k.gather(call.k.to(dtype)),
+            frame.k.gather(call.v.to(dtype)),
         )
-        layout = build_layout(part, frame)
+        padded = None
+        if call.key_padding_mask is not None:
+            padded = frame.k.gather(call.key_padding_mask[:, :, None])[..., 0]  # (B, slots)
+        groups = plan(part, frame, self.waste)
+        outs = [
+            self._fused_group(call, frame, g, q, k, v, padded) for g in groups
+        ]  # (B, H, R, bq, Dv)
+        if (
+            len(groups) == 1
+            and groups[0].rows.numel() == frame.q.num_blocks
+            and groups[0].window is not None
+        ):
+            output = outs[0]  # one band window over every query block, in order
+        else:
+            B, H = call.q.shape[:2]
+            output = v.new_zeros(B, H, frame.q.num_blocks, frame.q.block, v.shape[-1])
+            if groups:
+                rows = torch.cat([g.rows for g in groups])
+                output = output.index_copy(2, rows, torch.cat(outs, dim=2))
+        return frame.q.scatter(output.flatten(2, 3), dim=2)  # (B, H, Lq, Dv)
+
+    def _fused_group(
+        self,
+        call: AttentionCall,
+        frame: Frame,
+        group: GroupPlan,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        padded: Tensor | None,
+    ) -> Tensor:
+        B, H = q.shape[:2]
+        mask, has_key = self._mask(call, group, padded, B, H, q.dtype)  # (B or 1, R, 1 or H, ...)
+        if group.window is not None:  # keys as overlapping windows, one sequence at a time
+            per_sequence = [
+                self._windowed(call, frame, group, q[b], k[b], v[b], mask[b % mask.shape[0]])
+                for b in range(B)
+            ]
+            out = torch.stack(per_sequence) if B > 1 else per_sequence[0][None]  # (B, R, H, bq, Dv)
+        else:
+            R = group.rows.numel()
+
+            def heads_inside(x: Tensor) -> Tensor:  # (B, H, R, L, D) -> (B * R, H, L, D)
+                return x.transpose(1, 2).flatten(0, 1)
+
+            q_blk = q.unflatten(2, (-1, frame.q.block)).index_select(2, group.rows)
+            k_blk = gather_blocks(k, group.kv_index, group.width, frame.k.block)
+            v_blk = gather_blocks(v, group.kv_index, group.width, frame.k.block)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                heads_inside(q_blk), heads_inside(k_blk), heads_inside(v_blk),
+                attn_mask=mask.expand(B, -1, -1, -1, -1).flatten(0, 1),
+                dropout_p=call.dropout_p, scale=call.scale,
+            ).unflatten(0, (B, R))  # fmt: skip
+        if has_key is not None:
+            out = out * has_key.to(out.dtype)
+        return out.transpose(1, 2)  # (B, H, R, bq, Dv)
+
+    @staticmethod
+    def _mask(
+        call: AttentionCall,
+        group: GroupPlan,
+        padded: Tensor | None,
+        B: int,
+        H: int,
+        dtype: torch.dtype,
+    ) -> tuple[Tensor, Tensor | None]:
+        """The additive mask (0 allowed, -inf not), (B or 1, R, 1 or H, bq, W*bk), and where some
+        query has no key at all, its (B or 1, R, 1, bq, 1) indicator to zero its output after the
+        kernel (which would divide 0 by 0). Without padding or bias both come from the plan."""
+        if padded is None and call.bias is None:
+            mask, has_key = group.additive(dtype)
+            return mask[None], has_key
+        masked = group.masked[None]  # (1, R, bq, W*bk)
+        if padded is not None:
+            masked = masked | padded[:, group.k_slot][:, :, None, :]  # (B, R, bq, W*bk)
+        has_key = ~masked.all(dim=-1, keepdim=True)
+        masked = masked & has_key  # a query with no key sees everything, then gets zero
+        bias = torch.zeros((), dtype=dtype, device=masked.device)
+        if call.bias is not None:
+            heads = head_index(H, masked.device, 3)
+            bias = (
+                call.bias(heads, group.q_pos, group.k_pos).to(dtype).transpose(0, 1)
+            )  # (R, H, ...)
+        mask = bias.masked_fill(masked[:, :, None], float("-inf"))
+        return mask, has_key[:, :, None]
+
+    def _windowed(
+        self,
+        call: AttentionCall,
+        frame: Frame,
+        group: GroupPlan,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor,
+    ) -> Tensor:
+        """One sequence: (H, slots, D) each -> (R, H, bq, Dv), keys read as band windows."""
+        R, window = group.rows.numel(), group.window
+        q_rows = q.unflatten(1, (-1, frame.q.block)).narrow(1, window.first, R).transpose(0, 1)
+        keys = key_windows(k, window, R, frame.k.block)
+        values = key_windows(v, window, R, frame.k.block)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q_rows, keys, values, attn_mask=mask, dropout_p=call.dropout_p, scale=call.scale
+        )
+
+    def _attend_part(self, call: AttentionCall, part: Pattern, dtype: torch.dtype) -> Partial:
+        frame = self._frame(call, part)
         q, k = call.score.prepare(call.q.to(dtype), call.k.to(dtype))
         q, k, v = frame.q.gather(q), frame.k.gather(k), frame.k.gather(call.v.to(dtype))
-        keep = frame.k.valid[None]  # (1 or B, slots)
-        padding = key_keep(call)
-        if padding is not None:
-            keep = keep & frame.k.gather(padding[:, :, None])[..., 0]
+        padding = call.key_padding_mask
+        padded = None if padding is None else frame.k.gather(padding[:, :, None])[..., 0]
         B, H = call.q.shape[:2]
-        dtype = score_dtype(v)
-        output = v.new_zeros(B, H, frame.q.num_blocks, frame.q.block, v.shape[-1])
-        denominator = q.new_zeros(B, H, frame.q.num_blocks, frame.q.block, dtype=dtype)
-        peak = q.new_full((B, H, frame.q.num_blocks, frame.q.block), float("-inf"), dtype=dtype)
-        groups = layout.row_groups(self.waste)
+        blocks, bq = frame.q.num_blocks, frame.q.block
+        score = score_dtype(v)
+        output = v.new_zeros(B, H, blocks, bq, v.shape[-1])
+        denominator = q.new_zeros(B, H, blocks, bq, dtype=score)
+        peak = q.new_full((B, H, blocks, bq), float("-inf"), dtype=score)
+        groups = plan(part, frame, self.waste)
         if groups:
-            sums = [self._attend_group(call, part, frame, g, q, k, v, keep) for g in groups]
+            sums = [self._attend_group(call, frame, g, q, k, v, padded) for g in groups]
             rows = torch.cat([g.rows for g in groups])
             output = output.index_copy(2, rows, torch.cat([s[0] for s in sums], dim=2))
             denominator = denominator.index_copy(2, rows, torch.cat([s[1] for s in sums], dim=2))
@@ -140,36 +250,30 @@ class BlockedBackend(Backend):
     def _attend_group(
         self,
         call: AttentionCall,
-        part: Pattern,
         frame: Frame,
-        group: RowGroup,
+        group: GroupPlan,
         q: Tensor,
         k: Tensor,
         v: Tensor,
-        keep: Tensor,
+        padded: Tensor | None,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        bq, bk = frame.q.block, frame.k.block
-        rows, kv_blocks = group.rows, group.kv_blocks  # (R,), (R, W)
-        q_blk = q.unflatten(2, (-1, bq))[:, :, rows]  # (B, H, R, bq, D)
-        k_blk = gather_blocks(k, kv_blocks, bk)  # (B, H, R, W*bk, D)
-        v_blk = gather_blocks(v, kv_blocks, bk)  # (B, H, R, W*bk, Dv)
-        k_slot = (kv_blocks[..., None] * bk + torch.arange(bk, device=q.device)).flatten(
-            1
-        )  # (R, W*bk)
-        q_pos = frame.q.position.view(-1, bq)[rows][:, :, None]  # (R, bq, 1)
-        k_pos = frame.k.position[k_slot][:, None, :]  # (R, 1, W*bk)
-        allowed = part.allowed(q_pos, k_pos) & group.used.repeat_interleave(bk, dim=1)[:, None, :]
-        allowed = allowed & keep[:, k_slot][:, :, None, :]  # (B or 1, R, bq, W*bk)
+        q_blk = q.unflatten(2, (-1, frame.q.block)).index_select(2, group.rows)  # (B, H, R, bq, D)
+        k_blk = gather_blocks(k, group.kv_index, group.width, frame.k.block)  # (B, H, R, W*bk, D)
+        v_blk = gather_blocks(v, group.kv_index, group.width, frame.k.block)  # (B, H, R, W*bk, Dv)
+        masked = group.masked[None]  # (1, R, bq, W*bk)
+        if padded is not None:
+            masked = masked | padded[:, group.k_slot][:, :, None, :]  # (B, R, bq, W*bk)
 
         scores = call.score.pairwise(q_blk, k_blk)  # (B, H, R, bq, W*bk)
         if call.bias is not None:
-            scores = scores + call.bias(head_index(scores.shape[1], q.device, 3), q_pos, k_pos)
-        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+            heads = head_index(scores.shape[1], q.device, 3)
+            scores = scores + call.bias(heads, group.q_pos, group.k_pos)
+        scores = scores.masked_fill(masked[:, None], float("-inf"))
         peak = scores.amax(dim=-1).detach()
         exp = torch.exp(scores - torch.where(torch.isfinite(peak), peak, 0)[..., None])
         denominator = exp.sum(dim=-1)
-        weights = exp / torch.where(denominator > 0, denominator, 1)[..., None]
         if call.dropout_p:
-            weights = torch.nn.functional.dropout(weights, call.dropout_p)
-        # Normalised weights meet v in v's dtype, as in FlashAttention: one rounding of the output.
-        return weights.to(v.dtype) @ v_blk, denominator, peak
+            exp = torch.nn.functional.dropout(exp, call.dropout_p)
+        # Normalise after the product: a (bq, Dv) division instead of a (bq, W*bk) one.
+        output = (exp.to(v.dtype) @ v_blk) / torch.where(denominator > 0, denominator, 1)[..., None]
+        return output, denominator, peak

@@ -58,15 +58,14 @@ class Residue(Pattern):
         return state_from(some, every, q, k)
 
     def dense(self, q_len: int, kv_len: int) -> Tensor:
-        # One diagonal per multiple of the stride, each cut out with tril/triu.
-        offset = kv_len - q_len
-        ones = torch.ones(q_len, kv_len, dtype=torch.bool)
+        # Group queries and keys by position mod stride and fill each group's block.
+        q_pos = torch.arange(q_len) + (kv_len - q_len)
+        k_pos = torch.arange(kv_len)
         mask = torch.zeros(q_len, kv_len, dtype=torch.bool)
-        # Query position i + offset meets key j when j - i = offset - m * stride for some m.
-        first, last = (offset - kv_len + 1) // self.stride, (offset + q_len - 1) // self.stride
-        for m in range(first, last + 1):
-            diagonal = offset - m * self.stride
-            mask |= ones.tril(diagonal) & ones.triu(diagonal)
+        for r in range(self.stride):
+            rows = torch.nonzero(q_pos % self.stride == r).flatten()
+            cols = torch.nonzero(k_pos % self.stride == r).flatten()
+            mask[rows[:, None], cols[None, :]] = True
         return mask
 
 
