@@ -1,6 +1,16 @@
 """``zoo`` / ``python -m zoo``: look at the registry from the command line.
 
-zoo list            the variants as a markdown table (the README's table is this output)
+zoo list                           the variants and the positional encodings as tables
+zoo show NAME [--seq-len N] [--causal] [--out FILE.png] [key=value ...]
+                                   the variant's allowed pairs as a heatmap
+zoo table [--seq-len N] [--layers L]
+                                   the seeds' comparison table, computed for every variant
+zoo attention-map NAME [--seq-len N] [--out FILE.png] [key=value ...]
+                                   one head's weights of a random model with that variant
+                                   (python -m eval attention-map draws a trained one)
+zoo encoding NAME [--length N] [--dim D] [--out FILE.png]
+                                   an absolute encoding's table P and a few of its columns
+zoo readme [PATH]                  write the generated tables into the README
 """
 
 from __future__ import annotations
@@ -8,33 +18,97 @@ from __future__ import annotations
 import argparse
 import sys
 
+import yaml
 
-def main(argv: list[str] | None = None) -> int:
+
+def parse_params(items: list[str]) -> dict[str, object]:
+    """``key=value`` words as pattern parameters (values read as YAML: 64, [0, 3])."""
+    params = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(
+                f"zoo: parameter {item!r} must look like key=value (e.g. window_size=64)"
+            )
+        params[key] = yaml.safe_load(value)
+    return params
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zoo", description="The attention zoo's registry.")
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("list", help="print the registry as a markdown table")
-    readme = commands.add_parser("readme", help="write the variant table into a README")
-    readme.add_argument("path", nargs="?", default="README.md")
+    commands.add_parser("list", help="the variants and encodings as markdown tables")
+    show = commands.add_parser("show", help="draw a variant's allowed pairs as a PNG heatmap")
+    show.add_argument("name")
+    show.add_argument("--seq-len", type=int, default=256)
+    show.add_argument("--causal", action="store_true")
+    show.add_argument("--out", default=None, help="PNG path (default: NAME.png)")
+    table = commands.add_parser("table", help="the seeds' comparison table for every variant")
+    table.add_argument("--seq-len", type=int, default=1024)
+    table.add_argument("--layers", type=int, default=2)
+    maps = commands.add_parser("attention-map", help="one head's weights of a random model")
+    maps.add_argument("name")
+    maps.add_argument("--seq-len", type=int, default=128)
+    maps.add_argument("--out", default=None, help="PNG path (default: NAME-attention.png)")
     encoding = commands.add_parser("encoding", help="draw a positional encoding's table as PNG")
     encoding.add_argument("name")
     encoding.add_argument("--length", type=int, default=128)
     encoding.add_argument("--dim", type=int, default=64)
     encoding.add_argument("--out", default=None, help="PNG path (default: NAME.png)")
-    args = parser.parse_args(argv)
+    readme = commands.add_parser("readme", help="write the generated tables into a README")
+    readme.add_argument("path", nargs="?", default="README.md")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)  # key=value words after the options
+    args.params = [word for word in extra if "=" in word]
+    if len(args.params) != len(extra) or (extra and args.command not in ("show", "attention-map")):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        run(args)
+    except (ValueError, TypeError) as error:
+        print(f"zoo {args.command}: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def run(args: argparse.Namespace) -> None:
     from . import describe
 
     if args.command == "list":
         print(describe.variant_table(), describe.encoding_table(), sep="\n\n")
-    elif args.command == "readme":
-        changed = describe.update_readme(args.path)
-        print(f"{args.path}: {'updated' if changed else 'already up to date'}")
+    elif args.command == "show":
+        from .pictures import draw_pattern
+
+        out = args.out or f"{args.name}.png"
+        print(
+            draw_pattern(
+                args.name, args.seq_len, out, causal=args.causal, **parse_params(args.params)
+            )
+        )
+    elif args.command == "table":
+        from .comparison import comparison_table
+
+        print(f"n = {args.seq_len}, receptive field after {args.layers} layers\n")
+        print(comparison_table(args.seq_len, args.layers))
+    elif args.command == "attention-map":
+        from .pictures import attention_map_of_random_model
+
+        out = args.out or f"{args.name}-attention.png"
+        print(
+            attention_map_of_random_model(args.name, args.seq_len, out, **parse_params(args.params))
+        )
     elif args.command == "encoding":
         from .functional import build_encoding
         from .positional import draw_encoding
 
         enc = build_encoding(args.name, dim=args.dim, num_heads=1)
         print(draw_encoding(enc, args.length, args.out or f"{args.name}.png"))
-    return 0
+    elif args.command == "readme":
+        changed = describe.update_readme(args.path)
+        print(f"{args.path}: {'updated' if changed else 'already up to date'}")
 
 
 if __name__ == "__main__":

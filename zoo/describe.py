@@ -42,7 +42,13 @@ def encoding_table() -> str:
     return markdown_table(["encoding", "kind", "parameters", "description"], rows)
 
 
-TABLES = {"variants": variant_table, "encodings": encoding_table}
+def comparison() -> str:
+    from .comparison import comparison_table
+
+    return comparison_table(1024, 2)
+
+
+TABLES = {"variants": variant_table, "encodings": encoding_table, "comparison": comparison}
 
 
 def update_readme(path: str) -> bool:
