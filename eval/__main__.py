@@ -1,21 +1,32 @@
-"""``python -m eval COMMAND``: the harness's commands."""
+"""``python -m eval COMMAND`` (or ``zoo-eval COMMAND``): the harness's commands.
+
+run CONFIG.yaml [key=value ...]   train and evaluate a sweep (eval/configs/quick.yaml: minutes)
+report RESULTS.jsonl              markdown, CSV and plots from a sweep's results
+bench [CONFIG.yaml] [key=value]   time and memory of every variant and backend, with peers
+attention-map CHECKPOINT          one head's weights in a trained model (save_checkpoints=true)
+demo                              every variant forward and backward once, with its cost
+"""
 
 from __future__ import annotations
 
+import importlib
 import sys
 
-COMMANDS = {"demo": "eval.demo"}
+COMMANDS = {
+    "run": "eval.run",
+    "report": "eval.report",
+    "bench": "eval.bench",
+    "attention-map": "eval.attention_map",
+    "demo": "eval.demo",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
-        print(f"usage: python -m eval {{{','.join(COMMANDS)}}} [options]", file=sys.stderr)
+        print(__doc__, file=sys.stderr)
         return 2
-    import importlib
-
-    importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
-    return 0
+    return importlib.import_module(COMMANDS[argv[0]]).main(argv[1:]) or 0
 
 
 if __name__ == "__main__":

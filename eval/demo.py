@@ -36,7 +36,7 @@ def time_variant(variant: str, x: torch.Tensor, repeats: int) -> tuple[str, floa
     return backend.name, allowed, scored, statistics.median(times[1:])
 
 
-def main(argv: list[str] | None = None) -> str:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eval demo", description=__doc__)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=4)
@@ -66,4 +66,4 @@ def main(argv: list[str] | None = None) -> str:
         f"CPU float32, median of {args.repeats}"
     )
     print(table)
-    return table
+    return 0

@@ -1,0 +1,293 @@
+"""``python -m eval run CONFIG.yaml [key=value ...]``: train and evaluate a sweep.
+
+A sweep is the product tasks x train lengths x variants x encodings x seeds; every cell is tested
+at each of ``test_lengths`` (longer than the train length: length extrapolation). Each finished
+cell appends one JSON line to ``<out>/results.jsonl`` and flushes it, so an interrupted sweep,
+started again, skips the cells already there and loses nothing. A cell that fails (out of memory,
+a variant that cannot run a length) is recorded as failed with the reason and the sweep goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import platform
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import zoo
+from zoo.checks import suggest
+
+from . import distributed
+from .config import ConfigError, build, load_config
+from .tasks import get_task, list_tasks
+
+
+@dataclass
+class ModelConfig:
+    dim: int = 64
+    depth: int = 2
+    heads: int = 2
+    mlp_dim: int = 128
+    dropout: float = 0.0
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    batch_size: int = 32
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    warmup: float = 0.1  # fraction of the steps
+    grad_clip: float = 1.0
+    eval_samples: int = 256
+    eval_batch_size: int = 64
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    tasks: list[str] = field(default_factory=lambda: ["mqar"])
+    task_params: dict[str, dict] = field(default_factory=dict)  # task name -> its parameters
+    # task name -> {model: {...}, train: {...}, train_lengths: [...], test_lengths: [...]}:
+    # settings that differ by task (ListOps' learning rate and its 2000-token sequences)
+    task_settings: dict[str, dict] = field(default_factory=dict)
+    variants: list[str] = field(default_factory=lambda: ["full"])
+    variant_params: dict[str, dict] = field(default_factory=dict)  # variant -> overrides
+    encodings: list[str] = field(default_factory=lambda: ["learned"])
+    encoding_params: dict[str, dict] = field(default_factory=dict)  # encoding -> overrides
+    train_lengths: list[int] = field(default_factory=lambda: [128])
+    test_lengths: list[int] = field(default_factory=list)  # empty: the train length only
+    seeds: list[int] = field(default_factory=lambda: [0])
+    causal: bool = False
+    backend: str = "auto"
+    device: str = "auto"
+    out: str = "eval/results/{name}"
+    save_checkpoints: bool = False  # <out>/checkpoints/<cell key>.pt, for attention maps
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+def check_names(config: RunConfig, source: str) -> None:
+    """Every task, variant and encoding named in the config exists; errors name the key."""
+    for key, names, known in (
+        ("tasks", config.tasks, list_tasks()),
+        ("variants", config.variants, zoo.list_variants()),
+        ("encodings", config.encodings, zoo.list_encodings()),
+    ):
+        for i, name in enumerate(names):
+            if name not in known:
+                raise ConfigError(f"{source}: {key}[{i}]: {suggest(key[:-1], name, known, key)}")
+    for key, table, known in (
+        ("task_params", config.task_params, list_tasks()),
+        ("variant_params", config.variant_params, zoo.list_variants()),
+        ("encoding_params", config.encoding_params, zoo.list_encodings()),
+    ):
+        for name in table:
+            if name not in known:
+                raise ConfigError(
+                    f"{source}: {key}: {suggest(key[:-7], name, known, key[:-7] + 's')}"
+                )
+    for task, settings in config.task_settings.items():
+        if task not in list_tasks():
+            raise ConfigError(
+                f"{source}: task_settings: {suggest('task', task, list_tasks(), 'tasks')}"
+            )
+        where = f"{source}: task_settings: {task}"
+        for section, schema in (("model", ModelConfig), ("train", TrainConfig)):
+            build(schema, {**asdict(schema()), **settings.get(section, {})}, f"{where}: {section}")
+        for key in ("train_lengths", "test_lengths"):
+            if key in settings and not all(isinstance(n, int) and n > 0 for n in settings[key]):
+                raise ConfigError(
+                    f"{where}: {key} must be a list of positive ints, got {settings[key]!r}"
+                )
+        for section in set(settings) - {"model", "train", "train_lengths", "test_lengths"}:
+            known = "model, train, train_lengths, test_lengths"
+            raise ConfigError(f"{where}: unknown key {section!r} (known keys: {known})")
+    if config.train.batch_size < 1 or config.train.steps < 1:
+        raise ConfigError(f"{source}: train.steps and train.batch_size must be positive")
+
+
+def cells(config: RunConfig) -> list[dict[str, Any]]:
+    """The sweep's cells in order: plain data naming everything that shapes each result."""
+    out = []
+    for task in config.tasks:
+        settings = config.task_settings.get(task, {})
+        train_lengths = settings.get("train_lengths", config.train_lengths)
+        test_lengths = settings.get("test_lengths", config.test_lengths)
+        for train_len, variant, encoding, seed in itertools.product(
+            train_lengths, config.variants, config.encodings, config.seeds
+        ):
+            out.append(
+                make_cell(config, task, settings, train_len, test_lengths, variant, encoding, seed)
+            )
+    return out
+
+
+def make_cell(
+    config: RunConfig,
+    task: str,
+    settings: dict[str, Any],
+    train_len: int,
+    test_lengths: list[int],
+    variant: str,
+    encoding: str,
+    seed: int,
+) -> dict[str, Any]:
+    """One cell as plain data; its key hashes everything in it, so a changed setting reruns it."""
+    cell = {
+        "task": task,
+        "task_params": config.task_params.get(task, {}),
+        "train_len": train_len,
+        "test_lengths": test_lengths or [train_len],
+        "variant": variant,
+        "variant_params": config.variant_params.get(variant, {}),
+        "encoding": encoding,
+        "encoding_params": config.encoding_params.get(encoding, {}),
+        "seed": seed,
+        "causal": config.causal,
+        "backend": config.backend,
+        "model": {**asdict(config.model), **settings.get("model", {})},
+        "train": {**asdict(config.train), **settings.get("train", {})},
+    }
+    cell["key"] = hashlib.sha1(json.dumps(cell, sort_keys=True).encode()).hexdigest()[:16]
+    return cell
+
+
+def check_cells(cells_: list[dict[str, Any]], source: str) -> None:
+    """Fail before training on what a cell could only fail later: task parameters, lengths the
+    encoding cannot reach, per-rank batch sizes."""
+    for cell in cells_:
+        for length in {cell["train_len"], *cell["test_lengths"]}:
+            try:
+                task = get_task(cell["task"], seq_len=length, **cell["task_params"])
+                from .train import build_model
+
+                build_model(cell, task).check_length(length)
+            except (TypeError, ValueError) as error:
+                where = (
+                    f"{cell['task']} / {cell['variant']} / {cell['encoding']} at length {length}"
+                )
+                raise ConfigError(f"{source}: {where}: {error}") from error
+
+
+def finished_keys(path: Path) -> set[str]:
+    if not path.exists():
+        return set()
+    keys = set()
+    for line in path.read_text().splitlines():
+        try:
+            keys.add(json.loads(line)["cell"]["key"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a line cut short by a crash: that cell runs again
+    return keys
+
+
+def environment(context: distributed.Context) -> dict[str, Any]:
+    device = context.device
+    return {
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or "cpu",
+        "device_type": device.type,
+        "world_size": context.world,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+    }
+
+
+def run(
+    config: RunConfig, source: str, context: distributed.Context, show_progress: bool = True
+) -> Path:
+    """Run every cell not yet in the results file; returns the results file's path."""
+    from .train import train
+
+    out = Path(config.out.format(name=config.name))
+    results = out / "results.jsonl"
+    todo = [c for c in cells(config) if c["key"] not in finished_keys(results)]
+    if context.main:
+        out.mkdir(parents=True, exist_ok=True)
+        done = len(cells(config)) - len(todo)
+        print(f"{source}: {len(todo)} cells to run, {done} already in {results}", flush=True)
+    bar = progress_bar(len(todo) * config.train.steps, show_progress and context.main)
+    for i, cell in enumerate(todo):
+        label = (
+            f"[{i + 1}/{len(todo)}] {cell['task']} L={cell['train_len']} "
+            f"{cell['variant']}+{cell['encoding']} seed {cell['seed']}"
+        )
+        if bar is not None:
+            bar.set_description(label)
+        record: dict[str, Any] = {"cell": cell, "environment": environment(context)}
+        start = time.time()
+        try:
+            checkpoint = (
+                out / "checkpoints" / f"{cell['key']}.pt" if config.save_checkpoints else None
+            )
+            record.update(status="ok", **train(cell, context, bar, checkpoint))
+        except (RuntimeError, ValueError, torch.cuda.OutOfMemoryError) as error:
+            record.update(
+                status="failed",
+                reason=f"{type(error).__name__}: {error}",
+                traceback=traceback.format_exc(limit=3),
+            )
+            if context.device.type == "cuda":
+                torch.cuda.empty_cache()
+        record["wall_seconds"] = round(time.time() - start, 2)
+        if context.main:
+            with results.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+                f.flush()
+            if bar is None:
+                print(
+                    f"{label}: {record['status']} {record.get('accuracy', record.get('reason'))}",
+                    flush=True,
+                )
+        distributed.barrier(context)
+    if bar is not None:
+        bar.close()
+    return results
+
+
+def progress_bar(total: int, enabled: bool):
+    if not enabled or total == 0:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eval run", description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="a YAML file, e.g. eval/configs/quick.yaml")
+    parser.add_argument("overrides", nargs="*", help="key=value settings, e.g. train.steps=100")
+    parser.add_argument(
+        "--no-progress", action="store_true", help="one line per cell instead of a bar"
+    )
+    parser.add_argument("--no-report", action="store_true", help="skip the report at the end")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(RunConfig, args.config, args.overrides)
+        check_names(config, args.config)
+        check_cells(cells(config), args.config)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    context = distributed.start(config.device)
+    try:
+        results = run(config, args.config, context, show_progress=not args.no_progress)
+    finally:
+        distributed.stop(context)
+    if context.main and not args.no_report:
+        from .report import write_report
+
+        print(write_report(results, results.parent))
+    return 0

@@ -1,0 +1,77 @@
+"""Selective copying, after Mamba (Gu & Dao 2023): copy the scattered data tokens, in order.
+
+* Token ids: 0 PAD (never emitted), 1 BLANK (noise), 2 MARKER, 3..V-1 data symbols, where
+  V = ``vocab_size`` (default 16, so 13 data symbols). Targets are token ids and
+  num_classes = V.
+* Layout of one sequence, total length ``seq_len`` = L, with M = ``num_tokens`` (default 16)::
+
+      [ L - M positions: M data tokens at random positions, in order, BLANK elsewhere ]
+      [ M MARKER tokens ]
+
+  The M data positions are a uniformly random M-subset of the first L - M positions; data
+  symbols are drawn uniformly with replacement. The target at the i-th MARKER is the i-th
+  data token; every other target is IGNORE. The markers are identical, so the model must
+  track which output it is producing. Needs seq_len >= 2*M.
+* Slices: "index" = which of the M outputs (0..M-1), not bucketed. ``meta["data_positions"]``
+  holds the (N, M) positions of the data tokens.
+
+Speed: 1000 sequences of length 1024 take about 0.01 s on 2 CPU cores (4096: about 0.02 s).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import IGNORE, Batch, Task, check_int, random_choice, too_short
+
+BLANK, MARKER, FIRST_DATA = 1, 2, 3
+
+
+class SelectiveCopy(Task):
+    """Mamba's selective copying: emit the non-blank tokens of the prefix, in order."""
+
+    name = "selective_copy"
+    head = "token"
+
+    def __init__(self, seq_len: int, num_tokens: int = 16, vocab_size: int = 16) -> None:
+        check_int("seq_len", seq_len, minimum=1)
+        num_tokens = check_int("num_tokens", num_tokens, minimum=1)
+        vocab_size = check_int("vocab_size", vocab_size, minimum=FIRST_DATA + 1)
+        if seq_len < 2 * num_tokens:
+            raise too_short(seq_len, 2 * num_tokens, f"num_tokens={num_tokens}")
+        super().__init__(seq_len, num_tokens=num_tokens)
+        self.num_tokens = num_tokens
+        self.vocab_size = vocab_size
+        self.num_classes = vocab_size
+
+    def sample(self, n: int, seed: int) -> Batch:
+        """Draw `n` selective-copying sequences (see the module docstring for the layout)."""
+        gen = self._check_sample_args(n, seed)
+        L, M = self.seq_len, self.num_tokens
+        positions = random_choice(gen, n, L - M, M).sort(dim=1).values
+        data = torch.randint(FIRST_DATA, self.vocab_size, (n, M), generator=gen)
+
+        inputs = torch.full((n, L), BLANK, dtype=torch.int64)
+        inputs.scatter_(1, positions, data)
+        inputs[:, L - M :] = MARKER
+        targets = torch.full((n, L), IGNORE, dtype=torch.int64)
+        targets[:, L - M :] = data
+        index = torch.zeros(n, L, dtype=torch.int64)
+        index[:, L - M :] = torch.arange(M)
+        return Batch(
+            inputs=inputs,
+            targets=targets,
+            padding_mask=None,
+            slices={"index": index},
+            meta={"data_positions": positions},
+        )
+
+
+def solve(tokens: list[int]) -> list[int]:
+    """Independent checker: targets recomputed by reading the non-blank prefix tokens."""
+    first_marker = tokens.index(MARKER)
+    data = [t for t in tokens[:first_marker] if t != BLANK]
+    out = [IGNORE] * len(tokens)
+    for i, pos in enumerate(range(first_marker, len(tokens))):
+        out[pos] = data[i]
+    return out

@@ -1,0 +1,169 @@
+"""Train one cell of a sweep and measure it: accuracy per test length and slice, time, memory.
+
+Training data is drawn fresh every step from the task's generator (seeds that never repeat and
+never meet the evaluation seeds), so there is nothing to overfit but the task itself. AdamW with
+linear warm-up and cosine decay to zero, gradient clipping, bf16 autocast on GPU and float32 on
+CPU, fixed seeds.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .distributed import Context, wrap
+from .model import SequenceModel
+from .tasks import IGNORE, Batch, Task, get_task
+
+TRAIN_SEEDS = 1_000_000  # train seed of step s, rank r in cell seed c: c * TRAIN_SEEDS + ...
+EVAL_SEED = 2_000_000_000  # evaluation batches draw from here on, far above any train seed
+
+
+def build_model(cell: dict[str, Any], task: Task) -> SequenceModel:
+    return SequenceModel(
+        vocab_size=task.vocab_size,
+        num_classes=task.num_classes,
+        head=task.head,
+        variant=cell["variant"],
+        variant_params=cell["variant_params"],
+        encoding=cell["encoding"],
+        encoding_params=cell["encoding_params"],
+        causal=cell["causal"],
+        backend=cell["backend"],
+        **cell["model"],
+    )
+
+
+def schedule(step: int, total: int, warmup: int) -> float:
+    """Learning-rate factor: linear warm-up over ``warmup`` steps, then cosine decay to zero."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(total - warmup, 1)
+    return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def loss_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=IGNORE)
+
+
+def to_device(
+    batch: Batch, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    mask = None if batch.padding_mask is None else batch.padding_mask.to(device)
+    return batch.inputs.to(device), batch.targets.to(device), mask
+
+
+def autocast(device: torch.device):
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def train(
+    cell: dict[str, Any], context: Context, progress=None, checkpoint: Path | None = None
+) -> dict[str, Any]:
+    """Train the cell's model; returns its metrics (the cell's result record without the cell).
+    With ``checkpoint``, rank 0 saves the cell and the trained weights there."""
+    settings = cell["train"]
+    torch.manual_seed(cell["seed"])
+    task = get_task(cell["task"], seq_len=cell["train_len"], **cell["task_params"])
+    model = build_model(cell, task)
+    for length in cell["test_lengths"]:
+        model.check_length(length)
+    model.to(context.device)
+    network = wrap(model, context)
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=settings["lr"],
+        weight_decay=settings["weight_decay"],
+        betas=(0.9, 0.98),
+    )
+    steps = settings["steps"]
+    warmup = max(1, round(settings["warmup"] * steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: schedule(s, steps, warmup))
+    per_rank = settings["batch_size"] // context.world
+    if context.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(context.device)
+    losses = []
+    start = time.perf_counter()
+    for step in range(steps):
+        seed = cell["seed"] * TRAIN_SEEDS + (step * context.world + context.rank) % TRAIN_SEEDS
+        inputs, targets, mask = to_device(task.sample(per_rank, seed), context.device)
+        with autocast(context.device):
+            logits = network(inputs, mask)
+        loss = loss_of(logits, targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), settings["grad_clip"])
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+    seconds = time.perf_counter() - start
+    peak = (
+        torch.cuda.max_memory_allocated(context.device) / 2**20
+        if context.device.type == "cuda"
+        else None
+    )
+    if checkpoint is not None and context.main:
+        checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"cell": cell, "model": model.state_dict()}, checkpoint)
+    evaluation = {str(n): evaluate(model, cell, n, context) for n in cell["test_lengths"]}
+    return {
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "train_seconds": round(seconds, 3),
+        "steps_per_second": round(steps / seconds, 3),
+        "peak_memory_mb": None if peak is None else round(peak, 1),
+        "final_loss": round(sum(losses[-10:]) / len(losses[-10:]), 5),
+        "accuracy": {n: e["accuracy"] for n, e in evaluation.items()},
+        "slices": {n: e["slices"] for n, e in evaluation.items()},
+        "eval_ms_per_sequence": {n: e["ms_per_sequence"] for n, e in evaluation.items()},
+    }
+
+
+@torch.no_grad()
+def evaluate(
+    model: SequenceModel, cell: dict[str, Any], length: int, context: Context
+) -> dict[str, Any]:
+    """Accuracy on ``eval_samples`` fresh sequences of ``length``, overall and per slice key."""
+    settings = cell["train"]
+    task = get_task(cell["task"], seq_len=length, **cell["task_params"])
+    model.eval()
+    hits: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+    correct = total = 0
+    start = time.perf_counter()
+    remaining, index = settings["eval_samples"], 0
+    while remaining > 0:
+        n = min(settings["eval_batch_size"], remaining)
+        batch = task.sample(n, EVAL_SEED + cell["seed"] * 10_000 + index)
+        inputs, targets, mask = to_device(batch, context.device)
+        with autocast(context.device):
+            predictions = model(inputs, mask).argmax(-1)
+        scored = targets != IGNORE
+        right = (predictions == targets) & scored
+        correct += int(right.sum())
+        total += int(scored.sum())
+        for name, keys in batch.slices.items():
+            keys = keys.to(context.device)
+            for key in keys[scored].unique().tolist():
+                chosen = scored & (keys == key)
+                hits[name][key][0] += int(right[chosen].sum())
+                hits[name][key][1] += int(chosen.sum())
+        remaining, index = remaining - n, index + 1
+    seconds = time.perf_counter() - start
+    model.train()
+    slices = {
+        name: {str(k): round(c / t, 4) for k, (c, t) in sorted(keys.items())}
+        for name, keys in hits.items()
+    }
+    return {
+        "accuracy": round(correct / max(total, 1), 4),
+        "slices": slices,
+        "ms_per_sequence": round(1e3 * seconds / settings["eval_samples"], 3),
+    }

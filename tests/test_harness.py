@@ -1,0 +1,228 @@
+"""The eval harness: a tiny run learns, sweeps resume and survive failing cells, torchrun gives
+the same results, the report renders, and bad configs fail with the file and the key."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import eval.train
+from eval import distributed
+from eval.config import ConfigError, load_config
+from eval.report import write_report
+from eval.run import RunConfig, cells, check_cells, check_names, run
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = distributed.Context(0, 1, torch.device("cpu"))
+TINY = [
+    "tasks=[mqar]",
+    "task_params={mqar: {vocab_size: 32, num_kv_pairs: 4}}",
+    "train_lengths=[32]",
+    "test_lengths=[32, 64]",
+    "encodings=[rope]",
+    "model={dim: 32, depth: 2, heads: 2, mlp_dim: 0}",
+    "train={steps: 20, batch_size: 8, eval_samples: 16, eval_batch_size: 8}",
+]
+
+
+def tiny(tmp_path: Path, *extra: str) -> RunConfig:
+    config = load_config(RunConfig, None, [*TINY, f"out={tmp_path}", *extra])
+    check_names(config, "test")
+    check_cells(cells(config), "test")
+    return config
+
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_full_attention_learns_associative_recall(tmp_path):
+    config = tiny(
+        tmp_path,
+        "variants=[full]",
+        "task_params={mqar: {vocab_size: 16, num_kv_pairs: 2}}",
+        "train={steps: 1200, batch_size: 32, lr: 0.003, eval_samples: 256}",
+        "test_lengths=[32]",
+    )
+    (record,) = read(run(config, "test", CPU, show_progress=False))
+    assert record["status"] == "ok", record.get("reason")
+    # Values come from 8 symbols (chance 1/8); knowing only which 2 values a sequence holds gives
+    # 1/2. Above that the model recalls which value belongs to which key.
+    assert record["accuracy"]["32"] >= 0.6, record["accuracy"]
+
+
+def test_records_hold_what_the_report_needs(tmp_path):
+    config = tiny(
+        tmp_path,
+        "variants=[local, bigbird]",
+        "variant_params={local: {window_size: 4}, bigbird: {block_size: 8}}",
+    )
+    records = read(run(config, "test", CPU, show_progress=False))
+    assert [r["cell"]["variant"] for r in records] == ["local", "bigbird"]
+    for r in records:
+        assert r["status"] == "ok"
+        assert set(r["accuracy"]) == {"32", "64"} and all(
+            0 <= a <= 1 for a in r["accuracy"].values()
+        )
+        assert {"gap", "num_kv_pairs"} <= set(r["slices"]["64"])
+        assert r["steps_per_second"] > 0 and r["environment"]["torch"] == torch.__version__
+        assert r["cell"]["variant_params"] and r["cell"]["key"]
+
+
+def test_an_interrupted_sweep_resumes_without_recomputing(tmp_path, monkeypatch):
+    config = tiny(
+        tmp_path, "variants=[full, local, block_local]", "variant_params={local: {window_size: 4}}"
+    )
+    real_train, calls = eval.train.train, []
+
+    def interrupt_second_cell(cell, context, *rest):
+        calls.append(cell["variant"])
+        if calls == ["full", "local"]:
+            raise KeyboardInterrupt  # as if killed after the first cell
+        return real_train(cell, context, *rest)
+
+    monkeypatch.setattr(eval.train, "train", interrupt_second_cell)
+    with pytest.raises(KeyboardInterrupt):
+        run(config, "test", CPU, show_progress=False)
+    first = (tmp_path / "results.jsonl").read_text()
+    assert [r["cell"]["variant"] for r in read(tmp_path / "results.jsonl")] == ["full"]
+
+    calls.clear()
+    results = run(config, "test", CPU, show_progress=False)
+    assert calls == ["local", "block_local"], "the finished cell must not run again"
+    assert results.read_text().startswith(first), "nothing already written may change"
+    assert [r["cell"]["variant"] for r in read(results)] == ["full", "local", "block_local"]
+    calls.clear()
+    run(config, "test", CPU, show_progress=False)
+    assert calls == []
+
+
+def test_a_failing_cell_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    config = tiny(tmp_path, "variants=[full, local]", "variant_params={local: {window_size: 4}}")
+    real_train = eval.train.train
+
+    def out_of_memory_for_full(cell, context, *rest):
+        if cell["variant"] == "full":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+        return real_train(cell, context, *rest)
+
+    monkeypatch.setattr(eval.train, "train", out_of_memory_for_full)
+    failed, ok = read(run(config, "test", CPU, show_progress=False))
+    assert failed["status"] == "failed" and "out of memory" in failed["reason"]
+    assert ok["status"] == "ok" and ok["cell"]["variant"] == "local"
+
+
+def test_a_backend_that_cannot_train_fails_its_cell_not_the_sweep(tmp_path):
+    config = tiny(
+        tmp_path, "variants=[local]", "backend=flex", "variant_params={local: {window_size: 4}}"
+    )
+    (record,) = read(run(config, "test", CPU, show_progress=False))
+    assert record["status"] == "failed" and "no backward pass on cpu" in record["reason"]
+
+
+def test_report_renders_tables_and_plots(tmp_path):
+    config = tiny(tmp_path, "variants=[full, local]", "variant_params={local: {window_size: 4}}")
+    results = run(config, "test", CPU, show_progress=False)
+    text = write_report(results)
+    assert "| mqar" in text and "local" in text and "full" in text
+    csv_lines = (tmp_path / "results.csv").read_text().splitlines()
+    assert len(csv_lines) == 1 + 2 * 2  # header, 2 cells x 2 test lengths
+    for name in ("accuracy_vs_length.png", "accuracy_vs_cost.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "report.md").read_text() == text
+
+
+def test_two_process_torchrun_gives_the_same_results_shape(tmp_path):
+    config_file = tmp_path / "tiny.yaml"
+    config_file.write_text("name: tiny\n")
+    overrides = [*TINY, "variants=[local]", "variant_params={local: {window_size: 4}}"]
+    command = ["-m", "eval", "run", "--no-progress", "--no-report", str(config_file), *overrides]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    launchers = {
+        "single": [sys.executable],
+        "double": [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--master_port=29533",
+        ],
+    }
+    for name, launcher in launchers.items():
+        done = subprocess.run(
+            [*launcher, *command, f"out={tmp_path / name}"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+    (a,), (b,) = (
+        read(tmp_path / "single" / "results.jsonl"),
+        read(tmp_path / "double" / "results.jsonl"),
+    )
+    assert a.keys() == b.keys() and a["cell"] == b["cell"] and a["status"] == b["status"] == "ok"
+    assert a["accuracy"].keys() == b["accuracy"].keys() and a["slices"].keys() == b["slices"].keys()
+    assert b["environment"]["world_size"] == 2 and a["environment"]["world_size"] == 1
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["tasks=[mqr]"], r"tasks\[0\]: unknown task 'mqr'; did you mean 'mqar'"),
+        (
+            ["variants=[full, bigbrid]"],
+            r"variants\[1\]: unknown variant 'bigbrid'; did you mean 'bigbird'",
+        ),
+        (
+            ["encodings=[alibii]"],
+            r"encodings\[0\]: unknown encoding 'alibii'; did you mean 'alibi'",
+        ),
+        (["trian.steps=3"], r"unknown key 'trian'; did you mean 'train'"),
+        (["train.stepz=3"], r"train: unknown key 'stepz'; did you mean 'steps'"),
+        (["train.steps=many"], r"train: steps must be int, got 'many'"),
+        (["encodings=[learned]", "encoding_params={learned: {max_len: 40}}"], r"max_len=40 .* 64"),
+        (["variant_params={lokal: {window_size: 3}}"], r"variant_params: unknown variant 'lokal'"),
+    ],
+)
+def test_bad_configs_name_the_file_and_the_key(tmp_path, overrides, message):
+    config_file = tmp_path / "sweep.yaml"
+    config_file.write_text("name: sweep\n")
+    with pytest.raises(ConfigError, match=message) as error:
+        config = load_config(RunConfig, config_file, [*TINY, *overrides])
+        check_names(config, str(config_file))
+        check_cells(cells(config), str(config_file))
+    assert str(config_file) in str(error.value) or "sweep.yaml" in str(error.value)
+
+
+def test_the_command_line_reports_config_errors(tmp_path, capsys):
+    from eval.run import main
+
+    assert main([str(ROOT / "eval/configs/quick.yaml"), "variants=[nope]"]) == 2
+    assert "quick.yaml: variants[0]: unknown variant 'nope'" in capsys.readouterr().err
+
+
+def test_attention_map_of_a_trained_checkpoint(tmp_path):
+    from matplotlib.image import imread
+
+    from eval.attention_map import attention_map
+
+    config = tiny(
+        tmp_path,
+        "variants=[local]",
+        "variant_params={local: {window_size: 4}}",
+        "save_checkpoints=true",
+    )
+    (record,) = read(run(config, "test", CPU, show_progress=False))
+    (checkpoint,) = (tmp_path / "checkpoints").glob("*.pt")
+    assert checkpoint.stem == record["cell"]["key"]
+    picture = attention_map(checkpoint, tmp_path / "map.png", layer=1, head=1, length=64)
+    assert imread(picture).shape[:2] == (600, 600)
+    with pytest.raises(ValueError, match=r"layer must be in \[0, 1\], got 2"):
+        attention_map(checkpoint, tmp_path / "bad.png", layer=2)

@@ -1,0 +1,244 @@
+"""Tests of the synthetic task generators in eval/tasks: contracts, labels and validation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from eval.tasks import TASKS, get_task, induction, list_tasks, listops, mqar, passkey
+from eval.tasks import copy as copy_task
+from eval.tasks import selective_copy as sel_copy
+from eval.tasks.base import IGNORE, PAD, pow2_bucket, pow2_bucket_int
+
+# Small but non-trivial configurations, so the whole file stays fast.
+CONFIGS = {
+    "mqar": dict(seq_len=128, num_kv_pairs=8, vocab_size=512),
+    "listops": dict(seq_len=100, min_length=20, max_length=100),
+    "selective_copy": dict(seq_len=96, num_tokens=8),
+    "induction": dict(seq_len=64),
+    "passkey": dict(seq_len=80, num_digits=5),
+    "copy": dict(seq_len=41),
+}
+
+
+def make(name: str, **override):
+    return get_task(name, **{**CONFIGS[name], **override})
+
+
+def assert_batches_equal(a, b) -> None:
+    assert a.slices.keys() == b.slices.keys()
+    left = [a.inputs, a.targets, a.padding_mask, *a.slices.values()]
+    right = [b.inputs, b.targets, b.padding_mask, *b.slices.values()]
+    for x, y in zip(left, right, strict=True):
+        assert (x is None and y is None) or torch.equal(x, y)
+
+
+def test_registry_lists_every_task() -> None:
+    assert list_tasks() == sorted(CONFIGS)
+    assert set(TASKS) == set(CONFIGS)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_deterministic_and_seed_dependent(name: str) -> None:
+    task = make(name)
+    assert_batches_equal(task.sample(16, seed=3), task.sample(16, seed=3))
+    assert_batches_equal(make(name).sample(16, seed=3), task.sample(16, seed=3))
+    assert not torch.equal(task.sample(16, seed=3).inputs, task.sample(16, seed=4).inputs)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_batch_contract(name: str) -> None:
+    task = make(name)
+    n, L = 32, task.seq_len
+    batch = task.sample(n, seed=0)
+    assert batch.inputs.shape == (n, L) and batch.inputs.dtype == torch.int64
+    want = (n, L) if task.head == "token" else (n,)
+    assert task.head in ("token", "sequence")
+    assert batch.targets.shape == want and batch.targets.dtype == torch.int64
+    assert batch.inputs.min() >= 0 and batch.inputs.max() < task.vocab_size
+    if batch.padding_mask is None:
+        assert (batch.inputs != PAD).all()
+    else:
+        assert batch.padding_mask.shape == (n, L) and batch.padding_mask.dtype == torch.bool
+        assert torch.equal(batch.padding_mask, batch.inputs == PAD)
+    scored = batch.targets != IGNORE
+    assert scored.reshape(n, -1).any(dim=1).all(), "every sequence needs a scored target"
+    assert batch.targets[scored].min() >= 0 and batch.targets[scored].max() < task.num_classes
+    if task.head == "token" and batch.padding_mask is not None:
+        assert not (scored & batch.padding_mask).any()
+    assert batch.slices
+    for key, value in batch.slices.items():
+        assert value.shape == batch.targets.shape and value.dtype == torch.int64, key
+    record = task.describe()
+    assert record["task"] == name and record["seq_len"] == L
+    json.dumps(record)  # result records must be serialisable
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_vocab_independent_of_seq_len(name: str) -> None:
+    short, long = make(name), make(name, seq_len=CONFIGS[name]["seq_len"] * 3)
+    assert (short.vocab_size, short.num_classes) == (long.vocab_size, long.num_classes)
+    batch = long.sample(4, seed=1)
+    assert batch.inputs.max() < short.vocab_size
+
+
+# Each checker recomputes the labels from the tokens alone, differently from the generator.
+CHECKERS = {
+    "mqar": lambda task, row: mqar.solve(row, task.num_kv_pairs),
+    "listops": lambda task, row: listops.solve(row),
+    "selective_copy": lambda task, row: sel_copy.solve(row),
+    "induction": lambda task, row: induction.solve(row),
+    "passkey": lambda task, row: passkey.solve(row, task.num_digits),
+    "copy": lambda task, row: copy_task.solve(row),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_labels_match_independent_checker(name: str) -> None:
+    task = make(name)
+    batch = task.sample(200, seed=11)
+    for row, target in zip(batch.inputs.tolist(), batch.targets.tolist(), strict=True):
+        assert CHECKERS[name](task, row) == target
+
+
+def test_slices_match_recomputed_keys() -> None:
+    task = make("mqar")
+    b = task.sample(50, seed=2)
+    rows = zip(b.inputs.tolist(), b.targets.tolist(), b.slices["gap"].tolist(), strict=True)
+    for row, tgt, gap in rows:
+        for pos, t in enumerate(tgt):
+            if t != IGNORE:
+                assert gap[pos] == pow2_bucket_int(pos - row.index(row[pos]))
+    b = make("induction").sample(50, seed=2)
+    for row, dist in zip(b.inputs.tolist(), b.slices["distance"].tolist(), strict=True):
+        assert dist[-1] == pow2_bucket_int(len(row) - 1 - row.index(induction.SPECIAL))
+    task = make("passkey")
+    b = task.sample(50, seed=2)
+    starts = task.seq_len - 2 * task.num_digits - 1
+    for row, depth in zip(b.inputs.tolist(), b.slices["depth"].tolist(), strict=True):
+        assert depth[-1] == int(10 * row.index(passkey.KEY) / starts)
+    assert set(b.slices["depth"][:, -1].tolist()) <= set(range(10))
+    b = make("listops").sample(50, seed=2)
+    for row, depth in zip(b.inputs.tolist(), b.slices["depth"].tolist(), strict=True):
+        assert depth == listops.depth_of(row)
+    index = make("copy").sample(2, seed=2).slices["index"][:, -20:]
+    assert index.tolist() == [[pow2_bucket_int(i) for i in range(20)]] * 2
+
+
+def test_pow2_bucket() -> None:
+    x = torch.arange(0, 5000)
+    assert pow2_bucket(x).tolist() == [pow2_bucket_int(v) for v in range(5000)]
+    assert pow2_bucket(torch.tensor([1, 2, 3, 4, 1024, 1025])).tolist() == [1, 2, 2, 4, 1024, 1024]
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("[MED 1 2 3 4 ]", 2),
+        ("[SM 9 9 ]", 8),
+        ("[MIN 3 [MAX 1 7 ] 5 ]", 3),
+        ("[MED 5 1 9 ]", 5),
+        ("[MAX 2 [SM 5 6 ] [MED 0 9 ] ]", 4),
+        ("7", 7),
+    ],
+)
+def test_listops_hand_worked(text: str, value: int) -> None:
+    assert listops.solve(listops.encode(text)) == value
+
+
+def test_listops_generator_operators() -> None:
+    assert listops._apply(listops.MED, [1, 2, 3, 4]) == 2
+    assert listops._apply(listops.MED, [0, 9]) == 4
+    assert listops._apply(listops.SM, [9, 9]) == 8
+    assert listops._apply(listops.MIN, [4, 2, 8]) == 2
+    assert listops._apply(listops.MAX, [4, 2, 8]) == 8
+
+
+def test_listops_lengths_and_padding() -> None:
+    task = make("listops", seq_len=120, min_length=30, max_length=80)
+    b = task.sample(300, seed=5)
+    lengths = b.meta["lengths"]
+    assert (lengths > 30).all() and (lengths < 80).all()
+    assert torch.equal((~b.padding_mask).sum(dim=1), lengths)
+    assert len({tuple(row) for row in b.inputs.tolist()}) == 300, "duplicates must be dropped"
+    assert torch.equal(b.slices["length"], pow2_bucket(lengths))
+    assert (b.slices["depth"] >= 1).all() and (b.slices["depth"] <= 9).all()
+
+
+def test_mqar_structure() -> None:
+    task = get_task("mqar", seq_len=256, num_kv_pairs=16, vocab_size=1024)
+    b = task.sample(200, seed=7)
+    kv, V = 16, 1024
+    keys, values = b.inputs[:, 0 : 2 * kv : 2], b.inputs[:, 1 : 2 * kv : 2]
+    assert (keys >= 1).all() and (keys < V // 2).all()
+    assert (values >= V // 2).all() and (values < V).all()
+    assert all(len(set(row)) == kv for row in keys.tolist()), "keys must be distinct"
+    query = b.inputs[:, 2 * kv :]
+    is_key = (query.unsqueeze(2) == keys.unsqueeze(1)).any(dim=2)
+    assert torch.equal(is_key, b.targets[:, 2 * kv :] != IGNORE), "targets only at queries"
+    assert (is_key.sum(dim=1) == kv).all(), "each key is queried exactly once"
+    assert (b.targets[:, : 2 * kv] == IGNORE).all()
+    assert (b.slices["num_kv_pairs"] == kv).all()
+
+
+def gap_index_histogram(power_a: float) -> torch.Tensor:
+    task = get_task("mqar", seq_len=256, num_kv_pairs=8, power_a=power_a)
+    b = task.sample(1000, seed=9)
+    ctx = 2 * task.num_kv_pairs
+    pos = (b.targets[:, ctx:] != IGNORE).nonzero()[:, 1]
+    return torch.bincount(pos // 2, minlength=(256 - ctx) // 2)
+
+
+def test_mqar_gaps_follow_power_law() -> None:
+    hist = gap_index_histogram(0.01)
+    assert hist[:10].sum() > 5 * hist[-10:].sum()
+    assert hist[:40].sum() > hist[40:80].sum() > hist[80:].sum() * 0.5
+    # The uniform setting (a = 1) must not show the skew, or the test above proves nothing.
+    flat = gap_index_histogram(1.0)
+    assert flat[:10].sum() < 2 * flat[-10:].sum()
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "words"),
+    [
+        ("mqar", dict(seq_len=16, num_kv_pairs=8), ["seq_len=16", "num_kv_pairs=8"]),
+        ("mqar", dict(seq_len=64, num_kv_pairs=9, vocab_size=16), ["num_kv_pairs=9"]),
+        ("mqar", dict(seq_len=64, power_a=0), ["power_a", "0"]),
+        ("listops", dict(seq_len=1024), ["seq_len=1024", "max_length=2000"]),
+        ("listops", dict(seq_len=100, max_args=1), ["max_args", "1"]),
+        ("listops", dict(seq_len=100, min_length=50, max_length=51), ["max_length=51"]),
+        ("selective_copy", dict(seq_len=10, num_tokens=6), ["seq_len=10", "num_tokens=6"]),
+        ("selective_copy", dict(seq_len=10, num_tokens=-2), ["num_tokens", "-2"]),
+        ("induction", dict(seq_len=2), ["seq_len=2"]),
+        ("induction", dict(seq_len=10, vocab_size=2), ["vocab_size", "2"]),
+        ("passkey", dict(seq_len=11, num_digits=5), ["seq_len=11", "num_digits=5"]),
+        ("passkey", dict(seq_len=100, num_digits=0), ["num_digits", "0"]),
+        ("copy", dict(seq_len=10, num_tokens=5), ["seq_len=10", "num_tokens=5"]),
+        ("copy", dict(seq_len=10, num_tokens=2.5), ["num_tokens", "2.5"]),
+        ("copy", dict(seq_len=0), ["seq_len", "0"]),
+    ],
+)
+def test_bad_parameters_are_named(name: str, params: dict, words: list[str]) -> None:
+    with pytest.raises(ValueError) as err:
+        get_task(name, **params)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_unknown_names_suggest_close_matches() -> None:
+    with pytest.raises(ValueError, match=r"unknown task 'mqr'; did you mean 'mqar'\?"):
+        get_task("mqr", seq_len=64)
+    with pytest.raises(ValueError, match="did you mean 'num_kv_pairs'"):
+        get_task("mqar", seq_len=64, num_kv=4)
+    with pytest.raises(ValueError, match="seq_len"):
+        get_task("copy")
+
+
+def test_bad_sample_arguments() -> None:
+    task = make("copy")
+    with pytest.raises(ValueError, match="n must be positive, got 0"):
+        task.sample(0, seed=1)
+    with pytest.raises(ValueError, match="seed must be at least 0, got -1"):
+        task.sample(4, seed=-1)
