@@ -1,0 +1,211 @@
+"""``python -m eval bench [CONFIG.yaml] [key=value ...]``: time and memory of every variant on every
+backend, beside the peers (dense SDPA, FlexAttention with a standard block mask, xFormers).
+
+The sweep is lengths x causal x passes x (the dense peer, then per variant: the zoo backends and the
+per-variant peers). Every cell of one (length, causal, pass) point sees the same q, k, v. Each
+cell's output is checked against the reference backend before it is timed (at n <= check_max_len);
+a failure (out of memory, a backend that cannot run the call, a mismatch) is recorded and the sweep
+goes on; after an out-of-memory, longer lengths of that series are skipped. Without a config,
+eval/configs/bench.yaml runs on CUDA and eval/configs/bench_cpu.yaml elsewhere.
+
+Writes ``bench.json`` (header and cells, rewritten after every point), ``bench.md`` and PNG plots
+under ``out``; see eval/bench_cell.py for the cell fields and eval/bench_report.py for the derived
+figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zoo.backends import Backend
+
+from . import bench_markdown, bench_plots, bench_report
+from .bench_config import BenchConfig, check_config, resolve_device, resolve_dtype
+from .bench_impls import PEERS
+from .bench_measure import TOLERANCE
+from .bench_sweep import Sweep, run_cells
+from .config import ConfigError, load_config
+
+CONFIGS = Path(__file__).with_name("configs")
+
+__all__ = ["PEERS", "BenchConfig", "check_config", "main", "run_bench"]
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU model."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def environment(sweep: Sweep, argv: list[str], source: str) -> dict[str, Any]:
+    """bench.json's header: the machine, the library versions, the config, the command line."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:  # not installed (CPU wheels), or broken
+        triton_version = None
+    cuda = sweep.device.type == "cuda"
+    return {
+        "device": device_name(sweep.device),
+        "device_type": sweep.device.type,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "threads": torch.get_num_threads(),
+        "dtype": str(sweep.dtype).removeprefix("torch."),
+        "tolerance": TOLERANCE[sweep.dtype],
+        "command": shlex.join(getattr(sys, "orig_argv", sys.argv)),
+        "argv": list(argv),
+        "config_file": source,
+        "config": asdict(sweep.config),
+        "variants": sweep.variants,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "load_average_start": _load_average(),
+    }
+
+
+def _load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages: other work on the machine skews CPU timings."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):  # not on every platform
+        return None
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe: non-finite floats become strings ("nan"), which strict JSON cannot hold."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def write_json(path: Path, header: dict[str, Any], cells: list[dict], **extra: Any) -> None:
+    path.write_text(json.dumps(_plain({"header": header, "cells": cells, **extra}), indent=1))
+
+
+def run_bench(
+    config: BenchConfig,
+    source: str = "defaults",
+    argv: list[str] | None = None,
+    extra_backends: dict[str, Backend] | None = None,
+) -> Path:
+    """Run the sweep and write its outputs; returns the output directory."""
+    extra = dict(extra_backends or {})
+    variants = check_config(config, source, extra)
+    device = resolve_device(config.device, source)
+    sweep = Sweep(config, variants, device, resolve_dtype(config.dtype, device), extra)
+    with compiler_settings(device), thread_count(config.threads):
+        return _run(sweep, source, argv or [])
+
+
+def _run(sweep: Sweep, source: str, argv: list[str]) -> Path:
+    config, device = sweep.config, sweep.device
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(config.out.format(device=device.type, timestamp=stamp))
+    out.mkdir(parents=True, exist_ok=True)
+    header = environment(sweep, argv, source)
+    started = time.perf_counter()
+    print(f"bench: {source} on {header['device']} -> {out}", flush=True)
+    cells = run_cells(
+        sweep, lambda done: write_json(out / "bench.json", header, done, complete=False)
+    )
+    header["wall_seconds"] = round(time.perf_counter() - started, 1)
+    header["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    header["load_average_end"] = _load_average()
+    exps = bench_report.exponents(cells, config.fit_points)
+    goals = bench_report.goals(cells, exps, device.type)
+    plots = bench_plots.plot_all(cells, out)
+    write_json(out / "bench.json", header, cells, complete=True, exponents=exps, goals=goals)
+    (out / "bench.md").write_text(bench_markdown.render(header, cells, exps, goals, plots))
+    print("\n## Fitted exponents\n\n" + bench_markdown.exponent_table(exps))
+    print("\n## Goals\n\n" + "\n".join(goals))
+    print(f"\nwrote {out / 'bench.json'}, {out / 'bench.md'} and {len(plots)} plots", flush=True)
+    return out
+
+
+@contextlib.contextmanager
+def compiler_settings(device: torch.device) -> Iterator[None]:
+    """Every shape and mask is its own compiled graph: past dynamo's recompile limit FlexAttention
+    would fall back silently to its dense eager path (and the sweep would time that), so the limit
+    is raised for good (raising it harms nothing; restoring it could undo the zoo's own raise). On
+    the CPU, inductor compiles in-process during the sweep: its pool of compile workers would
+    compete for the cores being timed."""
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+
+    for name in ("recompile_limit", "accumulated_recompile_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), 100_000))
+    threads = {"compile_threads": 1} if device.type == "cpu" else {}
+    with inductor_config.patch(threads):
+        yield
+
+
+@contextlib.contextmanager
+def thread_count(threads: int) -> Iterator[None]:
+    """torch's CPU threads for the sweep (0 keeps the current count), restored afterwards."""
+    before = torch.get_num_threads()
+    if threads > 0:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def default_config() -> Path:
+    """The GPU sweep where there is a GPU, the CPU sweep elsewhere."""
+    return CONFIGS / ("bench.yaml" if torch.cuda.is_available() else "bench_cpu.yaml")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``bench`` command; returns the exit status (2 for a bad config)."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m eval bench", description=__doc__.split(":")[0])
+    parser.add_argument("items", nargs="*", help="[CONFIG.yaml] [key=value ...], e.g. repeats=50")
+    args = parser.parse_args(argv)
+    items = list(args.items)
+    path = items.pop(0) if items and "=" not in items[0] else None
+    path = str(default_config()) if path is None else path
+    try:
+        config = load_config(BenchConfig, path, items)
+        check_config(config, path, {})
+        resolve_device(config.device, path)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    run_bench(config, path, argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""The benchmark's config schema (for ``eval.config.load_config``) and its checks.
+
+Defaults are the GPU sweep of eval/configs/bench.yaml; every key can be overridden on the command
+line (``repeats=50 lengths=[1024,2048]``). Errors name the file, the key, the value and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+import zoo
+from zoo.checks import suggest
+
+from .bench_impls import PEERS
+from .config import ConfigError
+
+PASSES = ("fwd", "fwd+bwd")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEVICES = ("auto", "cpu", "cuda")
+MINIMUMS = {"batch": 1, "heads": 1, "head_dim": 1, "repeats": 1, "warmup": 0, "check_max_len": 0,
+            "fit_points": 2, "threads": 0}  # fmt: skip
+
+
+@dataclass
+class BenchConfig:
+    """One benchmark sweep."""
+
+    variants: list[str] = field(default_factory=lambda: ["*"])  # names or globs; "*": all
+    backends: list[str] = field(default_factory=lambda: ["auto", "flex", "blocked"])
+    peers: list[str] = field(default_factory=lambda: ["sdpa_dense", "flex_standard", "xformers"])
+    lengths: list[int] = field(default_factory=lambda: [1024 * 2**i for i in range(7)])
+    passes: list[str] = field(default_factory=lambda: ["fwd", "fwd+bwd"])
+    causal: list[bool] = field(default_factory=lambda: [False, True])
+    batch: int = 1
+    heads: int = 16
+    head_dim: int = 64
+    dtype: str = "auto"  # bfloat16 on CUDA, float32 on CPU
+    warmup: int = 5
+    repeats: int = 30
+    check_max_len: int = 4096  # the largest n whose cells are checked against the reference
+    params: dict[str, dict] = field(default_factory=dict)  # variant -> parameter overrides
+    out: str = "eval/results/bench-{device}-{timestamp}"
+    device: str = "auto"
+    seed: int = 0
+    threads: int = 0  # CPU threads for torch; 0 keeps torch's default
+    fit_points: int = 3  # the largest successful lengths an exponent is fitted over
+
+
+def _unknown(source: str, key: str, index: int, kind: str, name: str, known, listing: str) -> str:
+    return f"{source}: {key}[{index}]: {suggest(kind, str(name), known, listing)}"
+
+
+def expand_variants(config: BenchConfig, source: str) -> list[str]:
+    """Variant names, globs expanded (``*`` is every registered variant), in config order."""
+    out: list[str] = []
+    known = zoo.list_variants()
+    for i, name in enumerate(config.variants):
+        matched = zoo.list_variants(name) if any(ch in name for ch in "*?[") else [name]
+        if not matched:
+            raise ConfigError(f"{source}: variants[{i}]: the glob {name!r} matches no variant")
+        for variant in matched:
+            if variant not in known:
+                listing = "zoo.list_variants()"
+                message = _unknown(source, "variants", i, "variant", variant, known, listing)
+                raise ConfigError(message)
+            if variant not in out:
+                out.append(variant)
+    return out
+
+
+def check_config(config: BenchConfig, source: str, extra_backends: dict | None = None) -> list[str]:
+    """Check names and values; returns the variants the sweep runs."""
+    variants = expand_variants(config, source)
+    backends = [*zoo.list_backends(), "auto", *(extra_backends or {})]
+    for i, name in enumerate(config.backends):
+        if name not in backends:
+            listing = "zoo.list_backends()"
+            raise ConfigError(_unknown(source, "backends", i, "backend", name, backends, listing))
+    for i, name in enumerate(config.peers):
+        if name not in PEERS:
+            raise ConfigError(_unknown(source, "peers", i, "peer", name, PEERS, "the bench docs"))
+    for i, name in enumerate(config.passes):
+        if name not in PASSES:
+            raise ConfigError(_unknown(source, "passes", i, "pass", name, PASSES, "the bench docs"))
+    if not config.lengths or any(n < 1 for n in config.lengths):
+        raise ConfigError(f"{source}: lengths must be positive ints, got {config.lengths!r}")
+    if not config.causal:
+        raise ConfigError(f"{source}: causal must list false, true or both, got []")
+    for key, minimum in MINIMUMS.items():
+        value = getattr(config, key)
+        if value < minimum:
+            raise ConfigError(f"{source}: {key} must be at least {minimum}, got {value}")
+    if config.dtype != "auto" and config.dtype not in DTYPES:
+        raise ConfigError(
+            f"{source}: dtype must be auto or one of {', '.join(DTYPES)}, got {config.dtype!r}"
+        )
+    try:
+        config.out.format(device="cpu", timestamp="0")
+    except (KeyError, IndexError, ValueError) as error:
+        raise ConfigError(
+            f"{source}: out {config.out!r} may use only {{device}} and {{timestamp}} "
+            f"(double other braces): {error!r}"
+        ) from error
+    if config.device not in DEVICES:
+        raise ConfigError(f"{source}: device must be auto, cpu or cuda, got {config.device!r}")
+    for name, params in config.params.items():
+        if name not in zoo.list_variants():
+            unknown = suggest("variant", str(name), zoo.list_variants(), "zoo.list_variants()")
+            raise ConfigError(f"{source}: params: {unknown}")
+        if not isinstance(params, dict):
+            raise ConfigError(f"{source}: params: {name} must map parameter names to values")
+        try:
+            zoo.get_spec(name).build(**params)
+        except (TypeError, ValueError) as error:
+            raise ConfigError(f"{source}: params: {name}: {error}") from error
+    return variants
+
+
+def resolve_device(name: str, source: str) -> torch.device:
+    """'auto' is CUDA where there is one; asking for CUDA without one is a config error."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"{source}: device cuda asked for, but torch sees no CUDA device here; "
+            "use device=cpu or device=auto"
+        )
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto': bfloat16 on CUDA, float32 on CPU (CPU bf16 kernels are slow, not representative)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]

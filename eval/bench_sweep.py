@@ -1,0 +1,153 @@
+"""The benchmark's loop: points in order, the cells of each point, progress and partial results.
+
+Order: lengths (shortest first) x causal x passes; at each point the dense peer first (the other
+cells' realization needs its time), then per variant the zoo backends and the per-variant peers.
+After an out-of-memory, the longer lengths of that (variant, backend, pass, causal) are skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import zoo
+from zoo.backends import Backend
+from zoo.functional import resolve_pattern
+
+from . import bench_report
+from .bench_cell import Settings, measure_cell, new_record
+from .bench_config import BenchConfig
+from .bench_impls import Point, SdpaDense, ZooImpl, clear_zoo_caches, variant_peer
+from .bench_measure import free_memory
+
+
+@dataclass
+class Sweep:
+    """A checked config and what it resolved to."""
+
+    config: BenchConfig
+    variants: list[str]
+    device: torch.device
+    dtype: torch.dtype
+    extra_backends: dict[str, Backend] = field(default_factory=dict)  # tests: instances by name
+
+    def implementations(self) -> list[Any]:
+        """Per point, in order: the dense peer, then each variant's backends and peers."""
+        config = self.config
+        out: list[Any] = [SdpaDense()] if "sdpa_dense" in config.peers else []
+        for variant in self.variants:
+            params = dict(config.params.get(variant, {}))
+            for name in config.backends:
+                out.append(ZooImpl(name, self.extra_backends.get(name, name), variant, params))
+            out += [variant_peer(p, variant, params) for p in config.peers if p != "sdpa_dense"]
+        return out
+
+
+def random_inputs(sweep: Sweep, n: int) -> list[torch.Tensor]:
+    """q, k, v and the output gradient: unit variance, seeded by the config's seed and n."""
+    c = sweep.config
+    generator = torch.Generator(device=sweep.device).manual_seed(c.seed * 1_000_003 + n)
+    shape = (c.batch, c.heads, n, c.head_dim)
+    return [
+        torch.randn(shape, generator=generator, device=sweep.device).to(sweep.dtype)
+        for _ in range(4)
+    ]
+
+
+def make_point(sweep: Sweep, n: int, causal: bool, backward: bool, base: list) -> Point:
+    q, k, v, grad_out = base
+    if backward:  # leaves on the same storage: the same values in both passes
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    return Point(n, causal, backward, q, k, v, grad_out, n <= sweep.config.check_max_len)
+
+
+def allowed_pairs_for(variant: str, params: dict, causal: bool, n: int) -> int | None:
+    """Exact allowed pairs of the variant (intersected with causal), or None where it cannot be
+    built at this length (its cells then record why)."""
+    try:
+        return zoo.allowed_pairs(resolve_pattern(variant, causal, dict(params)), n, n)
+    except ValueError:
+        return None
+
+
+def progress(i: int, total: int, cell: dict[str, Any]) -> str:
+    """The one line printed when a cell finishes."""
+    backend = cell["backend"]
+    if cell["resolved"] and cell["resolved"] != backend:
+        backend += f"->{cell['resolved']}"
+    head = (
+        f"[{i}/{total}] n={cell['n']} {'causal' if cell['causal'] else 'non-causal'} "
+        f"{cell['pass']} {cell['variant']}/{backend}: {cell['status']}"
+    )
+    if cell["status"] != "ok":
+        return f"{head}: {cell['reason']}"
+    bits = [f"{cell['time_ms']:.3g} ms"]
+    if cell["useful_tflops"] is not None:
+        bits.append(f"{cell['useful_tflops']:.3g} TFLOP/s")
+    if cell["sparsity_realization"] is not None:
+        bits.append(f"realization {cell['sparsity_realization']:.2f}")
+    if cell["peak_memory_mb"] is not None:
+        bits.append(f"{cell['peak_memory_mb']:.0f} MiB")
+    bits.append(f"max err {cell['max_error']:.2g}" if cell["checked"] else "unchecked")
+    return f"{head} {', '.join(bits)}"
+
+
+class Runner:
+    """Runs cells, remembering allowed-pair counts and the lengths that ran out of memory."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.pairs: dict[tuple, int | None] = {}
+        self.oom_at: dict[tuple, int] = {}  # (variant, backend, pass, causal) -> n
+
+    def run(self, impl: Any, point: Point) -> dict[str, Any]:
+        """One cell, or its 'skipped' record after an out-of-memory at a shorter length."""
+        key = (impl.variant, repr(sorted(impl.params.items())), point.causal, point.n)
+        if key not in self.pairs:
+            self.pairs[key] = allowed_pairs_for(impl.variant, impl.params, point.causal, point.n)
+        pairs, total = self.pairs[key], bench_report.all_pairs(point.n, point.causal)
+        series = (impl.variant, impl.name, point.pass_name, point.causal)
+        if series in self.oom_at:
+            cell = new_record(impl, point, pairs, total)
+            reason = f"skipped after out of memory at n={self.oom_at[series]}"
+            cell.update(status="skipped", reason=reason)
+            return cell
+        cell = measure_cell(impl, point, self.settings, pairs, total)
+        if impl.kind == "zoo":
+            clear_zoo_caches()  # masks cached for this cell would hold device memory
+        if cell["status"] == "oom":
+            self.oom_at[series] = point.n
+        if cell["status"] != "ok":
+            free_memory(point.device)
+        return cell
+
+
+def run_cells(sweep: Sweep, save: Callable[[list[dict]], None]) -> list[dict[str, Any]]:
+    """Every cell of the sweep in order, a line printed as each finishes; ``save`` after each
+    point, so an interrupted sweep keeps what it measured."""
+    config = sweep.config
+    impls = sweep.implementations()
+    runner = Runner(Settings(config.warmup, config.repeats))
+    total = len(config.lengths) * len(config.causal) * len(config.passes) * len(impls)
+    cells: list[dict[str, Any]] = []
+    for n in sorted(config.lengths):
+        for causal in config.causal:
+            base = random_inputs(sweep, n)
+            for pass_ in config.passes:
+                point = make_point(sweep, n, causal, pass_ == "fwd+bwd", base)
+                dense = None
+                for impl in impls:
+                    cell = runner.run(impl, point)
+                    if impl.name == "sdpa_dense":
+                        dense = cell
+                    bench_report.realize(cell, dense)
+                    cells.append(cell)
+                    print(progress(len(cells), total, cell), flush=True)
+                del point
+                free_memory(sweep.device)
+                save(cells)
+            del base
+    return cells

@@ -1,0 +1,274 @@
+"""The efficiency benchmark (``python -m eval bench``) on tiny CPU sweeps: what it writes, that the
+reference check really runs, that failures are recorded and the sweep goes on, and its formulas.
+No test asserts a speed."""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+
+import eval.bench_cell as bench_cell
+from eval import bench
+from eval.bench_config import BenchConfig
+from eval.bench_measure import CudaClock, is_oom, peak_memory_mb
+from eval.bench_report import all_pairs, fit_exponent, goal_line, sparsity_realization
+from eval.config import load_config
+from zoo.backends import Backend, Capabilities
+
+SMALL = {"local": {"window_size": 8}, "block_local": {"block_size": 16}}
+
+
+def write_config(tmp_path, **settings) -> str:
+    config = {
+        "variants": ["local", "block_local"],
+        "backends": ["blocked", "sdpa"],
+        "peers": ["sdpa_dense"],
+        "lengths": [64, 128],
+        "passes": ["fwd"],
+        "causal": [False],
+        "heads": 2,
+        "head_dim": 16,
+        "warmup": 1,
+        "repeats": 3,
+        "check_max_len": 128,
+        "params": SMALL,
+        "out": str(tmp_path / "out"),
+        "threads": 2,
+    }
+    config.update(settings)
+    path = tmp_path / "bench.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def read_cells(tmp_path) -> tuple[dict, list[dict]]:
+    data = json.loads((tmp_path / "out" / "bench.json").read_text())
+    return data["header"], data["cells"]
+
+
+def test_main_writes_json_markdown_and_plots_with_checked_cells(tmp_path, capsys):
+    path = write_config(tmp_path, peers=["sdpa_dense", "flex_standard"])
+    assert bench.main([path]) == 0
+    out = tmp_path / "out"
+    assert (out / "bench.md").exists() and (out / "time-fwd-noncausal.png").exists()
+    header, cells = read_cells(tmp_path)
+    for key in ("device", "device_type", "torch", "triton", "cuda", "config", "command"):
+        assert key in header
+    assert header["config"]["lengths"] == [64, 128]
+    # 2 lengths x (the dense peer + 2 variants x (2 backends + flex_standard))
+    assert len(cells) == 2 * (1 + 2 * 3)
+    for cell in cells:
+        assert set(cell) == set(bench_cell.CELL_FIELDS)
+        assert cell["status"] == "ok", cell["reason"]
+        assert cell["checked"] is True and cell["max_error"] < 1e-4
+        assert cell["time_ms"] > 0 and len(cell["times_ms"]) == 3
+        assert cell["peak_memory_mb"] is None  # CPU: no peak counter
+        assert 0 < cell["allowed_pairs"] <= cell["all_pairs"] == cell["n"] ** 2
+        assert cell["useful_tflops"] > 0 and cell["sparsity_realization"] > 0
+    flex = [c for c in cells if c["backend"] == "flex_standard"]
+    assert all(c["mask_build_ms"] >= 0 and c["block_size"] == 128 for c in flex)
+    local = next(c for c in cells if c["variant"] == "local" and c["backend"] == "blocked")
+    assert local["block_size"] == 64 and 0 < local["block_density"] <= 1
+    for field in bench_cell.CELL_FIELDS:
+        assert field in bench_cell.__doc__
+    text = (out / "bench.md").read_text()
+    assert "## Goals" in text and "## Fitted exponents" in text and "O(n·w·d)" in text
+    assert capsys.readouterr().out.count("[14/14]") == 1  # one progress line per cell
+
+
+def test_a_backend_that_cannot_run_a_call_is_recorded_and_the_sweep_goes_on(tmp_path):
+    path = write_config(
+        tmp_path, variants=["local"], backends=["flex", "blocked"], passes=["fwd+bwd"],
+        peers=["flex_standard"], lengths=[64],
+    )  # fmt: skip
+    assert bench.main([path]) == 0
+    _, cells = read_cells(tmp_path)
+    by_backend = {c["backend"]: c for c in cells}
+    for name in ("flex", "flex_standard"):
+        assert by_backend[name]["status"] == "unsupported"
+        assert "no backward pass on cpu" in by_backend[name]["reason"].lower()
+        assert by_backend[name]["time_ms"] is None
+    assert by_backend["blocked"]["status"] == "ok" and by_backend["blocked"]["checked"]
+
+
+class Zeros(Backend):
+    """A deliberately wrong backend: every output is zero."""
+
+    name = "zeros"
+    capabilities = Capabilities(
+        devices=("cpu",), backward=("cpu",), dtypes=(torch.float32,), patterns="any"
+    )
+
+    def forward(self, call):
+        return torch.zeros_like(call.v), None
+
+
+class OutOfMemoryAt128(Backend):
+    """Runs out of memory from n = 128 on."""
+
+    name = "oomer"
+    capabilities = Zeros.capabilities
+
+    def forward(self, call):
+        if call.q_len >= 128:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 8 GiB")
+        return torch.nn.functional.scaled_dot_product_attention(call.q, call.k, call.v), None
+
+
+def test_a_wrong_backend_fails_the_check_and_is_not_timed(tmp_path):
+    path = write_config(tmp_path, variants=["local"], backends=["zeros", "blocked"], peers=[])
+    config = load_config(BenchConfig, path, [])
+    bench.run_bench(config, path, extra_backends={"zeros": Zeros()})
+    _, cells = read_cells(tmp_path)
+    wrong = [c for c in cells if c["backend"] == "zeros"]
+    assert len(wrong) == 2
+    for cell in wrong:
+        assert cell["status"] == "mismatch" and cell["checked"]
+        assert cell["max_error"] > cell["tolerance"] and "reference" in cell["reason"]
+        assert cell["time_ms"] is None and cell["times_ms"] is None
+    assert all(c["status"] == "ok" for c in cells if c["backend"] == "blocked")
+
+
+def test_out_of_memory_is_recorded_and_longer_lengths_are_skipped(tmp_path):
+    path = write_config(
+        tmp_path, variants=["full"], backends=["oomer"], peers=[], lengths=[64, 128, 256]
+    )
+    config = load_config(BenchConfig, path, [])
+    bench.run_bench(config, path, extra_backends={"oomer": OutOfMemoryAt128()})
+    _, cells = read_cells(tmp_path)
+    assert [c["status"] for c in cells] == ["ok", "oom", "skipped"]
+    assert "out of memory" in cells[1]["reason"] and "n=128" in cells[2]["reason"]
+
+
+def test_fitted_exponents_and_realization_on_synthetic_numbers():
+    ns = [1024 * 2**i for i in range(6)]
+    assert fit_exponent(ns, [3e-7 * n**2 for n in ns]) == pytest.approx(2.0)
+    assert fit_exponent(ns, [5e-3 * n for n in ns]) == pytest.approx(1.0)
+    # only the 3 largest lengths count: a constant overhead at small n does not bend the fit
+    values = [1.0, 1.0, 1.0, *(2e-3 * n for n in ns[3:])]
+    assert fit_exponent(ns, values) == pytest.approx(1.0)
+    assert fit_exponent([1024], [1.0]) is None
+    assert fit_exponent(ns, [None] * len(ns)) is None
+    # 4x faster than dense while computing a tenth of the pairs: 40% of the ideal speed-up
+    assert sparsity_realization(8.0, 2.0, 1000, 100) == pytest.approx(0.4)
+    assert sparsity_realization(None, 2.0, 1000, 100) is None
+    assert all_pairs(4, causal=False) == 16 and all_pairs(4, causal=True) == 10
+    assert bench_cell.useful_tflops(10**6, 1, 2, 64, False, 1.0) == pytest.approx(0.512)
+    assert bench_cell.useful_tflops(10**6, 1, 2, 64, True, 1.0) == pytest.approx(0.512 * 3.5)
+    assert "met by 0.3" in goal_line("x", 0.7, "<=", 1.0)
+    assert "missed by 0.2" in goal_line("x", 0.5, ">=", 0.7)
+
+
+def test_cuda_clock_and_peak_memory_logic_with_a_fake_cuda_module():
+    class Event:
+        clock = 0.0
+
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            Event.clock += 1.5
+            self.at = Event.clock
+
+        def elapsed_time(self, other):
+            return other.at - self.at
+
+    synced = []
+    fake = SimpleNamespace(Event=Event, synchronize=lambda device: synced.append(device))
+    clock = CudaClock(torch.device("cuda"), cuda=fake)
+    for _ in range(3):
+        clock.start()
+        clock.stop()
+    assert clock.durations_ms() == [1.5, 1.5, 1.5] and synced
+
+    memory = {"now": 100 * 2**20, "peak": 0}
+    fake = SimpleNamespace(
+        synchronize=lambda device: None,
+        memory_allocated=lambda device: memory["now"],
+        max_memory_allocated=lambda device: memory["peak"],
+        reset_peak_memory_stats=lambda device: memory.update(peak=memory["now"]),
+    )
+    assert peak_memory_mb(lambda: memory.update(peak=164 * 2**20), torch.device("cuda"), fake) == 64
+    assert peak_memory_mb(lambda: None, torch.device("cpu"), fake) is None
+
+
+def test_out_of_memory_errors_are_recognised():
+    assert is_oom(torch.cuda.OutOfMemoryError("CUDA out of memory"))
+    assert is_oom(RuntimeError("CUDA error: out of memory"))
+    assert is_oom(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to ..."))
+    assert not is_oom(RuntimeError("shape mismatch")) and not is_oom(ValueError("out of memory"))
+
+
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("repeatz=3", ["unknown key 'repeatz'", "did you mean 'repeats'"]),
+        ("variants=[locall]", ["variants[0]", "unknown variant 'locall'", "'local'"]),
+        ("backends=[blocky]", ["backends[0]", "unknown backend 'blocky'", "'blocked'"]),
+        ("peers=[flash]", ["peers[0]", "unknown peer 'flash'"]),
+        ("params={local: {window: 3}}", ["params: local", "no parameter 'window'"]),
+        ("dtype=fp8", ["dtype must be auto or one of"]),
+    ],
+)
+def test_bad_configs_are_errors_that_name_the_file_and_key(tmp_path, capsys, override, expected):
+    path = write_config(tmp_path)
+    assert bench.main([path, override]) == 2
+    error = capsys.readouterr().err
+    assert path in error
+    for text in expected:
+        assert text in error
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_key_in_the_file_names_the_file(tmp_path, capsys):
+    path = write_config(tmp_path, warm_up=3)
+    assert bench.main([path]) == 2
+    error = capsys.readouterr().err
+    assert path in error and "'warm_up'" in error and "'warmup'" in error
+
+
+def test_shipped_configs_load_and_check():
+    for name in ("bench.yaml", "bench_cpu.yaml"):
+        path = str(bench.CONFIGS / name)
+        config = load_config(BenchConfig, path, [])
+        assert bench.check_config(config, path)
+    gpu = load_config(BenchConfig, str(bench.CONFIGS / "bench.yaml"), [])
+    assert gpu.lengths == [1024 * 2**i for i in range(7)] and gpu.repeats >= 30
+    assert math.log2(gpu.lengths[-1]) == 16
+
+
+def synthetic_cell(variant, backend, n, ms, **fields):
+    cell = dict.fromkeys(bench_cell.CELL_FIELDS)
+    cell.update(variant=variant, backend=backend, n=n, time_ms=ms, status="ok", causal=False)
+    cell.update({"pass": "fwd+bwd", "kind": "zoo", "resolved": backend, "sparse": True})
+    cell.update(fields)
+    return cell
+
+
+def test_goals_are_computed_from_the_cells():
+    from eval.bench_report import exponents, goals
+
+    cells = []
+    for n in (1024, 2048, 4096):
+        dense = synthetic_cell("full", "sdpa_dense", n, 1e-6 * n * n, kind="peer")
+        auto = synthetic_cell(
+            "local", "auto", n, 4e-4 * n, allowed_pairs=n * 64, all_pairs=n * n,
+            peak_memory_mb=1e-3 * n, mask_build_ms=2.0, resolved="flex",
+        )  # fmt: skip
+        cells += [dense, auto, synthetic_cell("local", "flex_standard", n, 5e-4 * n, kind="peer")]
+        bench.bench_report.realize(auto, dense)
+    lines = goals(cells, exponents(cells), "cuda")
+    text = "\n".join(lines)
+    assert "n=4096: time / flex_standard: 0.8 (goal <= 1): met by 0.2" in text
+    # (1e-6 n^2 / 4e-4 n) / (n / 64) = 0.16 at every n
+    assert "sparsity realization: 0.16 (goal >= 0.7): missed by 0.54" in text
+    assert "memory exponent over n=[1024, 2048, 4096]: 1 (goal <= 1.1): met" in text
+    assert "mask build: 2 ms (goal < 10 ms): met by 8 ms" in text
+    cpu = [synthetic_cell("local", "blocked", 8192, 10.0, sparsity_realization=0.6)]
+    cpu[0]["pass"] = "fwd"
+    assert "0.6 (goal >= 0.5): met by 0.1" in goals(cpu, [], "cpu")[0]
