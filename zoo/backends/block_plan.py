@@ -80,6 +80,22 @@ class GroupPlan:
     masked: Tensor  # (R, bq, W * bk) True where the pattern forbids the pair or the slot is padding
     window: Window | None = None  # when set, rows are consecutive and keys come as a band
 
+    def gather(
+        self, q: Tensor, k: Tensor, v: Tensor, frame: Frame
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """(B, H, slots, D) each -> this group's query blocks (B, H, R, bq, D) and key and value
+        blocks (B, H, R, W * bk, D)."""
+        q_blocks = q.unflatten(2, (-1, frame.q.block)).index_select(2, self.rows)
+        k_blocks = gather_blocks(k, self.kv_index, self.width, frame.k.block)
+        v_blocks = gather_blocks(v, self.kv_index, self.width, frame.k.block)
+        return q_blocks, k_blocks, v_blocks
+
+    def masked_with(self, padded: Tensor | None) -> Tensor:
+        """The mask with a call's key padding (B, slots) added: (B or 1, R, bq, W * bk)."""
+        if padded is None:
+            return self.masked[None]
+        return self.masked[None] | padded[:, self.k_slot][:, :, None, :]
+
     def additive(self, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
         """The mask as SDPA takes it, (R, 1, bq, W * bk) of 0 and -inf, built once per dtype; and
         (R, 1, bq, 1) True where a query has some key, or None when all do. A query with no key

@@ -3,9 +3,16 @@ them, and nothing else. Real sparsity with autograd on any device, without a com
 
 Each part of the pattern (see ``Pattern.parts``) runs in its own token order (see ``zoo.frames``).
 Query blocks are grouped by how many key blocks they need (``BlockLayout.row_groups``), so global
-rows do not make the rest dense. Each part keeps, per query, its normalised output, its softmax
-mass and the row maximum, from which parts merge exactly, as FlashAttention merges key blocks.
-Memory is O(B * H * computed pairs): a query block's scores against its gathered keys, never n^2.
+rows do not make the rest dense; a band of key blocks is read as a strided view, other blocks are
+gathered (``block_plan``). Two paths:
+
+- fused: one part and dot-product scores. PyTorch's fused SDPA kernel runs on each group's blocks
+  with the group's mask, without separate passes over the scores.
+- explicit: several parts (strided, dilated unions) or additive scores. Scores are materialised
+  per group; each part keeps, per query, its normalised output, its softmax mass and the row
+  maximum, from which the parts merge exactly, as FlashAttention merges key blocks.
+
+Memory is O(B * H * computed pairs) in both: a query block against its keys, never n x n.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.nn.functional import dropout, scaled_dot_product_attention
 
 from ..call import AttentionCall
 from ..checks import check_int
@@ -21,7 +29,7 @@ from ..frames import Frame, build_frame
 from ..patterns import Pattern
 from ..scores import score_dtype
 from .base import FLOATS, Backend, Capabilities, head_index
-from .block_plan import GroupPlan, gather_blocks, key_windows, plan
+from .block_plan import GroupPlan, key_windows, plan
 
 
 @dataclass
@@ -49,16 +57,41 @@ def merge(partials: list[Partial]) -> Tensor:
     return sum((m / total)[..., None] * p.output for m, p in zip(mass, partials, strict=True))
 
 
+@dataclass
+class Inputs:
+    """q, k, v (B, H, slots, D) in one part's frame, and the key padding (B, slots) if any."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    padded: Tensor | None
+
+
+def in_order(frame: Frame, groups: list[GroupPlan], per_group: list[Tensor], fill: float) -> Tensor:
+    """Per-group rows (B, H, R, bq, ...) back to (B, H, Lq, ...) in the original query order;
+    query blocks that no group holds get ``fill``."""
+    first = per_group[0]
+    whole = len(groups) == 1 and groups[0].window is not None
+    if whole and groups[0].rows.numel() == frame.q.num_blocks:
+        rows = first  # one band window over every query block, already in order
+    else:
+        shape = (*first.shape[:2], frame.q.num_blocks, *first.shape[3:])
+        rows = first.new_full(shape, fill).index_copy(
+            2, torch.cat([g.rows for g in groups]), torch.cat(per_group, dim=2)
+        )
+    return frame.q.scatter(rows.flatten(2, 3), dim=2)
+
+
 class BlockedBackend(Backend):
     """Block-sparse attention in plain PyTorch.
 
     Args:
         block_size: the kernel block, for queries and keys (64 by default).
-        compute_dtype: the dtype of the block matmuls. By default float32 for 16-bit inputs: a key
-            block is gathered for several query blocks, so its gradient is a sum of per-block
-            matmul results, and rounding each of them to bfloat16 doubles the gradient error of
-            one dense matmul (measured in tests/test_backends.py). Pass torch.bfloat16 to trade
-            that precision for speed.
+        compute_dtype: the dtype of the block computations. By default float32 for 16-bit inputs:
+            a key block is gathered for several query blocks, so its gradient is a sum of
+            per-block products, and rounding each of them to bfloat16 doubled the gradient error
+            of one dense matmul (tests/test_backends.py). Pass torch.bfloat16 to trade that
+            precision for speed.
     """
 
     name = "blocked"
@@ -88,11 +121,13 @@ class BlockedBackend(Backend):
         size = self.block_size
         return build_frame(part.stride, call.q_len, call.kv_len, size, size, call.device)
 
+    def _plan(self, call: AttentionCall, part: Pattern) -> tuple[Frame, list[GroupPlan]]:
+        frame = self._frame(call, part)
+        return frame, plan(part, frame, self.waste)
+
     def scored_pairs(self, call: AttentionCall) -> int:
         return sum(
-            g.masked.numel()
-            for part in call.pattern.parts()
-            for g in plan(part, self._frame(call, part), self.waste)
+            g.masked.numel() for part in call.pattern.parts() for g in self._plan(call, part)[1]
         )
 
     def forward(self, call: AttentionCall) -> tuple[Tensor, None]:
@@ -103,95 +138,69 @@ class BlockedBackend(Backend):
             )
         parts = call.pattern.parts()
         if len(parts) == 1 and call.score.kind == "dot":
-            return self._fused(call, parts[0], dtype).to(call.q.dtype), None
-        partials = [self._attend_part(call, part, dtype) for part in parts]
-        return merge(partials).to(call.q.dtype), None
+            out = self._fused(call, parts[0], dtype)
+        else:
+            out = merge([self._explicit(call, part, dtype) for part in parts])
+        return out.to(call.q.dtype), None
 
-    def _fused(self, call: AttentionCall, part: Pattern, dtype: torch.dtype) -> Tensor:
-        """One part, dot-product scores: PyTorch's fused SDPA kernel on each group's blocks (a
-        strided view for band windows, gathered copies otherwise), with the group's mask. Same
-        result as the explicit path without its separate passes over the scores."""
-        frame = self._frame(call, part)
-        q, k, v = (
-            frame.q.gather(call.q.to(dtype)),
-            frame.k.gather(call.k.to(dtype)),
-            frame.k.gather(call.v.to(dtype)),
-        )
+    @staticmethod
+    def _inputs(
+        call: AttentionCall, frame: Frame, q: Tensor, k: Tensor, dtype: torch.dtype
+    ) -> Inputs:
         padded = None
         if call.key_padding_mask is not None:
-            padded = frame.k.gather(call.key_padding_mask[:, :, None])[..., 0]  # (B, slots)
-        groups = plan(part, frame, self.waste)
-        outs = [
-            self._fused_group(call, frame, g, q, k, v, padded) for g in groups
-        ]  # (B, H, R, bq, Dv)
-        if (
-            len(groups) == 1
-            and groups[0].rows.numel() == frame.q.num_blocks
-            and groups[0].window is not None
-        ):
-            output = outs[0]  # one band window over every query block, in order
-        else:
-            B, H = call.q.shape[:2]
-            output = v.new_zeros(B, H, frame.q.num_blocks, frame.q.block, v.shape[-1])
-            if groups:
-                rows = torch.cat([g.rows for g in groups])
-                output = output.index_copy(2, rows, torch.cat(outs, dim=2))
-        return frame.q.scatter(output.flatten(2, 3), dim=2)  # (B, H, Lq, Dv)
+            padded = frame.k.gather(call.key_padding_mask[:, :, None])[..., 0]
+        return Inputs(
+            frame.q.gather(q), frame.k.gather(k), frame.k.gather(call.v.to(dtype)), padded
+        )
+
+    # The fused path.
+
+    def _fused(self, call: AttentionCall, part: Pattern, dtype: torch.dtype) -> Tensor:
+        frame, groups = self._plan(call, part)
+        if not groups:
+            return call.q.new_zeros(*call.q.shape[:3], call.v.shape[-1], dtype=dtype)
+        inputs = self._inputs(call, frame, call.q.to(dtype), call.k.to(dtype), dtype)
+        outs = [self._fused_group(call, frame, g, inputs) for g in groups]  # (B, H, R, bq, Dv)
+        return in_order(frame, groups, outs, 0.0)
 
     def _fused_group(
-        self,
-        call: AttentionCall,
-        frame: Frame,
-        group: GroupPlan,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        padded: Tensor | None,
+        self, call: AttentionCall, frame: Frame, group: GroupPlan, inputs: Inputs
     ) -> Tensor:
-        B, H = q.shape[:2]
-        mask, has_key = self._mask(call, group, padded, B, H, q.dtype)  # (B or 1, R, 1 or H, ...)
+        B, H = inputs.q.shape[:2]
+        mask, has_key = self._fused_mask(call, group, inputs.padded, H, inputs.q.dtype)
         if group.window is not None:  # keys as overlapping windows, one sequence at a time
             per_sequence = [
-                self._windowed(call, frame, group, q[b], k[b], v[b], mask[b % mask.shape[0]])
+                self._windowed(call, frame, group, inputs, b, mask[b % mask.shape[0]])
                 for b in range(B)
             ]
             out = torch.stack(per_sequence) if B > 1 else per_sequence[0][None]  # (B, R, H, bq, Dv)
         else:
-            R = group.rows.numel()
 
             def heads_inside(x: Tensor) -> Tensor:  # (B, H, R, L, D) -> (B * R, H, L, D)
                 return x.transpose(1, 2).flatten(0, 1)
 
-            q_blk = q.unflatten(2, (-1, frame.q.block)).index_select(2, group.rows)
-            k_blk = gather_blocks(k, group.kv_index, group.width, frame.k.block)
-            v_blk = gather_blocks(v, group.kv_index, group.width, frame.k.block)
-            out = torch.nn.functional.scaled_dot_product_attention(
-                heads_inside(q_blk), heads_inside(k_blk), heads_inside(v_blk),
+            q, k, v = group.gather(inputs.q, inputs.k, inputs.v, frame)
+            out = scaled_dot_product_attention(
+                heads_inside(q), heads_inside(k), heads_inside(v),
                 attn_mask=mask.expand(B, -1, -1, -1, -1).flatten(0, 1),
                 dropout_p=call.dropout_p, scale=call.scale,
-            ).unflatten(0, (B, R))  # fmt: skip
+            ).unflatten(0, (B, group.rows.numel()))  # fmt: skip
         if has_key is not None:
             out = out * has_key.to(out.dtype)
         return out.transpose(1, 2)  # (B, H, R, bq, Dv)
 
     @staticmethod
-    def _mask(
-        call: AttentionCall,
-        group: GroupPlan,
-        padded: Tensor | None,
-        B: int,
-        H: int,
-        dtype: torch.dtype,
+    def _fused_mask(
+        call: AttentionCall, group: GroupPlan, padded: Tensor | None, H: int, dtype: torch.dtype
     ) -> tuple[Tensor, Tensor | None]:
         """The additive mask (0 allowed, -inf not), (B or 1, R, 1 or H, bq, W*bk), and where some
         query has no key at all, its (B or 1, R, 1, bq, 1) indicator to zero its output after the
         kernel (which would divide 0 by 0). Without padding or bias both come from the plan."""
         if padded is None and call.bias is None:
             mask, has_key = group.additive(dtype)
-            return mask[None], has_key
-        masked = group.masked[None]  # (1, R, bq, W*bk)
-        if padded is not None:
-            masked = masked | padded[:, group.k_slot][:, :, None, :]  # (B, R, bq, W*bk)
+            return mask[None], None if has_key is None else has_key[None]
+        masked = group.masked_with(padded)  # (B or 1, R, bq, W*bk)
         has_key = ~masked.all(dim=-1, keepdim=True)
         masked = masked & has_key  # a query with no key sees everything, then gets zero
         bias = torch.zeros((), dtype=dtype, device=masked.device)
@@ -199,81 +208,61 @@ class BlockedBackend(Backend):
             heads = head_index(H, masked.device, 3)
             bias = (
                 call.bias(heads, group.q_pos, group.k_pos).to(dtype).transpose(0, 1)
-            )  # (R, H, ...)
-        mask = bias.masked_fill(masked[:, :, None], float("-inf"))
-        return mask, has_key[:, :, None]
+            )  # (R, H, ..)
+        return bias.masked_fill(masked[:, :, None], float("-inf")), has_key[:, :, None]
 
+    @staticmethod
     def _windowed(
-        self,
-        call: AttentionCall,
-        frame: Frame,
-        group: GroupPlan,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        mask: Tensor,
+        call: AttentionCall, frame: Frame, group: GroupPlan, inputs: Inputs, b: int, mask: Tensor
     ) -> Tensor:
-        """One sequence: (H, slots, D) each -> (R, H, bq, Dv), keys read as band windows."""
-        R, window = group.rows.numel(), group.window
-        q_rows = q.unflatten(1, (-1, frame.q.block)).narrow(1, window.first, R).transpose(0, 1)
-        keys = key_windows(k, window, R, frame.k.block)
-        values = key_windows(v, window, R, frame.k.block)
-        return torch.nn.functional.scaled_dot_product_attention(
-            q_rows, keys, values, attn_mask=mask, dropout_p=call.dropout_p, scale=call.scale
+        """Sequence b: (R, H, bq, Dv), its keys read as band windows of a strided view."""
+        rows, window = group.rows.numel(), group.window
+        q = (
+            inputs.q[b]
+            .unflatten(1, (-1, frame.q.block))
+            .narrow(1, window.first, rows)
+            .transpose(0, 1)
+        )
+        keys = key_windows(inputs.k[b], window, rows, frame.k.block)
+        values = key_windows(inputs.v[b], window, rows, frame.k.block)
+        return scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, dropout_p=call.dropout_p, scale=call.scale
         )
 
-    def _attend_part(self, call: AttentionCall, part: Pattern, dtype: torch.dtype) -> Partial:
-        frame = self._frame(call, part)
+    # The explicit path.
+
+    def _explicit(self, call: AttentionCall, part: Pattern, dtype: torch.dtype) -> Partial:
+        frame, groups = self._plan(call, part)
+        B, H, q_len = call.q.shape[:3]
+        if not groups:
+            zeros = call.q.new_zeros(B, H, q_len, dtype=score_dtype(call.q.to(dtype)))
+            return Partial(
+                zeros[..., None].expand(-1, -1, -1, call.v.shape[-1]), zeros, zeros - float("inf")
+            )
         q, k = call.score.prepare(call.q.to(dtype), call.k.to(dtype))
-        q, k, v = frame.q.gather(q), frame.k.gather(k), frame.k.gather(call.v.to(dtype))
-        padding = call.key_padding_mask
-        padded = None if padding is None else frame.k.gather(padding[:, :, None])[..., 0]
-        B, H = call.q.shape[:2]
-        blocks, bq = frame.q.num_blocks, frame.q.block
-        score = score_dtype(v)
-        output = v.new_zeros(B, H, blocks, bq, v.shape[-1])
-        denominator = q.new_zeros(B, H, blocks, bq, dtype=score)
-        peak = q.new_full((B, H, blocks, bq), float("-inf"), dtype=score)
-        groups = plan(part, frame, self.waste)
-        if groups:
-            sums = [self._attend_group(call, frame, g, q, k, v, padded) for g in groups]
-            rows = torch.cat([g.rows for g in groups])
-            output = output.index_copy(2, rows, torch.cat([s[0] for s in sums], dim=2))
-            denominator = denominator.index_copy(2, rows, torch.cat([s[1] for s in sums], dim=2))
-            peak = peak.index_copy(2, rows, torch.cat([s[2] for s in sums], dim=2))
+        inputs = self._inputs(call, frame, q, k, dtype)
+        sums = [self._explicit_group(call, frame, g, inputs) for g in groups]
+        output, denominator, peak = (
+            in_order(frame, groups, [s[i] for s in sums], fill)
+            for i, fill in enumerate((0.0, 0.0, float("-inf")))
+        )
+        return Partial(output, denominator, peak)
 
-        def original_order(x: Tensor) -> Tensor:  # (B, H, blocks, bq, ...) -> (B, H, Lq, ...)
-            return frame.q.scatter(x.flatten(2, 3), dim=2)
-
-        return Partial(original_order(output), original_order(denominator), original_order(peak))
-
-    def _attend_group(
-        self,
-        call: AttentionCall,
-        frame: Frame,
-        group: GroupPlan,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        padded: Tensor | None,
+    @staticmethod
+    def _explicit_group(
+        call: AttentionCall, frame: Frame, group: GroupPlan, inputs: Inputs
     ) -> tuple[Tensor, Tensor, Tensor]:
-        q_blk = q.unflatten(2, (-1, frame.q.block)).index_select(2, group.rows)  # (B, H, R, bq, D)
-        k_blk = gather_blocks(k, group.kv_index, group.width, frame.k.block)  # (B, H, R, W*bk, D)
-        v_blk = gather_blocks(v, group.kv_index, group.width, frame.k.block)  # (B, H, R, W*bk, Dv)
-        masked = group.masked[None]  # (1, R, bq, W*bk)
-        if padded is not None:
-            masked = masked | padded[:, group.k_slot][:, :, None, :]  # (B, R, bq, W*bk)
-
-        scores = call.score.pairwise(q_blk, k_blk)  # (B, H, R, bq, W*bk)
+        q, k, v = group.gather(inputs.q, inputs.k, inputs.v, frame)  # (B, H, R, bq or W*bk, D)
+        scores = call.score.pairwise(q, k)  # (B, H, R, bq, W*bk)
         if call.bias is not None:
             heads = head_index(scores.shape[1], q.device, 3)
             scores = scores + call.bias(heads, group.q_pos, group.k_pos)
-        scores = scores.masked_fill(masked[:, None], float("-inf"))
+        scores = scores.masked_fill(group.masked_with(inputs.padded)[:, None], float("-inf"))
         peak = scores.amax(dim=-1).detach()
         exp = torch.exp(scores - torch.where(torch.isfinite(peak), peak, 0)[..., None])
         denominator = exp.sum(dim=-1)
         if call.dropout_p:
-            exp = torch.nn.functional.dropout(exp, call.dropout_p)
+            exp = dropout(exp, call.dropout_p)
         # Normalise after the product: a (bq, Dv) division instead of a (bq, W*bk) one.
-        output = (exp.to(v.dtype) @ v_blk) / torch.where(denominator > 0, denominator, 1)[..., None]
+        output = (exp.to(v.dtype) @ v) / torch.where(denominator > 0, denominator, 1)[..., None]
         return output, denominator, peak
