@@ -4,6 +4,7 @@ run CONFIG.yaml [key=value ...]   train and evaluate a sweep (eval/configs/quick
 report RESULTS.jsonl              markdown, CSV and plots from a sweep's results
 bench [CONFIG.yaml] [key=value]   time and memory of every variant and backend, with peers
 attention-map CHECKPOINT          one head's weights in a trained model (save_checkpoints=true)
+auto-table BENCH.json [...]       the table behind backend="auto", from benchmark results
 demo                              every variant forward and backward once, with its cost
 """
 
@@ -17,6 +18,7 @@ COMMANDS = {
     "report": "eval.report",
     "bench": "eval.bench",
     "attention-map": "eval.attention_map",
+    "auto-table": "eval.auto_table",
     "demo": "eval.demo",
 }
 

@@ -30,6 +30,7 @@ class AttentionCall:
     dropout_p: float = 0.0
     bias: ScoreBias | None = None  # a positional score bias, see zoo.positional
     return_weights: bool = False
+    causal: bool = False  # whether the caller asked for causal (it is in the pattern already)
 
     @property
     def q_len(self) -> int:

@@ -127,6 +127,7 @@ def prepare_call(
         dropout_p=check_dropout(dropout_p),
         bias=encoding.bias if encoding is not None and encoding.kind == "bias" else None,
         return_weights=return_weights,
+        causal=causal,
     )
 
 

@@ -1,6 +1,8 @@
-"""``backend="auto"``: the first backend in a fallback order that can run the call.
+"""``backend="auto"``: the backend the benchmark measured fastest for this kind of call, else the
+first backend in a fallback order that can run the call.
 
-The order, until the benchmark's measured table replaces it:
+The measured table (``auto_table``) comes first: where it has an entry for the call's device,
+dtype, variant, causality, pass and length, that backend leads the order. The fallback order:
 
 - attention weights asked for: reference (the only backend that returns them);
 - full and causal attention: sdpa (FlashAttention on GPU, no mask), then the others;
@@ -16,6 +18,7 @@ The order, until the benchmark's measured table replaces it:
 from __future__ import annotations
 
 from ..call import AttentionCall
+from .auto_table import lookup
 from .base import Backend
 
 CPU_SPARSE_MIN_KEYS = 1024
@@ -29,6 +32,14 @@ def blocked_wins_on_cpu(call: AttentionCall, blocked: Backend) -> bool:
 
 
 def fallback_order(call: AttentionCall, backends: dict[str, Backend]) -> list[str]:
+    order = _documented_order(call, backends)
+    entry = None if call.return_weights else lookup(call)
+    if entry is not None and entry["backend"] in backends:
+        order = [entry["backend"], *(name for name in order if name != entry["backend"])]
+    return order
+
+
+def _documented_order(call: AttentionCall, backends: dict[str, Backend]) -> list[str]:
     if call.return_weights:
         return ["reference"]
     if call.pattern.kind in ("full", "causal"):
@@ -67,5 +78,13 @@ def explain_choice(call: AttentionCall, backends: dict[str, Backend]) -> str:
     order = " > ".join(fallback_order(call, backends))
     head = f"auto -> {backend.name}" if backend else "auto -> no backend"
     skipped = f"; passed over {'; '.join(reasons)}" if reasons else ""
+    entry = None if call.return_weights else lookup(call)
+    if entry is None:
+        source = "no measured entry"
+    else:
+        source = (
+            f"measured fastest at n={entry['n']}: {entry['backend']} {entry['time_ms']:.3g} ms"
+            f" vs {entry['runner_up']} {entry['runner_up_ms']:.3g} ms ({entry['source']})"
+        )
     where = f"{call.pattern.kind} pattern of {call.variant!r} on {call.device.type}"
-    return f"{head} (fallback order for a {where}: {order}{skipped})"
+    return f"{head} ({source}; order for a {where}: {order}{skipped})"

@@ -1,0 +1,80 @@
+"""``python -m eval auto-table BENCH.json [...] [--out zoo/backends/auto_table.json]``: the table
+behind ``backend="auto"``, from benchmark results.
+
+For every measured point (device type, dtype, variant, causal, pass, n) it keeps the fastest zoo
+backend that passed the reference check, and the runner-up. Peers (dense SDPA, standard
+FlexAttention, xFormers) are the yardstick, not candidates: auto chooses among zoo backends.
+Compiled flex is no candidate on CPU: its first call per shape compiles for seconds, a cost the
+timed figure leaves out. Entries of the device types and dtypes in the new results replace the
+table's old ones; the others stay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from zoo.backends.auto_table import TABLE
+
+POINT = ("device", "dtype", "variant", "causal", "pass", "n")
+
+
+def entries_from(bench: dict[str, Any], source: str) -> list[dict[str, Any]]:
+    device = bench["header"]["device_type"]
+    timed: dict[tuple, list[tuple[float, str]]] = defaultdict(list)
+    for cell in bench["cells"]:
+        if cell["kind"] != "zoo" or cell["backend"] == "auto" or cell["status"] != "ok":
+            continue
+        if device == "cpu" and cell["backend"] == "flex":
+            continue
+        point = (device, cell["dtype"], cell["variant"], cell["causal"], cell["pass"], cell["n"])
+        timed[point].append((cell["time_ms"], cell["backend"]))
+    entries = []
+    for point, times in sorted(timed.items()):
+        times.sort()
+        best, runner = times[0], times[1] if len(times) > 1 else (float("nan"), "-")
+        entries.append(
+            dict(zip(POINT, point, strict=True))
+            | {
+                "backend": best[1],
+                "time_ms": round(best[0], 4),
+                "runner_up": runner[1],
+                "runner_up_ms": round(runner[0], 4),
+                "source": source,
+            }
+        )
+    return entries
+
+
+def merge(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    replaced = {(e["device"], e["dtype"]) for e in new}
+    kept = [e for e in old if (e["device"], e["dtype"]) not in replaced]
+    return sorted(kept + new, key=lambda e: tuple(str(e[k]) for k in POINT))
+
+
+def write_table(bench_files: list[str], out: str | Path = TABLE) -> list[dict[str, Any]]:
+    out = Path(out)
+    old = json.loads(out.read_text())["entries"] if out.exists() else []
+    new = [e for f in bench_files for e in entries_from(json.loads(Path(f).read_text()), str(f))]
+    entries = merge(old, new)
+    out.write_text(
+        json.dumps({"written_by": "python -m eval auto-table", "entries": entries}, indent=1) + "\n"
+    )
+    return entries
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m eval auto-table", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("bench", nargs="+", help="bench.json files written by python -m eval bench")
+    parser.add_argument(
+        "--out", default=str(TABLE), help="the table to update (default: the zoo's)"
+    )
+    args = parser.parse_args(argv)
+    entries = write_table(args.bench, args.out)
+    print(f"{args.out}: {len(entries)} entries")
+    return 0
