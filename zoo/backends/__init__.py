@@ -9,9 +9,11 @@ from .blocked import BlockedBackend
 from .flex import FlexBackend
 from .reference import ReferenceBackend
 from .sdpa import SdpaBackend
+from .xformers import XformersBackend
 
 _BACKENDS: dict[str, Backend] = {
-    b.name: b for b in (ReferenceBackend(), SdpaBackend(), FlexBackend(), BlockedBackend())
+    b.name: b
+    for b in (ReferenceBackend(), SdpaBackend(), FlexBackend(), BlockedBackend(), XformersBackend())
 }
 
 
@@ -69,6 +71,7 @@ __all__ = [
     "FlexBackend",
     "ReferenceBackend",
     "SdpaBackend",
+    "XformersBackend",
     "explain_backend",
     "get_backend",
     "list_backends",
