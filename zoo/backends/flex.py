@@ -43,7 +43,9 @@ def _kernel(compiled: bool):
         return flex
     import torch._dynamo.config as dynamo_config
 
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, _RECOMPILE_LIMIT)
+    for name in ("recompile_limit", "cache_size_limit"):  # the newer name, and the older one
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), _RECOMPILE_LIMIT))
     return torch.compile(flex, dynamic=False)
 
 
