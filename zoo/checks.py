@@ -14,6 +14,16 @@ def suggest(kind: str, name: str, known: Iterable[str], listing: str) -> str:
     return f"unknown {kind} {name!r}{hint} ({listing} lists all: {', '.join(known)})"
 
 
+def check_parameters(what: str, given: Iterable[str], known: Iterable[str]) -> None:
+    """A TypeError for the first parameter in ``given`` that ``known`` lacks, listing the valid
+    ones; ``what`` names the owner, e.g. "variant 'local'"."""
+    known = list(known)
+    for key in given:
+        if key not in known:
+            valid = ", ".join(known) or "none"
+            raise TypeError(f"{what} has no parameter {key!r} (its parameters: {valid})")
+
+
 def check_int(name: str, value: object, *, minimum: int = 1) -> int:
     """An int (not a bool) that is at least `minimum`."""
     if isinstance(value, bool) or not isinstance(value, int):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from .checks import check_parameters
 from .patterns import Causal, Intersection, Pattern, Union, build_family, resolve_family
 from .patterns.registry import family_parameters
 
@@ -34,13 +35,7 @@ class VariantSpec:
 
     def build(self, **overrides: object) -> Pattern:
         """The pattern with the entry's defaults and the caller's overrides."""
-        known = self.parameters()
-        for key in overrides:
-            if key not in known:
-                valid = ", ".join(known) or "none"
-                raise TypeError(
-                    f"variant {self.name!r} has no parameter {key!r} (its parameters: {valid})"
-                )
+        check_parameters(f"variant {self.name!r}", overrides, self.parameters())
         return _build_cached(self, _freeze({**self.params, **overrides}))
 
     def __hash__(self) -> int:

@@ -7,7 +7,7 @@ import importlib
 import inspect
 from collections.abc import Callable
 
-from ..checks import suggest
+from ..checks import check_parameters, suggest
 from .base import Pattern
 
 PatternFactory = Callable[..., Pattern]
@@ -75,11 +75,7 @@ def family_parameters(factory: PatternFactory) -> dict[str, object]:
 def build_family(name: str, params: dict[str, object]) -> Pattern:
     """Call a family with parameters, turning YAML lists into tuples and naming any unknown one."""
     factory = resolve_family(name)
-    known = family_parameters(factory)
-    for key in params:
-        if key not in known:
-            valid = ", ".join(known) or "none"
-            raise TypeError(f"pattern {name!r} has no parameter {key!r} (its parameters: {valid})")
+    check_parameters(f"pattern {name!r}", params, family_parameters(factory))
     args = {k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}
     pattern = factory(**args)
     if not isinstance(pattern, Pattern):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 
+from ..checks import check_parameters
 from . import resolve_encoding
 from .base import PositionalEncoding
 
@@ -50,13 +51,7 @@ class EncodingSpec:
     def build(
         self, *, dim: int, num_heads: int, causal: bool = False, **overrides: object
     ) -> PositionalEncoding:
-        known = self.parameters()
-        for key in overrides:
-            if key not in known:
-                valid = ", ".join(known) or "none"
-                raise TypeError(
-                    f"encoding {self.name!r} has no parameter {key!r} (its parameters: {valid})"
-                )
+        check_parameters(f"encoding {self.name!r}", overrides, self.parameters())
         cls = self.encoding_class()
         return cls(dim=dim, num_heads=num_heads, causal=causal, **{**self.params, **overrides})
 
