@@ -15,7 +15,7 @@ import torch
 from zoo.pictures import draw_attention
 
 from .tasks import get_task
-from .train import EVAL_SEED, build_model
+from .train import build_model, sample_seed
 
 
 def attention_map(
@@ -34,7 +34,7 @@ def attention_map(
     model = build_model(cell, task)
     model.load_state_dict(saved["model"])
     model.check_length(length)
-    batch = task.sample(1, EVAL_SEED)
+    batch = task.sample(1, sample_seed(cell["seed"], "eval", 0))
     weights = model.eval().attention_weights(batch.inputs, batch.padding_mask, layer)
     title = (
         f"{cell['variant']}+{cell['encoding']} trained on {cell['task']} (L={cell['train_len']}): "

@@ -1,8 +1,9 @@
 """``python -m eval auto-table BENCH.json [...] [--out zoo/backends/auto_table.json]``: the table
 behind ``backend="auto"``, from benchmark results.
 
-For every measured point (device type, dtype, variant, causal, pass, n) it keeps the fastest zoo
-backend that passed the reference check, and the runner-up. Peers (dense SDPA, standard
+For every measured point (device type, dtype, variant with all its parameters, causal, pass, n)
+it keeps the fastest zoo backend that ran without error (and passed the reference check, where
+the benchmark ran one: up to its check_max_len), and the runner-up. Peers (dense SDPA, standard
 FlexAttention, xFormers) are the yardstick, not candidates: auto chooses among zoo backends.
 Compiled flex is no candidate on CPU: its first call per shape compiles for seconds, a cost the
 timed figure leaves out. Entries of the device types and dtypes in the new results replace the
@@ -17,9 +18,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from zoo.backends.auto_table import TABLE
+from zoo.backends.auto_table import TABLE, comparable
+from zoo.functional import resolved_params
 
-POINT = ("device", "dtype", "variant", "causal", "pass", "n")
+POINT = ("device", "dtype", "variant", "params", "causal", "pass", "n")
 
 
 def entries_from(bench: dict[str, Any], source: str) -> list[dict[str, Any]]:
@@ -30,14 +32,27 @@ def entries_from(bench: dict[str, Any], source: str) -> list[dict[str, Any]]:
             continue
         if device == "cpu" and cell["backend"] == "flex":
             continue
-        point = (device, cell["dtype"], cell["variant"], cell["causal"], cell["pass"], cell["n"])
+        params = json.dumps(
+            comparable(resolved_params(cell["variant"], cell["params"])), sort_keys=True
+        )
+        point = (
+            device,
+            cell["dtype"],
+            cell["variant"],
+            params,
+            cell["causal"],
+            cell["pass"],
+            cell["n"],
+        )
         timed[point].append((cell["time_ms"], cell["backend"]))
     entries = []
     for point, times in sorted(timed.items()):
         times.sort()
         best, runner = times[0], times[1] if len(times) > 1 else (float("nan"), "-")
+        entry = dict(zip(POINT, point, strict=True))
+        entry["params"] = json.loads(entry["params"])
         entries.append(
-            dict(zip(POINT, point, strict=True))
+            entry
             | {
                 "backend": best[1],
                 "time_ms": round(best[0], 4),

@@ -39,23 +39,11 @@ from .bench_impls import PEERS
 from .bench_measure import TOLERANCE
 from .bench_sweep import Sweep, run_cells
 from .config import ConfigError, load_config
+from .distributed import device_name
 
 CONFIGS = Path(__file__).with_name("configs")
 
 __all__ = ["PEERS", "BenchConfig", "check_config", "main", "run_bench"]
-
-
-def device_name(device: torch.device) -> str:
-    """The GPU's name, or the CPU model."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
 
 
 def environment(sweep: Sweep, argv: list[str], source: str) -> dict[str, Any]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import torch
 from torch import Tensor
@@ -99,13 +98,9 @@ class Prepared:
 
 
 def clear_zoo_caches() -> None:
-    """Forget cached patterns, frames, layouts and masks: the next build is measured from scratch
-    (and dense masks cached by the sdpa path no longer hold device memory)."""
-    zoo.layout.build_layout.cache_clear()
-    zoo.layout.specialized.cache_clear()
-    zoo.frames.build_frame.cache_clear()
-    zoo.backends.flex._pattern_block_mask.cache_clear()
-    zoo.backends.reference.dense_mask.cache_clear()
+    """Forget everything the zoo caches per shape: the next build is measured from scratch, and
+    cached masks and plans no longer hold device memory."""
+    zoo.backends.clear_caches()
 
 
 def _build_structures(backend: Backend, call) -> None:
@@ -179,12 +174,12 @@ class SdpaDense:
         return Prepared(run, self.name, False, None, None, 1.0)
 
 
-@lru_cache(maxsize=1)
 def compiled_flex_attention():
-    """``torch.compile(flex_attention)``, made once (dynamo caches a graph per shape and mask)."""
-    from torch.nn.attention.flex_attention import flex_attention
+    """The zoo's compiled FlexAttention kernel, so that both flex cells run the same compiled
+    function (dynamo caches a graph per shape and mask)."""
+    from zoo.backends.flex import _kernel
 
-    return torch.compile(flex_attention, dynamic=False)
+    return _kernel(True)
 
 
 @dataclass

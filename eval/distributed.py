@@ -7,7 +7,9 @@ gloo on CPU) on its share of every batch, evaluates the same data, and only rank
 from __future__ import annotations
 
 import os
+import platform
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,6 +26,19 @@ class Context:
         return self.rank == 0
 
 
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU model."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -34,9 +49,9 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def start(device_name: str) -> Context:
+def start(requested: str) -> Context:
     """This process's rank and device; joins the process group when launched by torchrun."""
-    device = pick_device(device_name)
+    device = pick_device(requested)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return Context(0, 1, device)

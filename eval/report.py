@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import json
 import statistics
 from collections import defaultdict
@@ -19,8 +20,9 @@ from typing import Any
 from zoo.describe import markdown_table
 
 CSV_FIELDS = [
-    "task", "train_len", "test_len", "variant", "encoding", "seed", "status", "accuracy",
-    "train_seconds", "steps_per_second", "peak_memory_mb", "eval_ms_per_sequence", "reason",
+    "task", "train_len", "test_len", "variant", "encoding", "setting", "seed", "key", "status",
+    "accuracy", "train_seconds", "steps_per_second", "peak_memory_mb", "eval_ms_per_sequence",
+    "reason",
 ]  # fmt: skip
 
 
@@ -35,13 +37,27 @@ def read_results(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
+IDENTITY = ("task", "train_len", "variant", "encoding", "seed")
+
+
+def setting_of(cell: dict[str, Any]) -> str:
+    """A short name for everything else that shaped a cell (parameters, model, training), so that
+    cells of different configs in one results file are never averaged together as seeds."""
+    rest = {k: v for k, v in cell.items() if k not in (*IDENTITY, "key", "test_lengths")}
+    return hashlib.sha1(json.dumps(rest, sort_keys=True).encode()).hexdigest()[:6]
+
+
 def rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One flat row per cell and test length (a failed cell gives one row with its reason)."""
+    """One flat row per cell and test length, from each cell's latest record (a failed cell gives
+    one row with its reason)."""
+    latest = {r["cell"]["key"]: r for r in records}
     out = []
-    for r in records:
+    for r in latest.values():
         c = r["cell"]
-        base = {k: c[k] for k in ("task", "train_len", "variant", "encoding", "seed")}
-        base.update(status=r["status"], reason=r.get("reason", ""))
+        base = {k: c[k] for k in IDENTITY}
+        base.update(
+            setting=setting_of(c), key=c["key"], status=r["status"], reason=r.get("reason", "")
+        )
         for key in ("train_seconds", "steps_per_second", "peak_memory_mb"):
             base[key] = r.get(key)
         lengths = r.get("accuracy", {}) or {str(n): None for n in c["test_lengths"]}
@@ -63,19 +79,29 @@ def _fmt(value: float | None, digits: int = 3) -> str:
 
 
 def summary_table(flat: list[dict[str, Any]]) -> str:
+    """Accuracy and costs averaged over seeds, per task, length, variant, encoding and setting
+    (the setting column appears when a results file holds more than one)."""
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for row in flat:
-        groups[
-            (row["task"], row["train_len"], row["variant"], row["encoding"], row["test_len"])
-        ].append(row)
+        key = (
+            row["task"],
+            row["train_len"],
+            row["variant"],
+            row["encoding"],
+            row["setting"],
+            row["test_len"],
+        )
+        groups[key].append(row)
+    several = len({(k[:4], k[4]) for k in groups}) > len({k[:4] for k in groups})
     table = []
-    for (task, train_len, variant, encoding, test_len), members in sorted(groups.items()):
+    for (task, train_len, variant, encoding, setting, test_len), members in sorted(groups.items()):
         ok = [m for m in members if m["status"] == "ok"]
+        failed = [m for m in members if m["status"] != "ok"]
         status = f"{len(ok)}/{len(members)} ok" + (
-            "" if len(ok) == len(members) else f" ({members[0]['reason'][:60]})"
+            f" ({failed[0]['reason'][:60]})" if failed else ""
         )
         table.append([
-            task, train_len, test_len, variant, encoding,
+            task, train_len, test_len, variant, encoding, *([setting] if several else []),
             _fmt(_mean([m["accuracy"] for m in ok])),
             _fmt(_mean([m["train_seconds"] for m in ok]), 1),
             _fmt(_mean([m["steps_per_second"] for m in ok]), 1),
@@ -88,6 +114,7 @@ def summary_table(flat: list[dict[str, Any]]) -> str:
         "test len",
         "variant",
         "encoding",
+        *(["setting"] if several else []),
         "accuracy",
         "train s",
         "steps/s",

@@ -3,8 +3,9 @@
 A sweep is the product tasks x train lengths x variants x encodings x seeds; every cell is tested
 at each of ``test_lengths`` (longer than the train length: length extrapolation). Each finished
 cell appends one JSON line to ``<out>/results.jsonl`` and flushes it, so an interrupted sweep,
-started again, skips the cells already there and loses nothing. A cell that fails (out of memory,
-a variant that cannot run a length) is recorded as failed with the reason and the sweep goes on.
+started again, skips the cells already done and loses nothing. A cell that fails (out of memory,
+a variant that cannot run a length) is recorded as failed with the reason and the sweep goes on;
+the next run of the sweep tries it again, and the report keeps each cell's latest record.
 """
 
 from __future__ import annotations
@@ -180,24 +181,23 @@ def check_cells(cells_: list[dict[str, Any]], source: str) -> None:
 
 
 def finished_keys(path: Path) -> set[str]:
+    """Keys of the cells whose latest record succeeded (failed ones run again)."""
     if not path.exists():
         return set()
-    keys = set()
+    latest: dict[str, str] = {}
     for line in path.read_text().splitlines():
         try:
-            keys.add(json.loads(line)["cell"]["key"])
+            record = json.loads(line)
+            latest[record["cell"]["key"]] = record["status"]
         except (json.JSONDecodeError, KeyError, TypeError):
             continue  # a line cut short by a crash: that cell runs again
-    return keys
+    return {key for key, status in latest.items() if status == "ok"}
 
 
 def environment(context: distributed.Context) -> dict[str, Any]:
-    device = context.device
     return {
-        "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or "cpu",
-        "device_type": device.type,
+        "device": distributed.device_name(context.device),
+        "device_type": context.device.type,
         "world_size": context.world,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
@@ -213,12 +213,17 @@ def run(
 
     out = Path(config.out.format(name=config.name))
     results = out / "results.jsonl"
-    todo = [c for c in cells(config) if c["key"] not in finished_keys(results)]
+    done = finished_keys(results)
+    sweep = cells(config)
+    todo = [c for c in sweep if c["key"] not in done]
     if context.main:
         out.mkdir(parents=True, exist_ok=True)
-        done = len(cells(config)) - len(todo)
-        print(f"{source}: {len(todo)} cells to run, {done} already in {results}", flush=True)
-    bar = progress_bar(len(todo) * config.train.steps, show_progress and context.main)
+        print(
+            f"{source}: {len(todo)} cells to run, {len(sweep) - len(todo)} done in {results}",
+            flush=True,
+        )
+    total_steps = sum(c["train"]["steps"] for c in todo)
+    bar = progress_bar(total_steps, show_progress and context.main)
     for i, cell in enumerate(todo):
         label = (
             f"[{i + 1}/{len(todo)}] {cell['task']} L={cell['train_len']} "

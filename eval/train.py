@@ -21,8 +21,14 @@ from .distributed import Context, wrap
 from .model import SequenceModel
 from .tasks import IGNORE, Batch, Task, get_task
 
-TRAIN_SEEDS = 1_000_000  # train seed of step s, rank r in cell seed c: c * TRAIN_SEEDS + ...
-EVAL_SEED = 2_000_000_000  # evaluation batches draw from here on, far above any train seed
+
+def sample_seed(cell_seed: int, stream: str, index: int) -> int:
+    """The task-sampling seed of batch ``index`` in a stream ("train" or "eval") of a cell seed.
+
+    Streams interleave by parity, so a train batch and an eval batch never share a seed, whatever
+    the cell seed or the number of steps.
+    """
+    return (cell_seed * 2**32 + index) * 2 + (stream == "eval")
 
 
 def build_model(cell: dict[str, Any], task: Task) -> SequenceModel:
@@ -91,7 +97,7 @@ def train(
     losses = []
     start = time.perf_counter()
     for step in range(steps):
-        seed = cell["seed"] * TRAIN_SEEDS + (step * context.world + context.rank) % TRAIN_SEEDS
+        seed = sample_seed(cell["seed"], "train", step * context.world + context.rank)
         inputs, targets, mask = to_device(task.sample(per_rank, seed), context.device)
         with autocast(context.device):
             logits = network(inputs, mask)
@@ -141,7 +147,7 @@ def evaluate(
     remaining, index = settings["eval_samples"], 0
     while remaining > 0:
         n = min(settings["eval_batch_size"], remaining)
-        batch = task.sample(n, EVAL_SEED + cell["seed"] * 10_000 + index)
+        batch = task.sample(n, sample_seed(cell["seed"], "eval", index))
         inputs, targets, mask = to_device(batch, context.device)
         with autocast(context.device):
             predictions = model(inputs, mask).argmax(-1)

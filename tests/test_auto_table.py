@@ -17,6 +17,7 @@ def cell(variant, backend, n, time_ms, *, kind="zoo", status="ok", pass_="fwd"):
     return {
         "variant": variant, "backend": backend, "kind": kind, "status": status, "n": n,
         "causal": False, "pass": pass_, "dtype": "float32", "time_ms": time_ms,
+        "params": {"window_size": 4},
     }  # fmt: skip
 
 
@@ -50,7 +51,7 @@ def test_the_fastest_checked_zoo_backend_wins_each_point():
 
 
 def test_merge_replaces_a_device_and_keeps_the_others(tmp_path):
-    gpu = {**cell("local", "flex", 1024, 1.0), "device": "cuda", "dtype": "bfloat16"}
+    gpu = {**cell("local", "flex", 1024, 1.0), "device": "cuda", "dtype": "bfloat16", "params": {}}
     old = [gpu | {"backend": "flex"}, entries_from(BENCH, "old")[0] | {"backend": "sdpa"}]
     merged = merge(old, entries_from(BENCH, "new"))
     assert {e["device"] for e in merged} == {"cpu", "cuda"}
@@ -76,6 +77,8 @@ def test_lookup_takes_the_nearest_measured_length():
     assert lookup(call(8192, grad=True), entries)["backend"] == "sdpa"  # training: fwd+bwd
     q = torch.randn(1, 2, 1024, 8)
     assert lookup(prepare_call(q, q, q, variant="bigbird"), entries) is None  # not measured
+    # Another window is another pattern: the measured one says nothing about it.
+    assert lookup(prepare_call(q, q, q, variant="local", window_size=512), entries) is None
 
 
 def test_auto_follows_the_table_and_says_so(monkeypatch):

@@ -116,6 +116,11 @@ def test_a_failing_cell_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch)
     failed, ok = read(run(config, "test", CPU, show_progress=False))
     assert failed["status"] == "failed" and "out of memory" in failed["reason"]
     assert ok["status"] == "ok" and ok["cell"]["variant"] == "local"
+    # The next run retries the failed cell only (the memory is there now).
+    monkeypatch.setattr(eval.train, "train", real_train)
+    *_, retried = read(run(config, "test", CPU, show_progress=False))
+    assert retried["cell"]["variant"] == "full" and retried["status"] == "ok"
+    assert len(read(tmp_path / "results.jsonl")) == 3
 
 
 def test_a_backend_that_cannot_train_fails_its_cell_not_the_sweep(tmp_path):
@@ -226,3 +231,35 @@ def test_attention_map_of_a_trained_checkpoint(tmp_path):
     assert imread(picture).shape[:2] == (600, 600)
     with pytest.raises(ValueError, match=r"layer must be in \[0, 1\], got 2"):
         attention_map(checkpoint, tmp_path / "bad.png", layer=2)
+
+
+def test_report_keeps_latest_records_and_separates_settings(tmp_path):
+    from eval.report import rows, summary_table
+
+    def record(key, status, accuracy, window, steps=20):
+        cell = {"task": "copy", "train_len": 32, "variant": "local", "encoding": "rope", "seed": 0,
+                "key": key, "test_lengths": [32], "variant_params": {"window_size": window},
+                "train": {"steps": steps}}  # fmt: skip
+        extra = (
+            {"accuracy": {"32": accuracy}} if status == "ok" else {"reason": "RuntimeError: boom"}
+        )
+        return {
+            "cell": cell,
+            "status": status,
+            "train_seconds": 1.0,
+            "steps_per_second": 20.0,
+            **extra,
+        }
+
+    records = [
+        record("a", "failed", None, 4),  # retried below: the latest record counts
+        record("a", "ok", 1.0, 4),
+        record("b", "ok", 0.0, 16),  # another window: another setting, never averaged with "a"
+    ]
+    flat = rows(records)
+    assert len(flat) == 2 and {r["status"] for r in flat} == {"ok"}
+    table = summary_table(flat)
+    assert "setting" in table.splitlines()[0]
+    assert "| 1.000" in table and "| 0.000" in table and "0.500" not in table
+    failed = summary_table(rows([record("c", "failed", None, 4), record("d", "ok", 1.0, 4)]))
+    assert "(RuntimeError: boom)" in failed and "1/2 ok" in failed

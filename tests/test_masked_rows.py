@@ -89,3 +89,15 @@ def test_module_with_every_key_masked_gives_zeros():
     assert torch.allclose(y[1], attn.out_proj.bias.expand(64, 32))
     y.sum().backward()
     assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("backend", list(GRAD_BACKENDS))
+def test_a_pattern_with_no_pair_at_all_gives_zeros_and_zero_gradients(backend):
+    from zoo.patterns import Global, Local, strided
+
+    q, k, v = random_qkv(1, 2, 1, 200)
+    for pattern in (Global(1) & Local(0), strided(8) & Local(0) & Global(1)):  # fused, explicit
+        out = zoo.attention(q, k, v, variant=pattern, backend=GRAD_BACKENDS[backend])
+        assert out.abs().max() == 0
+        out.sum().backward()
+        assert all(t.grad.abs().max() == 0 for t in (q, k, v))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -31,6 +31,8 @@ class AttentionCall:
     bias: ScoreBias | None = None  # a positional score bias, see zoo.positional
     return_weights: bool = False
     causal: bool = False  # whether the caller asked for causal (it is in the pattern already)
+    learned: tuple[Tensor, ...] = ()  # parameters of the encoding behind ``bias`` (a T5 table)
+    variant_params: dict = field(default_factory=dict)  # the variant's resolved parameters
 
     @property
     def q_len(self) -> int:
@@ -46,7 +48,7 @@ class AttentionCall:
 
     @property
     def needs_grad(self) -> bool:
-        tensors = [self.q, self.k, self.v]
+        tensors = [self.q, self.k, self.v, *self.learned]
         if isinstance(self.score, AdditiveScore):
             tensors += list(self.score.parameters())
         return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)

@@ -33,6 +33,13 @@ def resolve_pattern(variant: str | Pattern, causal: bool, params: dict[str, obje
     return Intersection((pattern, Causal())) if causal else pattern
 
 
+def resolved_params(variant: str | Pattern, params: dict[str, object]) -> dict[str, object]:
+    """Every parameter of a registry variant as this call sets it (defaults and overrides)."""
+    if isinstance(variant, Pattern):
+        return {}
+    return {**get_spec(variant).parameters(), **params}
+
+
 def build_encoding(
     name: str | PositionalEncoding,
     *,
@@ -126,8 +133,10 @@ def prepare_call(
         score=score if score is not None else DotProduct(resolve_scale(scale, q.shape[-1])),
         dropout_p=check_dropout(dropout_p),
         bias=encoding.bias if encoding is not None and encoding.kind == "bias" else None,
+        learned=tuple(encoding.parameters()) if encoding is not None else (),
         return_weights=return_weights,
         causal=causal,
+        variant_params=resolved_params(variant, params),
     )
 
 

@@ -19,6 +19,11 @@ from .frames import Frame, build_frame
 from .patterns.base import EMPTY, FULL, PARTIAL, Pattern
 
 
+def used_first(flags: Tensor) -> Tensor:
+    """Indices that put each row's True entries first, in increasing order (a stable sort)."""
+    return torch.argsort(flags.to(torch.int8), dim=-1, descending=True, stable=True)
+
+
 @dataclass(frozen=True, eq=False)
 class RowGroup:
     """Query blocks that need about as many key blocks, padded to one width for a batched gather."""
@@ -54,7 +59,7 @@ class BlockLayout:
         order = torch.argsort(counts, descending=True, stable=True)
         sorted_counts = counts[order].tolist()
         # Each row's key blocks first, in increasing order (a stable sort of the used flags).
-        kv_order = torch.argsort(used.to(torch.int8), dim=1, descending=True, stable=True)
+        kv_order = used_first(used)
         groups, start = [], 0
         while start < len(sorted_counts) and sorted_counts[start] > 0:
             width = sorted_counts[start]

@@ -17,6 +17,19 @@ _BACKENDS: dict[str, Backend] = {
 }
 
 
+def clear_caches() -> None:
+    """Forget every shape-dependent structure the zoo caches (specialised patterns, frames, block
+    layouts, blocked plans, flex block masks, dense masks), and the device memory they hold."""
+    from .. import frames, layout
+    from . import block_plan, flex, reference
+
+    for cache in (
+        layout.specialized, frames.build_frame, layout.build_layout, block_plan.plan,
+        flex._pattern_block_mask, reference.dense_mask,
+    ):  # fmt: skip
+        cache.cache_clear()
+
+
 def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
     """Make a backend selectable by its ``name`` (``backend="name"``)."""
     if backend.name in _BACKENDS and not replace:
@@ -72,6 +85,7 @@ __all__ = [
     "ReferenceBackend",
     "SdpaBackend",
     "XformersBackend",
+    "clear_caches",
     "explain_backend",
     "get_backend",
     "list_backends",

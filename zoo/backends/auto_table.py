@@ -1,8 +1,10 @@
 """The measured table behind ``backend="auto"``: which backend was fastest where the benchmark ran.
 
 ``auto_table.json`` (shipped with the package) holds one entry per measured point: device type,
-dtype, variant, causal, pass ("fwd" for inference, "fwd+bwd" for training), the length n, the
-fastest zoo backend there and its time, and the runner-up. ``python -m eval auto-table BENCH.json``
+dtype, variant and every one of its parameters as measured, causal, pass ("fwd" for inference,
+"fwd+bwd" for training), the length n, the fastest zoo backend there and its time, and the
+runner-up. An entry applies only to calls with the same parameters: a window of 256 says nothing
+about a window of 4096. ``python -m eval auto-table BENCH.json``
 writes it from benchmark results. A call looks up the entries of its device, dtype, variant,
 causality and pass, and takes the one at the nearest measured length (in log scale); below half
 the smallest measured length there is no entry, since fixed costs dominate there; above the
@@ -23,6 +25,11 @@ from ..call import AttentionCall
 TABLE = Path(__file__).with_name("auto_table.json")
 
 
+def comparable(params: dict[str, Any]) -> dict[str, Any]:
+    """Parameters as JSON keeps them (tuples become lists), to compare a call with an entry."""
+    return json.loads(json.dumps(params))
+
+
 @lru_cache(maxsize=4)
 def load_table(path: str | None = None) -> tuple[dict[str, Any], ...]:
     file = Path(path) if path is not None else TABLE
@@ -40,6 +47,7 @@ def lookup(
         "device": call.device.type,
         "dtype": str(call.q.dtype).removeprefix("torch."),
         "variant": call.variant,
+        "params": comparable(call.variant_params),
         "causal": call.causal,
         "pass": "fwd+bwd" if call.needs_grad else "fwd",
     }

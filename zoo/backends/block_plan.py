@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..frames import Frame
-from ..layout import build_layout
+from ..layout import build_layout, used_first
 from ..patterns import EMPTY, Pattern
 
 
@@ -145,7 +145,7 @@ def plan(part: Pattern, frame: Frame, waste: float) -> list[GroupPlan]:
     used = layout.state != EMPTY
     rows = torch.nonzero(used.any(dim=1)).flatten()
     if banded and rows.numel():
-        kv_order = torch.argsort(used[rows].to(torch.int8), dim=1, descending=True, stable=True)
+        kv_order = used_first(used[rows])
         whole = band_window(rows, kv_order, used[rows].gather(1, kv_order), waste)
         if whole is not None:
             return [_window_group(part, frame, whole, rows.numel())]

@@ -27,7 +27,6 @@ from ..call import AttentionCall
 from ..checks import check_int
 from ..frames import Frame, build_frame
 from ..patterns import Pattern
-from ..scores import score_dtype
 from .base import FLOATS, Backend, Capabilities, head_index
 from .block_plan import GroupPlan, key_windows, plan
 
@@ -82,6 +81,17 @@ def in_order(frame: Frame, groups: list[GroupPlan], per_group: list[Tensor], fil
     return frame.q.scatter(rows.flatten(2, 3), dim=2)
 
 
+def no_pairs(call: AttentionCall, dtype: torch.dtype) -> Tensor:
+    """The output (B, H, Lq, Dv) of a call whose pattern allows no pair: zeros that still depend
+    on every input that asks for a gradient, so backward gives zero gradients, not an error."""
+    zeros = call.q.new_zeros(*call.q.shape[:3], call.v.shape[-1], dtype=dtype)
+    inputs = [call.q, call.k, call.v, *call.learned]
+    if call.score.kind != "dot":
+        inputs += list(call.score.parameters())
+    anchors = [0 * t.sum() for t in inputs if t.requires_grad]
+    return zeros + sum(anchors).to(dtype) if anchors else zeros
+
+
 class BlockedBackend(Backend):
     """Block-sparse attention in plain PyTorch.
 
@@ -92,6 +102,9 @@ class BlockedBackend(Backend):
             per-block products, and rounding each of them to bfloat16 doubled the gradient error
             of one dense matmul (tests/test_backends.py). Pass torch.bfloat16 to trade that
             precision for speed.
+        waste: how much of a row group's gathered blocks may be padding for rows that need
+            fewer blocks than the widest (0.25: rows needing at least 3/4 of the widest share a
+            group); also the most a band window may read beyond the blocks that hold pairs.
     """
 
     name = "blocked"
@@ -115,7 +128,7 @@ class BlockedBackend(Backend):
 
     def __repr__(self) -> str:
         dtype = "" if self.compute_dtype is None else f", compute_dtype={self.compute_dtype}"
-        return f"BlockedBackend(block_size={self.block_size}{dtype})"
+        return f"BlockedBackend(block_size={self.block_size}{dtype}, waste={self.waste})"
 
     def _frame(self, call: AttentionCall, part: Pattern) -> Frame:
         size = self.block_size
@@ -159,7 +172,7 @@ class BlockedBackend(Backend):
     def _fused(self, call: AttentionCall, part: Pattern, dtype: torch.dtype) -> Tensor:
         frame, groups = self._plan(call, part)
         if not groups:
-            return call.q.new_zeros(*call.q.shape[:3], call.v.shape[-1], dtype=dtype)
+            return no_pairs(call, dtype)
         inputs = self._inputs(call, frame, call.q.to(dtype), call.k.to(dtype), dtype)
         outs = [self._fused_group(call, frame, g, inputs) for g in groups]  # (B, H, R, bq, Dv)
         return in_order(frame, groups, outs, 0.0)
@@ -233,11 +246,10 @@ class BlockedBackend(Backend):
 
     def _explicit(self, call: AttentionCall, part: Pattern, dtype: torch.dtype) -> Partial:
         frame, groups = self._plan(call, part)
-        B, H, q_len = call.q.shape[:3]
         if not groups:
-            zeros = call.q.new_zeros(B, H, q_len, dtype=score_dtype(call.q.to(dtype)))
+            zeros = no_pairs(call, dtype)
             return Partial(
-                zeros[..., None].expand(-1, -1, -1, call.v.shape[-1]), zeros, zeros - float("inf")
+                zeros, zeros[..., 0], torch.full_like(zeros[..., 0], float("-inf")).detach()
             )
         q, k = call.score.prepare(call.q.to(dtype), call.k.to(dtype))
         inputs = self._inputs(call, frame, q, k, dtype)

@@ -21,7 +21,7 @@ from torch import Tensor
 from ..call import AttentionCall
 from ..checks import check_int
 from ..frames import build_frame
-from ..layout import build_layout
+from ..layout import build_layout, used_first
 from ..patterns import EMPTY, FULL, PARTIAL, Pattern
 from .base import FLOATS, Backend, Capabilities
 
@@ -55,7 +55,7 @@ def flex_block_tensors(state: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 
     def ordered(which: Tensor) -> tuple[Tensor, Tensor]:
         count = which.sum(dim=-1).to(torch.int32)
-        index = torch.argsort(which.to(torch.int8), dim=-1, descending=True, stable=True)
+        index = used_first(which)
         return count[:, None].contiguous(), index.to(torch.int32)[:, None].contiguous()
 
     return (*ordered(state == PARTIAL), *ordered(state == FULL))

@@ -24,10 +24,10 @@ class SdpaBackend(Backend):
     )
 
     def scored_pairs(self, call: AttentionCall) -> int:
-        if call.pattern.kind == "causal" and call.q.is_cuda and call.key_padding_mask is None:
-            return (
-                call.q_len * call.kv_len // 2
-            )  # FlashAttention skips the blocks above the diagonal
+        unmasked = call.key_padding_mask is None and call.bias is None and call.q_len == call.kv_len
+        if call.pattern.kind == "causal" and call.q.is_cuda and unmasked:
+            # FlashAttention skips the blocks above the diagonal.
+            return call.q_len * call.kv_len // 2
         return call.q_len * call.kv_len
 
     def forward(self, call: AttentionCall) -> tuple[Tensor, None]:

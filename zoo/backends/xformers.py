@@ -75,6 +75,7 @@ class XformersBackend(Backend):
         dtypes=(torch.float32, torch.bfloat16, torch.float16),
         patterns="any",
         dropout=True,
+        sparse=True,  # its local-window kernel skips the blocks outside the window
     )
 
     def unavailable(self) -> str | None:

@@ -8,7 +8,8 @@ import math
 import torch
 from torch import Tensor
 
-from .base import PositionalEncoding, check_int
+from ..checks import check_int
+from .base import PositionalEncoding
 
 
 def alibi_slopes(num_heads: int) -> list[float]:

@@ -23,19 +23,14 @@ from typing import ClassVar
 
 from torch import Tensor, nn
 
+from ..checks import check_int
+
 _HOOK = {
     "none": "it adds no position information (kind 'none'), so there is nothing to call",
     "embed": "it adds a table to the model input (kind 'embed'); call embed(x)",
     "rotate": "it rotates q and k (kind 'rotate'); call rotate(q, k, q_pos, k_pos)",
     "bias": "it adds a bias to the attention scores (kind 'bias'); call bias(h, q_pos, k_pos)",
 }
-
-
-def check_int(name: str, value: object, *, minimum: int = 1) -> int:
-    """Return ``value`` if it is an int (not a bool) at least ``minimum``, else raise ValueError."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int of at least {minimum}, got {value!r}")
-    return value
 
 
 def check_number(name: str, value: object, ok: Callable[[float], bool], expected: str) -> float:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .base import PositionalEncoding, check_int, check_number
+from ..checks import check_int
+from .base import PositionalEncoding, check_number
 
 
 class LearnedEncoding(PositionalEncoding):

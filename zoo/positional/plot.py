@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from .base import PositionalEncoding, check_int
+from ..checks import check_int
+from .base import PositionalEncoding
 
 
 def draw_encoding(

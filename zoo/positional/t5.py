@@ -9,7 +9,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .base import PositionalEncoding, check_int
+from ..checks import check_int
+from .base import PositionalEncoding
 
 
 def relative_position_bucket(
