@@ -51,6 +51,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     eval_samples: int = 256
     eval_batch_size: int = 64
+    # 0: a fresh batch every step. N: draw N training sequences once and go through them in
+    # shuffled epochs, as LRA trains on a fixed set; for tasks whose generator is slow (ListOps).
+    pool: int = 0
 
 
 @dataclass

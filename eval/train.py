@@ -69,6 +69,40 @@ def autocast(device: torch.device):
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
+def batches(task: Task, cell_seed: int, pool: int, size: int, context: Context):
+    """step -> this rank's training batch of ``size``: freshly drawn, or taken from a pool drawn
+    once and read in shuffled epochs (epoch e's order is seeded by the cell seed and e)."""
+    if not pool:
+
+        def fresh(step: int) -> Batch:
+            return task.sample(
+                size, sample_seed(cell_seed, "train", step * context.world + context.rank)
+            )
+
+        return fresh
+    data = task.sample(pool, sample_seed(cell_seed, "train", 0))
+    orders: dict[int, torch.Tensor] = {}
+
+    def order(epoch: int) -> torch.Tensor:
+        if epoch not in orders:
+            generator = torch.Generator().manual_seed(sample_seed(cell_seed, "train", epoch + 1))
+            orders[epoch] = torch.randperm(pool, generator=generator)
+        return orders[epoch]
+
+    def pooled(step: int) -> Batch:
+        positions = torch.arange(size) + (step * context.world + context.rank) * size
+        epochs, offsets = positions // pool, positions % pool
+        index = torch.empty(size, dtype=torch.long)
+        for epoch in epochs.unique().tolist():
+            chosen = epochs == epoch
+            index[chosen] = order(epoch)[offsets[chosen]]
+        mask = None if data.padding_mask is None else data.padding_mask[index]
+        slices = {name: keys[index] for name, keys in data.slices.items()}
+        return Batch(data.inputs[index], data.targets[index], mask, slices)
+
+    return pooled
+
+
 def train(
     cell: dict[str, Any], context: Context, progress=None, checkpoint: Path | None = None
 ) -> dict[str, Any]:
@@ -96,9 +130,9 @@ def train(
         torch.cuda.reset_peak_memory_stats(context.device)
     losses = []
     start = time.perf_counter()
+    draw = batches(task, cell["seed"], settings["pool"], per_rank, context)
     for step in range(steps):
-        seed = sample_seed(cell["seed"], "train", step * context.world + context.rank)
-        inputs, targets, mask = to_device(task.sample(per_rank, seed), context.device)
+        inputs, targets, mask = to_device(draw(step), context.device)
         with autocast(context.device):
             logits = network(inputs, mask)
         loss = loss_of(logits, targets)

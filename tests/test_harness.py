@@ -263,3 +263,20 @@ def test_report_keeps_latest_records_and_separates_settings(tmp_path):
     assert "| 1.000" in table and "| 0.000" in table and "0.500" not in table
     failed = summary_table(rows([record("c", "failed", None, 4), record("d", "ok", 1.0, 4)]))
     assert "(RuntimeError: boom)" in failed and "1/2 ok" in failed
+
+
+def test_a_training_pool_is_read_in_shuffled_epochs():
+    from eval.tasks import get_task
+    from eval.train import batches
+
+    task = get_task("copy", seq_len=16)
+    two_ranks = [distributed.Context(r, 2, torch.device("cpu")) for r in (0, 1)]
+    drawn = [batches(task, 3, 12, 3, ctx) for ctx in two_ranks]
+    first_epoch = torch.cat(
+        [drawn[r](s).inputs for s in (0, 1) for r in (0, 1)]
+    )  # 2 steps x 2 ranks x 3
+    pool = task.sample(12, eval.train.sample_seed(3, "train", 0)).inputs
+    as_rows = lambda x: sorted(tuple(row.tolist()) for row in x)  # noqa: E731
+    assert as_rows(first_epoch) == as_rows(pool), "an epoch covers the pool once, ranks disjoint"
+    second = torch.cat([drawn[r](s).inputs for s in (2, 3) for r in (0, 1)])
+    assert as_rows(second) == as_rows(pool) and not torch.equal(second, first_epoch)
