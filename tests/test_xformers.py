@@ -1,28 +1,169 @@
-"""The xformers backend: unavailable with its reason where it cannot run, never chosen by auto
-then, and on a GPU with working operators equal to the reference for the patterns it claims."""
+"""The xformers backend: its plans allow exactly each pattern's pairs, once; its merging and its
+backward are exact (on a CPU, against xFormers' kernels emulated in tests/xformers_emulation.py);
+it is unavailable with its reason where it cannot run, and never chosen by auto then; on a GPU with
+working operators, the real kernels equal the reference for every pattern it claims."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
 import torch
-from helpers import check_against_reference, gpu, random_qkv
+from helpers import check_against_reference, gpu, naive_attention, padding_mask, random_qkv
+from xformers_emulation import EmulatedKernels, slice_allowed
 
 import zoo
 from zoo.backends import get_backend
-from zoo.backends.xformers import attention_bias, window_of
+from zoo.backends.xformers import (
+    XformersBackend,
+    _PieceAttention,
+    attention_bias,
+    merge_pieces,
+)
+from zoo.backends.xformers_plan import Piece, plan_pieces
 from zoo.functional import resolve_pattern
 
-NATIVE = [
-    ("full", False),
-    ("causal", False),
-    ("full", True),
-    ("local", False),
-    ("local", True),
-    ("sliding_window", False),
-]
 HAS_XFORMERS = importlib.util.find_spec("xformers") is not None
+
+# (variant, params) with a plan; lengths are chosen so that no block size divides them.
+PLANNED = [
+    ("full", {}),
+    ("causal", {}),
+    ("local", {"window_size": 7}),
+    ("local", {"window_size": (9, 2)}),
+    ("sliding_window", {"window_size": 5}),
+    ("block_local", {"block_size": 16, "neighbors": 0}),
+    ("block_local", {"block_size": 16, "neighbors": 2}),
+    ("longformer", {"window_size": 7, "global_tokens": 1}),
+    ("longformer", {"window_size": 4, "global_tokens": 12}),
+    ("global", {"global_tokens": 2, "block_size": 16}),
+]
+LENGTHS = [(100, 100), (37, 100), (100, 37), (16, 16)]
+NOT_PLANNED = [
+    ("bigbird", {}, "union only of one local window and global tokens"),
+    ("strided", {}, "union only of one local window and global tokens"),
+    ("dilated", {}, "no plan for an intersection of several sparse patterns"),
+    ("random", {}, "no plan for Random"),
+    ("longformer", {"dilation": 2}, "union only of one local window"),
+    ("global", {"global_tokens": [0, 3]}, "only as a prefix"),
+]
+
+
+def _lengths(variant):
+    """block_local plans need as many queries as keys, global tokens no more queries than keys."""
+    if variant == "block_local":
+        return [(q, k) for q, k in LENGTHS if q == k]
+    return [(q, k) for q, k in LENGTHS if q <= k or variant not in ("longformer", "global")]
+
+
+class EmulatedXformers(XformersBackend):
+    """The backend's plans and merging on a CPU, with xFormers' kernels emulated."""
+
+    name = "xformers-emulated"
+    capabilities = dataclasses.replace(
+        XformersBackend.capabilities, devices=("cpu",), backward=("cpu",)
+    )
+
+    def __init__(self) -> None:
+        super().__init__(EmulatedKernels())
+
+
+def piece_pairs(piece: Piece, q_len: int, kv_len: int) -> torch.Tensor:
+    """(Lq, Lk) counts of the pairs one piece computes, read from its xFormers mask."""
+    counts = torch.zeros(q_len, kv_len, dtype=torch.int64)
+    rows, keys = range(*piece.rows), range(*piece.keys)
+    size = piece.chunk or len(rows)
+    for start in range(0, len(rows), size):
+        q_slice = slice(rows[start], rows[start] + (size if piece.chunk else len(rows)))
+        k_slice = slice(keys[start] if piece.chunk else keys.start, None)
+        k_slice = slice(k_slice.start, k_slice.start + (size if piece.chunk else len(keys)))
+        sub = slice_allowed(piece.mask, q_slice.stop - q_slice.start, k_slice.stop - k_slice.start)
+        counts[q_slice, k_slice] += sub.long()
+    return counts
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("variant,params", PLANNED)
+def test_plans_allow_each_pair_of_the_pattern_once(variant, params, causal):
+    for q_len, kv_len in _lengths(variant):
+        pattern = resolve_pattern(variant, causal, dict(params)).specialize(q_len, kv_len)
+        pieces = plan_pieces(pattern, q_len, kv_len)
+        assert not isinstance(pieces, str), pieces
+        counts = sum(piece_pairs(p, q_len, kv_len) for p in pieces)
+        expected = zoo.dense_mask(variant, q_len, kv_len, causal=causal, **params)
+        assert counts.max() <= 1, (variant, q_len, kv_len, "a pair in two pieces")
+        assert torch.equal(counts == 1, expected), (variant, causal, q_len, kv_len, pieces)
+
+
+def test_a_window_with_global_tokens_is_three_pieces():
+    pieces = plan_pieces(resolve_pattern("longformer", False, {"window_size": 4}), 64, 64)
+    assert [(p.rows, p.keys, p.mask) for p in pieces] == [
+        ((0, 1), (0, 64), None),  # the global query against every key
+        ((1, 64), (1, 64), (4, 4)),  # the others: the window, past the global key
+        ((1, 64), (0, 1), None),  # the others against the global key
+    ]
+
+
+@pytest.mark.parametrize("variant,params,reason", NOT_PLANNED)
+def test_patterns_without_a_plan_are_refused_with_the_reason(variant, params, reason):
+    q, k, v = random_qkv(1, 2, 64, 64)
+    with pytest.raises(ValueError, match=rf"backend 'xformers-emulated' cannot run.*{reason}"):
+        zoo.attention(q, k, v, variant=variant, backend=EmulatedXformers(), **params)
+
+
+def test_padding_and_dropout_of_merged_pieces_are_refused():
+    q, k, v = random_qkv(2, 2, 64, 64)
+    backend, padding = EmulatedXformers(), padding_mask(2, 64)
+    with pytest.raises(ValueError, match="no key padding mask"):
+        zoo.attention(q, k, v, variant="full", backend=backend, key_padding_mask=padding)
+    with pytest.raises(ValueError, match="no dropout for patterns merged"):
+        zoo.attention(q, k, v, variant="longformer", backend=backend, window_size=4, dropout_p=0.1)
+    zoo.attention(q, k, v, variant="local", backend=backend, window_size=4, dropout_p=0.1)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("variant,params", PLANNED)
+def test_merged_pieces_equal_the_reference_forward_and_backward(variant, params, causal):
+    for q_len, kv_len in _lengths(variant):
+        check_against_reference(
+            variant, EmulatedXformers(), q_len=q_len, kv_len=kv_len, causal=causal,
+            params=params,
+        )  # fmt: skip
+
+
+def test_a_query_that_no_piece_lets_attend_gets_zeros_and_zero_gradients():
+    """Rows 0-1 lie before every key of the causal piece; rows 10-11 are in no piece."""
+    q, k, v = (t.transpose(1, 2) for t in random_qkv(1, 2, 12, 8))  # xFormers' layout
+    pieces = [Piece((0, 10), (0, 8), mask="causal")]
+    out = _PieceAttention.apply(q, k, v, pieces, 12, 0.25, EmulatedKernels())
+    allowed = torch.zeros(12, 8, dtype=torch.bool)
+    allowed[:10] = slice_allowed("causal", 10, 8)
+    expected = naive_attention(*(t.transpose(1, 2) for t in (q, k, v)), allowed, scale=0.25)
+    torch.testing.assert_close(out.transpose(1, 2), expected)
+    assert torch.equal(out[:, [0, 1, 10, 11]], torch.zeros(1, 4, 2, 16))
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    for got, want in zip(grads, expected_grads, strict=True):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want)
+
+
+def test_merge_weights_pieces_by_their_softmax_mass():
+    """Two pieces over the same query: the merged output is the softmax over both key sets."""
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randn(1, 1, 1, 6, generator=generator)
+    values = torch.randn(1, 6, 1, 3, generator=generator)
+    partials = []
+    for keys in (slice(0, 2), slice(2, 6)):
+        lse = torch.logsumexp(scores[..., keys], -1)
+        weights = torch.softmax(scores[..., keys], -1)
+        partials.append((torch.einsum("bhmn,bnhk->bmhk", weights, values[:, keys]), lse))
+    pieces = [Piece((0, 1), (0, 2)), Piece((0, 1), (2, 6))]
+    out, lse = merge_pieces(pieces, partials, 1)
+    expected = torch.einsum("bhmn,bnhk->bmhk", torch.softmax(scores, -1), values)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1))
 
 
 def test_unavailable_backends_say_why_and_auto_passes_them_over():
@@ -38,41 +179,38 @@ def test_unavailable_backends_say_why_and_auto_passes_them_over():
     assert not zoo.explain(q, q, q, variant="full").startswith("auto -> xformers")
 
 
-def test_only_native_patterns_are_claimed():
-    for variant, causal in NATIVE:
-        assert window_of(resolve_pattern(variant, causal, {})) != ""
-    for variant in ("bigbird", "strided", "longformer", "block_local", "global"):
-        assert window_of(resolve_pattern(variant, False, {})) == ""
-
-
 @pytest.mark.skipif(
     not HAS_XFORMERS, reason="xformers is not installed (pip install attention-zoo[xformers])"
 )
-@pytest.mark.parametrize("variant,causal", NATIVE)
-def test_xformers_bias_is_the_pattern(variant, causal):
-    """xFormers' bias objects materialise on CPU: they must allow exactly the zoo's pairs."""
-    params = {"window_size": 3} if "window_size" in zoo.get_spec(variant).parameters() else {}
-    pattern = resolve_pattern(variant, causal, params)
-    for q_len, kv_len in [(20, 20), (12, 20), (20, 12)]:
-        bias = attention_bias(pattern)
-        expected = zoo.dense_mask(variant, q_len, kv_len, causal=causal, **params)
-        got = (
-            torch.ones(q_len, kv_len, dtype=torch.bool)
-            if bias is None
-            else bias.materialize((q_len, kv_len)) == 0
-        )
-        assert torch.equal(got, expected), (variant, causal, q_len, kv_len)
+@pytest.mark.parametrize("variant,params", PLANNED)
+def test_xformers_bias_objects_are_the_emulated_masks(variant, params):
+    """xFormers' bias objects materialise on a CPU: each piece's must be what the emulation (and
+    so the plan) assumes."""
+    for causal in (False, True):
+        for q_len, kv_len in _lengths(variant):
+            pattern = resolve_pattern(variant, causal, dict(params)).specialize(q_len, kv_len)
+            for piece in plan_pieces(pattern, q_len, kv_len):
+                rows = piece.chunk or piece.rows[1] - piece.rows[0]
+                keys = piece.chunk or piece.keys[1] - piece.keys[0]
+                bias = attention_bias(piece.mask)
+                got = (
+                    torch.ones(rows, keys, dtype=torch.bool)
+                    if bias is None
+                    else bias.materialize((rows, keys)) == 0
+                )
+                assert torch.equal(got, slice_allowed(piece.mask, rows, keys)), piece
 
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("variant,causal", NATIVE)
-def test_xformers_matches_reference_on_gpu(variant, causal, dtype):
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("variant,params", PLANNED)
+def test_xformers_matches_reference_on_gpu(variant, params, causal, dtype):
     reason = get_backend("xformers").unavailable()
     if reason is not None:
         pytest.skip(reason)
-    params = {"window_size": 7} if "window_size" in zoo.get_spec(variant).parameters() else {}
-    for q_len, kv_len in [(256, 256), (200, 300)]:
+    lengths = [(256, 256), (200, 300)] + ([(300, 200)] if variant != "block_local" else [])
+    for q_len, kv_len in lengths if variant != "block_local" else [(256, 256), (250, 250)]:
         check_against_reference(
             variant, "xformers", q_len=q_len, kv_len=kv_len, causal=causal, params=params,
             dtype=dtype, device="cuda", head_dim=64,

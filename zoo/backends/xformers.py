@@ -1,25 +1,33 @@
-"""xFormers' ``memory_efficient_attention`` with its structured attention biases, for the patterns
-it runs natively: full, causal (bottom-right, as the zoo aligns), and local windows, causal or not
-(``LocalAttentionFromBottomRightMask``: query at position p attends keys p - left .. p + right,
-the zoo's ``window_size=(left, right)``).
+"""xFormers' ``memory_efficient_attention`` with its structured attention biases.
+
+A pattern runs as the pieces of ``xformers_plan``: one piece (full, causal, a local window) is one
+``memory_efficient_attention`` call; several pieces (a window plus global tokens, block-local
+chunks) each run through ``memory_efficient_attention_partial``, which also returns each query's
+log-sum-exp, and merge exactly by it. Their backward pass gives every piece the merged output and
+log-sum-exp: with those, each piece's softmax is the whole pattern's softmax restricted to its
+keys, so the pieces' gradients add up to the pattern's gradient exactly (FlashAttention's backward
+over key blocks, with pieces for blocks).
 
 Imported lazily. xFormers' wheels carry compiled operators built for one torch version; where the
 package is missing, its operators do not load against the installed torch, or there is no CUDA
 device, the backend reports itself unavailable with that reason and ``auto`` never takes it.
-Still to do: key padding, score biases, and compositions (a window plus global tokens, merged by
-log-sum-exp with ``memory_efficient_attention_partial`` and ``merge_attentions``).
+It takes no key padding mask and no score bias; composed patterns have no dropout (the partial
+kernel has none).
 """
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from ..call import AttentionCall
-from ..patterns import Causal, Full, Intersection, Local, Pattern
+from ..layout import allowed_pairs
 from .base import Backend, Capabilities
+from .xformers_plan import Mask, Piece, plan_pieces
 
 
 @lru_cache(maxsize=1)
@@ -40,31 +48,140 @@ def _unavailable() -> str | None:
     return None
 
 
-def window_of(pattern: Pattern) -> tuple[int, int] | str | None:
-    """(left, right) for a local window, None for full, "causal" for causal; "" if not native."""
-    parts = pattern.children if isinstance(pattern, Intersection) else (pattern,)
-    causal = any(isinstance(p, Causal) for p in parts)
-    rest = [p for p in parts if not isinstance(p, Causal | Full)]
-    if not rest:
-        return "causal" if causal else None
-    if len(rest) == 1 and isinstance(rest[0], Local):
-        left, right = rest[0].window_size
-        return (left, 0) if causal else (left, right)
-    return ""
+class Kernels(Protocol):
+    """The three kernel calls the backend makes; tensors in xFormers' (B, M, H, K) layout."""
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float, p: float):
+        """softmax(q k^T * scale + mask) v, differentiable, in q's dtype."""
+
+    def partial(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float):
+        """(out float32 (B, M, H, Kv), lse float32 (B, H, M), -inf where no key is allowed)."""
+
+    def backward(self, grad, out, lse, q, k, v, mask: Mask, scale: float):
+        """(dq, dk, dv) of one piece, given the merged output and log-sum-exp."""
 
 
-def attention_bias(pattern: Pattern):
-    """The xFormers bias object for a natively supported pattern."""
+def attention_bias(mask: Mask):
+    """The xFormers bias object for a slice's mask."""
     from xformers.ops.fmha import attn_bias
 
-    window = window_of(pattern)
-    if window is None:
+    if mask is None:
         return None
-    if window == "causal":
+    if mask == "causal":
         return attn_bias.LowerTriangularFromBottomRightMask()
-    return attn_bias.LocalAttentionFromBottomRightMask(
-        window_left=window[0], window_right=window[1]
-    )
+    return attn_bias.LocalAttentionFromBottomRightMask(window_left=mask[0], window_right=mask[1])
+
+
+class XformersKernels:
+    """The real kernels."""
+
+    def attention(self, q, k, v, mask, scale, p):
+        import xformers.ops as xops
+
+        return xops.memory_efficient_attention(
+            q, k, v, attn_bias=attention_bias(mask), p=p, scale=scale
+        )
+
+    def partial(self, q, k, v, mask, scale):
+        from xformers.ops import fmha
+
+        out, lse = fmha.memory_efficient_attention_partial(
+            q, k, v, attn_bias=attention_bias(mask), scale=scale, output_dtype=torch.float32
+        )
+        return out, lse[..., : q.shape[1]]  # some kernels pad the log-sum-exp's length
+
+    def backward(self, grad, out, lse, q, k, v, mask, scale):
+        from xformers.ops import fmha
+
+        return fmha.memory_efficient_attention_backward(
+            grad, out, lse, q, k, v, attn_bias=attention_bias(mask), scale=scale
+        )
+
+
+def _chunks(x: Tensor, chunk: int | None) -> Tensor:
+    """(B, M, ...) as (B * M / chunk, chunk, ...): aligned chunks become a batch."""
+    return x if chunk is None else x.reshape(-1, chunk, *x.shape[2:])
+
+
+def _unchunk(x: Tensor, batch: int) -> Tensor:
+    return x.reshape(batch, -1, *x.shape[2:])
+
+
+def _lse_chunks(lse: Tensor, chunk: int | None) -> Tensor:
+    """(B, H, M) as (B * M / chunk, H, chunk), matching ``_chunks`` of the queries."""
+    if chunk is None:
+        return lse
+    b, h, m = lse.shape
+    return lse.reshape(b, h, m // chunk, chunk).transpose(1, 2).reshape(-1, h, chunk)
+
+
+def _lse_unchunk(lse: Tensor, batch: int) -> Tensor:
+    _, h, chunk = lse.shape
+    return lse.reshape(batch, -1, h, chunk).transpose(1, 2).reshape(batch, h, -1)
+
+
+def _slices(piece: Piece, *tensors: Tensor) -> list[Tensor]:
+    """q-like tensors sliced to the piece's rows, then k-like ones to its keys, all chunked."""
+    q_like, k_like = tensors[: len(tensors) - 2], tensors[-2:]
+    rows, keys = slice(*piece.rows), slice(*piece.keys)
+    return [_chunks(t[:, rows], piece.chunk) for t in q_like] + [
+        _chunks(t[:, keys], piece.chunk) for t in k_like
+    ]
+
+
+def merge_pieces(pieces, partials, q_len: int) -> tuple[Tensor, Tensor]:
+    """Each query's softmax over the union of its pieces' keys, from their partial outputs and
+    log-sum-exps: (out float32 (B, Lq, H, Kv), lse (B, H, Lq), -inf and zeros where no piece
+    allows a key)."""
+    out0, lse0 = partials[0]
+    batch, heads, dv = out0.shape[0], lse0.shape[1], out0.shape[-1]
+    peak = lse0.new_full((batch, heads, q_len), -math.inf)
+    for piece, (_, lse) in zip(pieces, partials, strict=True):
+        rows = slice(*piece.rows)
+        peak[..., rows] = torch.maximum(peak[..., rows], lse)
+    peak = torch.where(torch.isfinite(peak), peak, 0)
+    mass = lse0.new_zeros((batch, heads, q_len))
+    total = out0.new_zeros((batch, q_len, heads, dv))
+    for piece, (out, lse) in zip(pieces, partials, strict=True):
+        rows = slice(*piece.rows)
+        share = torch.exp(lse - peak[..., rows])  # zero where the piece allows no key
+        mass[..., rows] += share
+        total[:, rows] += torch.where(share > 0, share, 0).transpose(1, 2)[..., None] * out
+    out = total / torch.where(mass > 0, mass, 1).transpose(1, 2)[..., None]
+    return out, peak + torch.log(mass)
+
+
+class _PieceAttention(torch.autograd.Function):
+    """The pieces' attention, merged, with the exact backward described in the module doc."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, pieces, q_len, scale, kernels):
+        partials = []
+        for piece in pieces:
+            pq, pk, pv = _slices(piece, q, k, v)
+            out, lse = kernels.partial(pq, pk, pv, piece.mask, scale)
+            partials.append((_unchunk(out, q.shape[0]), _lse_unchunk(lse, q.shape[0])))
+        out, lse = merge_pieces(pieces, partials, q_len)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.pieces, ctx.scale, ctx.kernels = pieces, scale, kernels
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        lse = torch.where(torch.isfinite(lse), lse, math.inf)  # no key: p = exp(s - inf) = 0
+        grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v)]
+        batch = q.shape[0]
+        for piece in ctx.pieces:
+            pg, po, pq, pk, pv = _slices(piece, grad.contiguous(), out, q, k, v)
+            piece_lse = _lse_chunks(lse[..., slice(*piece.rows)].contiguous(), piece.chunk)
+            dq, dk, dv = ctx.kernels.backward(pg, po, piece_lse, pq, pk, pv, piece.mask, ctx.scale)
+            grads[0][:, slice(*piece.rows)] += _unchunk(dq, batch)
+            grads[1][:, slice(*piece.keys)] += _unchunk(dk, batch)
+            grads[2][:, slice(*piece.keys)] += _unchunk(dv, batch)
+        dq, dk, dv = (g.to(t.dtype) for g, t in zip(grads, (q, k, v), strict=True))
+        return dq, dk, dv, None, None, None, None
 
 
 class XformersBackend(Backend):
@@ -78,26 +195,40 @@ class XformersBackend(Backend):
         sparse=True,  # its local-window kernel skips the blocks outside the window
     )
 
+    def __init__(self, kernels: Kernels | None = None) -> None:
+        self.kernels = kernels or XformersKernels()
+
     def unavailable(self) -> str | None:
-        return _unavailable()
+        return _unavailable() if isinstance(self.kernels, XformersKernels) else None
+
+    def plan(self, call: AttentionCall) -> list[Piece] | str:
+        """The call's pieces, or why there are none."""
+        return plan_pieces(call.pattern, call.q_len, call.kv_len)
+
+    def scored_pairs(self, call: AttentionCall) -> int:
+        """The pattern's pairs, which its pieces partition: the kernels skip the tiles outside a
+        window, so this is what they approach (tiles on a window's edge compute a few more)."""
+        return allowed_pairs(call.pattern, call.q_len, call.kv_len)
 
     def reason_against(self, call: AttentionCall) -> str | None:
         reason = super().reason_against(call)
-        if reason is None and window_of(call.pattern) == "":
-            native = "full, causal and local windows"
-            reason = f"it runs {native} natively, not the pattern of {call.variant!r}"
         if reason is None and call.key_padding_mask is not None:
-            reason = "it takes no key padding mask here yet"
+            reason = "it takes no key padding mask"
+        if reason is None:
+            pieces = self.plan(call)
+            if isinstance(pieces, str):
+                reason = f"{pieces} (the pattern of {call.variant!r})"
+            elif len(pieces) > 1 and call.dropout_p > 0:
+                reason = "it has no dropout for patterns merged from several kernel calls"
         return reason
 
     def forward(self, call: AttentionCall) -> tuple[Tensor, None]:
-        import xformers.ops as xops
-
-        def bmhk(x: Tensor) -> Tensor:  # (B, H, L, D) -> (B, L, H, D), xFormers' layout
-            return x.transpose(1, 2)
-
-        out = xops.memory_efficient_attention(
-            bmhk(call.q), bmhk(call.k), bmhk(call.v),
-            attn_bias=attention_bias(call.pattern), p=call.dropout_p, scale=call.scale,
-        )  # fmt: skip
+        pieces = self.plan(call)
+        assert not isinstance(pieces, str), pieces  # reason_against ran first
+        q, k, v = (t.transpose(1, 2) for t in (call.q, call.k, call.v))  # xFormers' (B, M, H, K)
+        single = len(pieces) == 1 and pieces[0].chunk is None
+        if single and pieces[0].rows == (0, call.q_len) and pieces[0].keys == (0, call.kv_len):
+            out = self.kernels.attention(q, k, v, pieces[0].mask, call.scale, call.dropout_p)
+        else:
+            out = _PieceAttention.apply(q, k, v, pieces, call.q_len, call.scale, self.kernels)
         return out.transpose(1, 2), None

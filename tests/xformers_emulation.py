@@ -1,0 +1,55 @@
+"""xFormers' three kernel calls emulated in plain PyTorch on any device, after xFormers' own
+definitions of its masks and of the log-sum-exp: the xformers backend's plans and merging run on a
+CPU against these, and against the real kernels on a GPU (tests/test_xformers.py)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def slice_allowed(mask, rows: int, keys: int) -> torch.Tensor:
+    """(rows, keys) bool, as xFormers defines its masks (attn_bias.py): no mask allows all;
+    LowerTriangularFromBottomRightMask allows key k for query q when k <= q + keys - rows;
+    LocalAttentionFromBottomRightMask(left, right) when q - left <= k + rows - keys <= q + right."""
+    q = torch.arange(rows)[:, None]
+    k = torch.arange(keys)[None, :]
+    if mask is None:
+        return torch.ones(rows, keys, dtype=torch.bool)
+    if mask == "causal":
+        return k <= q + keys - rows
+    left, right = mask
+    return (q - left <= k + rows - keys) & (k + rows - keys <= q + right)
+
+
+def _scores(q, k, mask, scale):
+    """(B, H, M, N) float32 scores of (B, M, H, K) inputs, -inf outside the mask."""
+    scores = torch.einsum("bmhk,bnhk->bhmn", q.float(), k.float()) * scale
+    allowed = slice_allowed(mask, q.shape[1], k.shape[1]).to(q.device)
+    return scores.masked_fill(~allowed, float("-inf"))
+
+
+class EmulatedKernels:
+    """memory_efficient_attention, its _partial and its _backward, in float32."""
+
+    def attention(self, q, k, v, mask, scale, p):
+        weights = torch.softmax(_scores(q, k, mask, scale), dim=-1).nan_to_num(0.0)
+        weights = torch.nn.functional.dropout(weights, p)
+        return torch.einsum("bhmn,bnhk->bmhk", weights, v.float()).to(q.dtype)
+
+    def partial(self, q, k, v, mask, scale):
+        scores = _scores(q, k, mask, scale)
+        lse = torch.logsumexp(scores, dim=-1)  # -inf where the mask allows no key
+        weights = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+        return torch.einsum("bhmn,bnhk->bmhk", weights, v.float()), lse
+
+    def backward(self, grad, out, lse, q, k, v, mask, scale):
+        """FlashAttention's backward: P = exp(S - lse), D = rowsum(dO * O), dS = P (dP - D)."""
+        weights = torch.exp(_scores(q, k, mask, scale) - lse[..., None])
+        grad, out = grad.float(), out.float()
+        dv = torch.einsum("bhmn,bmhk->bnhk", weights, grad)
+        d_weights = torch.einsum("bmhk,bnhk->bhmn", grad, v.float())
+        rowsum = (grad * out).sum(-1).transpose(1, 2)[..., None]
+        d_scores = weights * (d_weights - rowsum) * scale
+        dq = torch.einsum("bhmn,bnhk->bmhk", d_scores, k.float())
+        dk = torch.einsum("bhmn,bmhk->bnhk", d_scores, q.float())
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
