@@ -3,6 +3,7 @@
 run CONFIG.yaml [key=value ...]   train and evaluate a sweep (eval/configs/quick.yaml: minutes)
 report RESULTS.jsonl              markdown, CSV and plots from a sweep's results
 bench [CONFIG.yaml] [key=value]   time and memory of every variant and backend, with peers
+bench-report BENCH.json [...]     one report from a sweep run in pieces (out=DIR), or re-rendered
 attention-map CHECKPOINT          one head's weights in a trained model (save_checkpoints=true)
 auto-table BENCH.json [...]       the table behind backend="auto", from benchmark results
 demo                              every variant forward and backward once, with its cost
@@ -17,6 +18,7 @@ COMMANDS = {
     "run": "eval.run",
     "report": "eval.report",
     "bench": "eval.bench",
+    "bench-report": "eval.bench_merge",
     "attention-map": "eval.attention_map",
     "auto-table": "eval.auto_table",
     "demo": "eval.demo",

@@ -10,7 +10,8 @@ eval/configs/bench.yaml runs on CUDA and eval/configs/bench_cpu.yaml elsewhere.
 
 Writes ``bench.json`` (header and cells, rewritten after every point), ``bench.md`` and PNG plots
 under ``out``; see eval/bench_cell.py for the cell fields and eval/bench_report.py for the derived
-figures.
+figures. A sweep run in pieces (one command each) becomes one report with ``python -m eval
+bench-report`` (eval/bench_merge.py).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from .distributed import device_name
 
 CONFIGS = Path(__file__).with_name("configs")
 
-__all__ = ["PEERS", "BenchConfig", "check_config", "main", "run_bench"]
+__all__ = ["PEERS", "BenchConfig", "check_config", "main", "run_bench", "write_report"]
 
 
 def environment(sweep: Sweep, argv: list[str], source: str) -> dict[str, Any]:
@@ -129,15 +130,25 @@ def _run(sweep: Sweep, source: str, argv: list[str]) -> Path:
     header["wall_seconds"] = round(time.perf_counter() - started, 1)
     header["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     header["load_average_end"] = _load_average()
-    exps = bench_report.exponents(cells, config.fit_points)
-    goals = bench_report.goals(cells, exps, device.type)
+    write_report(out, header, cells, config.fit_points)
+    return out
+
+
+def write_report(
+    out: Path, header: dict[str, Any], cells: list[dict], fit_points: int, complete: bool = True
+) -> None:
+    """The report of a sweep's cells, for ``bench`` and ``bench-report`` alike: fits the exponents,
+    checks the goals, draws the plots, writes bench.json and bench.md under ``out`` and prints the
+    exponents and goals. ``complete`` is false for cells of a sweep that was interrupted."""
+    exps = bench_report.exponents(cells, fit_points)
+    goals = bench_report.goals(cells, exps, header["device_type"])
     plots = bench_plots.plot_all(cells, out)
-    write_json(out / "bench.json", header, cells, complete=True, exponents=exps, goals=goals)
-    (out / "bench.md").write_text(bench_markdown.render(header, cells, exps, goals, plots))
+    write_json(out / "bench.json", header, cells, complete=complete, exponents=exps, goals=goals)
+    markdown = bench_markdown.render(header, cells, exps, goals, plots, complete)
+    (out / "bench.md").write_text(markdown)
     print("\n## Fitted exponents\n\n" + bench_markdown.exponent_table(exps))
     print("\n## Goals\n\n" + "\n".join(goals))
     print(f"\nwrote {out / 'bench.json'}, {out / 'bench.md'} and {len(plots)} plots", flush=True)
-    return out
 
 
 @contextlib.contextmanager

@@ -121,32 +121,60 @@ def exponent_table(exps: Sequence[dict[str, Any]]) -> str:
     return markdown_table(headers, rows) if rows else "Too few successful lengths to fit."
 
 
+def pieces_line(pieces: Sequence[dict[str, Any]]) -> str:
+    """The pieces a merged report (``python -m eval bench-report``) was made from."""
+    described = []
+    for piece in pieces:
+        if piece["complete"]:
+            run = f"{piece.get('wall_seconds', '-')} s"
+        else:
+            run = "interrupted: its cells up to the interruption"
+        described.append(f"`{piece['file']}` (`{piece['command']}`; {piece['cells']} cells, {run})")
+    return f"- merged from {len(pieces)} pieces: " + "; ".join(described)
+
+
 def render(
     header: dict[str, Any],
     cells: Sequence[Cell],
     exps: Sequence[dict[str, Any]],
     goal_lines: Sequence[str],
     plots: Sequence[str],
+    complete: bool = True,
 ) -> str:
-    """The whole bench.md."""
+    """The whole bench.md. A merged header lacks the fields its pieces differ in (threads, the
+    check length, ...): each piece lists its own, and the facts show "per piece"."""
     config = header["config"]
+    per_piece = "per piece"
+    shared = {k: header.get(k, per_piece) or "-" for k in ("triton", "cuda", "threads")}
+    summed = " (the pieces' sum)" if "pieces" in header else ""
+    load = (
+        "load average per piece (in bench.json)"
+        if "pieces" in header
+        else f"load average {header.get('load_average_start')} at the start, "
+        f"{header.get('load_average_end')} at the end"
+    )
     facts = [
         f"- device: {header['device']} ({header['device_type']}), torch {header['torch']}, "
-        f"triton {header['triton'] or '-'}, CUDA {header['cuda'] or '-'}, "
-        f"{header['threads']} CPU threads; load average {header.get('load_average_start')} at "
-        f"the start, {header.get('load_average_end')} at the end",
+        f"triton {shared['triton']}, CUDA {shared['cuda']}, "
+        f"{shared['threads']} CPU threads; {load}",
         f"- q, k, v: batch {config['batch']}, heads {config['heads']}, head_dim "
         f"{config['head_dim']}, {header['dtype']}; median of {config['repeats']} runs after "
-        f"{config['warmup']} warm-up runs; reference check up to n = {config['check_max_len']} "
-        f"(normalised error <= {header['tolerance']:g})",
+        f"{config['warmup']} warm-up runs; reference check up to n = "
+        f"{config.get('check_max_len', per_piece)} (normalised error <= {header['tolerance']:g})",
         f"- command: `{header['command']}`",
         f"- {len(cells)} cells, {sum(c['status'] == 'ok' for c in cells)} ok; "
-        f"wall time {header.get('wall_seconds', '-')} s",
+        f"wall time {header.get('wall_seconds', '-')} s{summed}",
         "- time: median ms; TFLOP/s: useful, 4·B·H·allowed pairs·D (x3.5 with backward) per "
         "second; realization: (dense time / time) / (all pairs / allowed pairs), all pairs "
         "n(n+1)/2 at causal points; density: computed blocks / all blocks at the kernel's block; "
         "peak memory: CUDA only",
     ]
+    if "pieces" in header:
+        facts.insert(3, pieces_line(header["pieces"]))
+    if not complete:
+        facts.insert(
+            0, "- **incomplete**: interrupted before its end; the cells measured until then"
+        )
     sections = [
         f"# Attention benchmark: {header['device']}",
         "\n".join(facts),
