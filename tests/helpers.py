@@ -21,7 +21,12 @@ FLOOR = 1e-6
 SMALL = {"window_size": 7, "block_size": 16, "stride": 9, "dilation": 3}
 
 HAS_CUDA = torch.cuda.is_available()
-gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU; this machine has none")
+_NO_GPU = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU; this machine has none")
+
+
+def gpu(test):
+    """Marks a test as a GPU test (``pytest -m gpu`` runs them all) and skips it without one."""
+    return pytest.mark.gpu(_NO_GPU(test))
 
 
 def small_params(variant: str) -> dict[str, object]:

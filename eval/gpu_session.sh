@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The project's GPU measurements in stages that each fit one 10-minute command on a lent machine
+# (which has torch, triton, einops, pyyaml, pytest, matplotlib, tqdm and rich, but no network).
+# Each stage writes only small files under $OUT (the results, never checkpoints or plots): the
+# report, plots and auto table are rebuilt from them on any machine (see the end of this file).
+#
+#   bash eval/gpu_session.sh tests                      # GPU tests, tiny GPU sweep and training
+#   bash eval/gpu_session.sh bench NAME [key=value...]  # one piece of eval/configs/bench.yaml
+#   bash eval/gpu_session.sh standard NAME [key=value]  # a part of eval/configs/standard.yaml
+#
+# xFormers, where its wheel was carried in .whl/ (see the device tool's README), is installed
+# first into /tmp/site. Run from the repository root.
+set -uo pipefail
+stage=${1:?"stage: tests, bench or standard"}
+shift
+OUT=${OUT:?"set OUT to the folder whose files come back"}
+LIMIT=${LIMIT:-540}  # seconds; stopped with SIGINT after that, keeping what it finished
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+python3 - <<'EOF' | tee "$OUT/environment.txt"
+import torch, zoo
+from zoo.backends import get_backend
+print("torch", torch.__version__, "cuda", torch.version.cuda, "device",
+      torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
+print("xformers:", get_backend("xformers").unavailable() or "runs")
+EOF
+
+case $stage in
+tests)
+    timeout -s INT "$LIMIT" python3 -m pytest -q -m gpu -p no:cacheprovider 2>&1 |
+        tee "$OUT/gpu-tests.txt"
+    ;;
+bench)
+    name=${1:?"bench NAME [key=value ...]"}
+    shift
+    timeout -s INT "$LIMIT" python3 -m eval bench eval/configs/bench.yaml "out=/tmp/bench-$name" "$@" 2>&1 |
+        tee "$OUT/bench-$name.log"
+    cp "/tmp/bench-$name/bench.json" "$OUT/bench-$name.json"
+    ;;
+standard)
+    name=${1:?"standard NAME [key=value ...]"}
+    shift
+    timeout -s INT "$LIMIT" python3 -m eval run eval/configs/standard.yaml "out=/tmp/standard-$name" \
+        save_checkpoints=false "$@" 2>&1 | tee "$OUT/standard-$name.log"
+    cp "/tmp/standard-$name/results.jsonl" "$OUT/standard-$name.jsonl"
+    ;;
+*)
+    echo "unknown stage $stage: tests, bench or standard" >&2
+    exit 2
+    ;;
+esac
+
+# Back on the development machine, with the files under eval/results/gpu/:
+#   python -m eval bench-report eval/results/gpu/bench-*.json out=eval/results/bench-gpu
+#   python -m eval auto-table eval/results/bench-gpu/bench.json
+#   cat eval/results/gpu/standard-*.jsonl > eval/results/standard/results.jsonl
+#   python -m eval report eval/results/standard/results.jsonl
