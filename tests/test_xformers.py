@@ -215,3 +215,16 @@ def test_xformers_matches_reference_on_gpu(variant, params, causal, dtype):
             variant, "xformers", q_len=q_len, kv_len=kv_len, causal=causal, params=params,
             dtype=dtype, device="cuda", head_dim=64,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "variant,params", [PLANNED[6], PLANNED[7]], ids=["block_local", "longformer"]
+)
+def test_merging_bf16_partials_stays_within_the_tolerance(variant, params):
+    """FlashAttention's partial outputs come rounded to bf16; their merge must not add error
+    beyond the convention's."""
+    for causal in (False, True):
+        check_against_reference(
+            variant, EmulatedXformers(), q_len=100, kv_len=100, causal=causal, params=params,
+            dtype=torch.bfloat16,
+        )  # fmt: skip

@@ -4,6 +4,8 @@ CPU against these, and against the real kernels on a GPU (tests/test_xformers.py
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -37,10 +39,12 @@ class EmulatedKernels:
         return torch.einsum("bhmn,bnhk->bmhk", weights, v.float()).to(q.dtype)
 
     def partial(self, q, k, v, mask, scale):
+        """As FlashAttention's partial kernel: out in q's dtype, lse +inf on a row without keys."""
         scores = _scores(q, k, mask, scale)
-        lse = torch.logsumexp(scores, dim=-1)  # -inf where the mask allows no key
+        lse = torch.logsumexp(scores, dim=-1)
         weights = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
-        return torch.einsum("bhmn,bnhk->bmhk", weights, v.float()), lse
+        out = torch.einsum("bhmn,bnhk->bmhk", weights, v.float()).to(q.dtype)
+        return out, torch.where(lse == -math.inf, math.inf, lse)
 
     def backward(self, grad, out, lse, q, k, v, mask, scale):
         """FlashAttention's backward: P = exp(S - lse), D = rowsum(dO * O), dS = P (dP - D)."""

@@ -55,7 +55,8 @@ class Kernels(Protocol):
         """softmax(q k^T * scale + mask) v, differentiable, in q's dtype."""
 
     def partial(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float):
-        """(out float32 (B, M, H, Kv), lse float32 (B, H, M), -inf where no key is allowed)."""
+        """(out (B, M, H, Kv), lse float32 (B, H, M)). FlashAttention's out comes in q's dtype
+        and its lse is +inf on a row without keys (others give -inf); the merge takes both."""
 
     def backward(self, grad, out, lse, q, k, v, mask: Mask, scale: float):
         """(dq, dk, dv) of one piece, given the merged output and log-sum-exp."""
@@ -85,8 +86,9 @@ class XformersKernels:
     def partial(self, q, k, v, mask, scale):
         from xformers.ops import fmha
 
+        # No output_dtype: only the split-k inference kernel takes one.
         out, lse = fmha.memory_efficient_attention_partial(
-            q, k, v, attn_bias=attention_bias(mask), scale=scale, output_dtype=torch.float32
+            q, k, v, attn_bias=attention_bias(mask), scale=scale
         )
         return out, lse[..., : q.shape[1]]  # some kernels pad the log-sum-exp's length
 
@@ -133,6 +135,7 @@ def merge_pieces(pieces, partials, q_len: int) -> tuple[Tensor, Tensor]:
     """Each query's softmax over the union of its pieces' keys, from their partial outputs and
     log-sum-exps: (out float32 (B, Lq, H, Kv), lse (B, H, Lq), -inf and zeros where no piece
     allows a key)."""
+    partials = [(out.float(), lse) for out, lse in partials]
     out0, lse0 = partials[0]
     batch, heads, dv = out0.shape[0], lse0.shape[1], out0.shape[-1]
     peak = lse0.new_full((batch, heads, q_len), -math.inf)
@@ -160,6 +163,7 @@ class _PieceAttention(torch.autograd.Function):
         for piece in pieces:
             pq, pk, pv = _slices(piece, q, k, v)
             out, lse = kernels.partial(pq, pk, pv, piece.mask, scale)
+            lse = torch.where(lse == math.inf, -math.inf, lse)  # a row without keys, as FA2 says
             partials.append((_unchunk(out, q.shape[0]), _lse_unchunk(lse, q.shape[0])))
         out, lse = merge_pieces(pieces, partials, q_len)
         out = out.to(q.dtype)
