@@ -9,7 +9,10 @@
 #   bash eval/gpu_session.sh standard NAME [key=value]  # a part of eval/configs/standard.yaml
 #
 # xFormers, where its wheel was carried in .whl/ (see the device tool's README), is installed
-# first into /tmp/site. Run from the repository root.
+# first into /tmp/site. Run from the repository root. The wheels for torch 2.11+cu130:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
+#       xformers==0.0.35 "nvidia-cuda-runtime-cu12==12.8.*"
 set -uo pipefail
 stage=${1:?"stage: tests, bench or standard"}
 shift
@@ -19,6 +22,10 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+    # xFormers 0.0.35's _C links libcudart.so.12; a torch built for CUDA 13 has none, and
+    # without its _C xFormers runs no operator at all. The nvidia-cuda-runtime-cu12 wheel has it.
+    cudart=/tmp/site/nvidia/cuda_runtime/lib
+    [ -d "$cudart" ] && export LD_LIBRARY_PATH=$cudart${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
 python3 - <<'EOF' | tee "$OUT/environment.txt"
 import torch, zoo

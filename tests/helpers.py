@@ -123,17 +123,19 @@ def check_against_reference(
     device="cpu",
     head_dim=16,
     pos=None,
+    v_dim=8,
 ):
     """Output (and, with ``grads``, dq, dk, dv and the encoding's parameters' gradients) of
     ``backend`` against the float64 reference, by the tolerance convention, on 3 random sequences
-    of 2 heads; sequences 1 and 2 padded if asked. ``pos``: an encoding instance for 2 heads."""
+    of 2 heads; sequences 1 and 2 padded if asked. ``pos``: an encoding instance for 2 heads;
+    ``v_dim``: the values' head size."""
     params = small_params(variant) if params is None else params
     q, k, v = random_qkv(
-        3, 2, q_len, kv_len, head_dim=head_dim, v_dim=8, dtype=dtype, device=device
+        3, 2, q_len, kv_len, head_dim=head_dim, v_dim=v_dim, dtype=dtype, device=device
     )
     key_padding = padding_mask(3, kv_len, device=device) if padded else None
     generator = torch.Generator().manual_seed(1)
-    grad_out = torch.randn(3, 2, q_len, 8, generator=generator).to(device, dtype)
+    grad_out = torch.randn(3, 2, q_len, v_dim, generator=generator).to(device, dtype)
 
     weights = [] if pos is None else list(pos.parameters())
 

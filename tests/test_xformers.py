@@ -11,7 +11,7 @@ import importlib.util
 import pytest
 import torch
 from helpers import check_against_reference, gpu, naive_attention, padding_mask, random_qkv
-from xformers_emulation import EmulatedKernels, slice_allowed
+from xformers_emulation import EmulatedKernels, flash_allowed, slice_allowed
 
 import zoo
 from zoo.backends import get_backend
@@ -19,10 +19,11 @@ from zoo.backends.xformers import (
     XformersBackend,
     _PieceAttention,
     attention_bias,
+    kernel_reason,
     merge_pieces,
 )
 from zoo.backends.xformers_plan import Piece, plan_pieces
-from zoo.functional import resolve_pattern
+from zoo.functional import prepare_call, resolve_pattern
 
 HAS_XFORMERS = importlib.util.find_spec("xformers") is not None
 
@@ -213,7 +214,7 @@ def test_xformers_matches_reference_on_gpu(variant, params, causal, dtype):
     for q_len, kv_len in lengths if variant != "block_local" else [(256, 256), (250, 250)]:
         check_against_reference(
             variant, "xformers", q_len=q_len, kv_len=kv_len, causal=causal, params=params,
-            dtype=dtype, device="cuda", head_dim=64,
+            dtype=dtype, device="cuda", head_dim=64, v_dim=64,
         )  # fmt: skip
 
 
@@ -228,3 +229,35 @@ def test_merging_bf16_partials_stays_within_the_tolerance(variant, params):
             variant, EmulatedXformers(), q_len=100, kv_len=100, causal=causal, params=params,
             dtype=torch.bfloat16,
         )  # fmt: skip
+
+
+def test_a_window_flash_attention_would_clamp_is_refused():
+    """More queries than keys + 1 and a right side past the keys: FlashAttention would bound it
+    at the keys (flash_api.cpp), so the plan refuses rather than lose pairs."""
+    pattern = resolve_pattern("local", False, {"window_size": (3, 250)})
+    reason = plan_pieces(pattern, 300, 200)
+    assert isinstance(reason, str) and "clamps" in reason
+    mask = (3, 250 + 100)  # the window in the slice's coordinates (bottom-right aligned)
+    assert not torch.equal(flash_allowed(mask, 300, 200), slice_allowed(mask, 300, 200))
+    assert not isinstance(plan_pieces(pattern, 200, 300), str)  # fewer queries: no clamp
+
+
+@pytest.mark.parametrize(
+    "variant,dtype,head_dim,v_dim,refused",
+    [
+        ("longformer", torch.bfloat16, 64, 64, None),
+        ("longformer", torch.float32, 64, 64, "take bf16 or fp16"),
+        ("local", torch.float16, 64, 32, "one head size"),
+        ("block_local", torch.bfloat16, 260, 260, "up to 256"),
+        ("full", torch.float32, 64, 32, None),  # one whole call: the cutlass kernel takes it
+        ("causal", torch.float32, 6, 6, "multiples of 4"),
+    ],
+)
+def test_what_the_real_kernels_would_refuse_is_refused_first(
+    variant, dtype, head_dim, v_dim, refused
+):
+    q, k, v = random_qkv(1, 2, 64, 64, head_dim=head_dim, v_dim=v_dim, dtype=dtype)
+    params = {"local": {"window_size": 4}, "block_local": {"block_size": 16}}.get(variant, {})
+    call = prepare_call(q, k, v, variant=variant, **params)
+    reason = kernel_reason(call, plan_pieces(call.pattern, 64, 64))
+    assert reason is None if refused is None else refused in reason

@@ -23,10 +23,18 @@ def slice_allowed(mask, rows: int, keys: int) -> torch.Tensor:
     return (q - left <= k + rows - keys) & (k + rows - keys <= q + right)
 
 
+def flash_allowed(mask, rows: int, keys: int) -> torch.Tensor:
+    """What FlashAttention computes for a mask: flash_api.cpp turns a window_right >= keys into
+    keys (not unbounded), which differs from the mask where rows > keys + 1."""
+    if isinstance(mask, tuple) and mask[1] >= keys:
+        mask = (mask[0], keys)
+    return slice_allowed(mask, rows, keys)
+
+
 def _scores(q, k, mask, scale):
-    """(B, H, M, N) float32 scores of (B, M, H, K) inputs, -inf outside the mask."""
+    """(B, H, M, N) float32 scores of (B, M, H, K) inputs, -inf outside what the kernel allows."""
     scores = torch.einsum("bmhk,bnhk->bhmn", q.float(), k.float()) * scale
-    allowed = slice_allowed(mask, q.shape[1], k.shape[1]).to(q.device)
+    allowed = flash_allowed(mask, q.shape[1], k.shape[1]).to(q.device)
     return scores.masked_fill(~allowed, float("-inf"))
 
 

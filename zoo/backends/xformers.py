@@ -12,7 +12,9 @@ Imported lazily. xFormers' wheels carry compiled operators built for one torch v
 package is missing, its operators do not load against the installed torch, or there is no CUDA
 device, the backend reports itself unavailable with that reason and ``auto`` never takes it.
 It takes no key padding mask and no score bias; composed patterns have no dropout (the partial
-kernel has none).
+kernel has none). Windows and merged pieces run only on xFormers' FlashAttention kernels (bf16 or
+fp16, one head size up to 256, see ``kernel_reason``); whole-call full and causal attention also
+on its cutlass kernel (float32 too).
 """
 
 from __future__ import annotations
@@ -34,17 +36,46 @@ from .xformers_plan import Mask, Piece, plan_pieces
 def _unavailable() -> str | None:
     try:
         import xformers
-        import xformers.ops as xops
     except ImportError as error:
         return f"xformers is not installed ({error}); pip install attention-zoo[xformers]"
+    versions = f"xformers {xformers.__version__} on torch {torch.__version__}"
+    try:
+        import xformers.ops as xops
+    except Exception as error:  # it checks torch's FlashAttention at import
+        return f"{versions} does not import: {error}"
     if not torch.cuda.is_available():
         return "xformers' memory_efficient_attention needs a CUDA device"
-    probe = torch.zeros(1, 8, 1, 64, device="cuda", dtype=torch.float16)
-    try:
-        xops.memory_efficient_attention(probe, probe, probe)
-    except Exception as error:  # operators built for another torch, or none for this GPU
-        first = str(error).strip().splitlines()[0]
-        return f"xformers {xformers.__version__} cannot run on torch {torch.__version__}: {first}"
+    if not getattr(xformers, "_has_cpp_library", True):
+        # Without its _C (built for one torch and CUDA runtime) xFormers refuses every CUDA
+        # operator, its torch-backed FlashAttention ones too (ops/fmha/common.py).
+        cause = getattr(xformers._cpp_lib, "_cpp_library_load_exception", None)
+        cause = getattr(cause, "__cause__", None) or cause
+        return f"{versions} cannot load its compiled _C ({cause}), so it runs no operator"
+    try:  # forward and backward: a wheel can carry one without the other
+        probe = torch.randn(1, 8, 1, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+        xops.memory_efficient_attention(probe, probe, probe).sum().backward()
+    except Exception as error:
+        lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+        return f"{versions} cannot run attention here: {' '.join(lines[:4])[:400]}"
+    return None
+
+
+def kernel_reason(call: AttentionCall, pieces: list[Piece]) -> str | None:
+    """What xFormers' kernels would refuse. Partial outputs and local windows run only on its
+    FlashAttention kernels (bf16/fp16, one head size, a multiple of 8 up to 256); a whole-call
+    full or causal mask also has the cutlass kernel, which takes float32."""
+    d, dv = call.q.shape[-1], call.v.shape[-1]
+    merged = len(pieces) > 1 or pieces[0].chunk is not None
+    flash_only = merged or isinstance(pieces[0].mask, tuple)
+    if flash_only and (call.q.dtype == torch.float32 or d != dv or d % 8 or d > 256):
+        return (
+            "its kernels for windows and merged pieces (FlashAttention) take bf16 or fp16 with "
+            f"one head size, a multiple of 8 up to 256, not {str(call.q.dtype)[6:]} with "
+            f"q/k {d} and v {dv}"
+        )
+    align = 4 if call.q.dtype == torch.float32 else 8
+    if d % align or dv % align:
+        return f"its kernels need head sizes that are multiples of {align}, not {d} and {dv}"
     return None
 
 
@@ -224,6 +255,8 @@ class XformersBackend(Backend):
                 reason = f"{pieces} (the pattern of {call.variant!r})"
             elif len(pieces) > 1 and call.dropout_p > 0:
                 reason = "it has no dropout for patterns merged from several kernel calls"
+            elif isinstance(self.kernels, XformersKernels):
+                reason = kernel_reason(call, pieces)
         return reason
 
     def forward(self, call: AttentionCall) -> tuple[Tensor, None]:

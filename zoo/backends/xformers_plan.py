@@ -53,7 +53,24 @@ def plan_pieces(pattern: Pattern, q_len: int, kv_len: int) -> list[Piece] | str:
     pieces = _pieces(pattern, q_len, kv_len)
     if isinstance(pieces, str):
         return pieces
-    return [replace(p, mask=slice_mask(p, q_len, kv_len)) for p in pieces]
+    pieces = [replace(p, mask=slice_mask(p, q_len, kv_len)) for p in pieces]
+    for p in pieces:
+        rows, keys = _slice_shape(p)
+        # FlashAttention (flash_api.cpp) turns window_right >= keys into keys, which bounds the
+        # window where a slice has more than keys + 1 queries: such a window would lose pairs.
+        if isinstance(p.mask, tuple) and p.mask[1] >= keys and rows - 1 > keys:
+            return (
+                f"FlashAttention cannot leave a window's right side at {p.mask[1]} with {rows} "
+                f"queries and {keys} keys (it clamps it to the keys)"
+            )
+    return pieces
+
+
+def _slice_shape(piece: Piece) -> tuple[int, int]:
+    """(queries, keys) of one kernel call's slice: the piece's, or one chunk pair's."""
+    if piece.chunk is not None:
+        return piece.chunk, piece.chunk
+    return piece.rows[1] - piece.rows[0], piece.keys[1] - piece.keys[0]
 
 
 def _pieces(pattern: Pattern, q_len: int, kv_len: int) -> list[Piece] | str:
@@ -135,7 +152,7 @@ def slice_mask(piece: Piece, q_len: int, kv_len: int) -> Mask:
     # kv_pos - q_pos in the whole call = (the same offset within the slices) + shift. Chunked
     # pieces have equal spans, and chunk pairs sit at the same place in both.
     shift = (piece.keys[0] - piece.rows[0]) - (kv_len - q_len) + (k_span - q_span)
-    rows, keys = (piece.chunk, piece.chunk) if piece.chunk is not None else (q_span, k_span)
+    rows, keys = _slice_shape(piece)
     lo = None if piece.lo is None or piece.lo - shift <= 1 - keys else piece.lo - shift
     hi = None if piece.hi is None or piece.hi - shift >= rows - 1 else piece.hi - shift
     if lo is None and hi is None:
