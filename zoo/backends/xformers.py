@@ -207,9 +207,9 @@ class _PieceAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         lse = torch.where(torch.isfinite(lse), lse, math.inf)  # no key: p = exp(s - inf) = 0
         grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v)]
-        batch = q.shape[0]
+        batch, grad = q.shape[0], grad.contiguous()
         for piece in ctx.pieces:
-            pg, po, pq, pk, pv = _slices(piece, grad.contiguous(), out, q, k, v)
+            pg, po, pq, pk, pv = _slices(piece, grad, out, q, k, v)
             piece_lse = _lse_chunks(lse[..., slice(*piece.rows)].contiguous(), piece.chunk)
             dq, dk, dv = ctx.kernels.backward(pg, po, piece_lse, pq, pk, pv, piece.mask, ctx.scale)
             grads[0][:, slice(*piece.rows)] += _unchunk(dq, batch)

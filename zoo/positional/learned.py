@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..checks import check_int
-from .base import PositionalEncoding, check_number
+from ..checks import check_int, check_probability
+from .base import PositionalEncoding
 
 
 class LearnedEncoding(PositionalEncoding):
@@ -35,8 +35,7 @@ class LearnedEncoding(PositionalEncoding):
     ) -> None:
         super().__init__(dim=dim, num_heads=num_heads, causal=causal)
         self.max_len = check_int("max_len", max_len)
-        p = check_number("dropout", dropout, lambda v: 0 <= v < 1, "a probability in [0, 1)")
-        self.dropout = nn.Dropout(p)
+        self.dropout = nn.Dropout(check_probability("dropout", dropout))
         self.weight = nn.Parameter(torch.empty(max_len, dim))
         nn.init.normal_(self.weight, std=0.02)
 

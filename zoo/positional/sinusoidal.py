@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..checks import check_int
+from ..checks import check_int, check_probability
 from .base import PositionalEncoding, check_number
 
 
@@ -44,8 +44,7 @@ class SinusoidalEncoding(PositionalEncoding):
     ) -> None:
         super().__init__(dim=dim, num_heads=num_heads, causal=causal)
         self.base = check_number("base", base, lambda v: v > 1, "a number greater than 1")
-        p = check_number("dropout", dropout, lambda v: 0 <= v < 1, "a probability in [0, 1)")
-        self.dropout = nn.Dropout(p)
+        self.dropout = nn.Dropout(check_probability("dropout", dropout))
 
     def table(
         self, length: int, offset: int = 0, *, device: torch.device | str | None = None
