@@ -61,8 +61,10 @@ class Axis:
         if self.identity:
             if self.slots == self.length:
                 return x
-            pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, self.slots - self.length]
-            return torch.nn.functional.pad(x, pad)
+            # cat, not F.pad: on a busy CPU, pad's threaded fill was 100x slower (17 ms for 1 MB).
+            tail = list(x.shape)
+            tail[dim] = self.slots - self.length
+            return torch.cat([x, x.new_zeros(tail)], dim=dim)
         return x.index_select(dim, self.index)
 
     def scatter(self, x: Tensor, dim: int = -2) -> Tensor:

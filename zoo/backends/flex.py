@@ -9,6 +9,12 @@ Block masks are cached per pattern and shape; a key padding mask makes the layou
 
 Strided and dilated patterns run here in the natural token order, where their blocks are dense;
 the ``blocked`` backend runs them in their regrouped order.
+
+Whole blocks on CPU. Compiled FlexAttention on CPU (torch 2.13) returned wrong values or NaN at
+lengths that are not a multiple of 16, differently from one process to the next (see
+``tests/test_flex_lengths.py`` for the torch-only reproduction). On CPU the backend therefore pads
+q, k and v with zeros to whole blocks, masks the padded keys out in the mask_mod and crops the
+output: the kernel only ever sees whole blocks. CUDA's kernel masks its last block itself.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from torch import Tensor
 
 from ..call import AttentionCall
 from ..checks import check_int
-from ..frames import build_frame
+from ..frames import Frame, build_frame
 from ..layout import build_layout, used_first
 from ..patterns import EMPTY, FULL, PARTIAL, Pattern
 from .base import FLOATS, Backend, Capabilities
@@ -61,27 +67,49 @@ def flex_block_tensors(state: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return (*ordered(state == PARTIAL), *ordered(state == FULL))
 
 
+def _seq_lengths(frame: Frame, whole_blocks: bool) -> tuple[int, int]:
+    if whole_blocks:
+        return frame.q.slots, frame.k.slots
+    return frame.q.length, frame.k.length
+
+
 @lru_cache(maxsize=128)
 def _pattern_block_mask(
-    pattern: Pattern, q_len: int, kv_len: int, block: int, device: torch.device
+    pattern: Pattern,
+    q_len: int,
+    kv_len: int,
+    block: int,
+    device: torch.device,
+    whole_blocks: bool = False,
 ):
+    """The block mask of a pattern; with ``whole_blocks`` for q, k and v padded to whole blocks
+    (the frame's slots), whose padded keys the mask_mod leaves out."""
     frame = build_frame(1, q_len, kv_len, block, block, device)
     state = build_layout(pattern, frame).state[None]
+    mask_mod = pattern.mask_mod(q_len, kv_len)
+    if whole_blocks and frame.k.slots != kv_len:
+        pattern_mask = mask_mod
+        # A tensor, not an int: dynamo would specialize on an int and recompile for every length.
+        length = torch.tensor(kv_len, device=device)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return pattern_mask(b, h, q_idx, kv_idx) & (kv_idx < length)
+
     return _flex_module().BlockMask.from_kv_blocks(
         *flex_block_tensors(state),
         BLOCK_SIZE=block,
-        mask_mod=pattern.mask_mod(q_len, kv_len),
-        seq_lengths=(q_len, kv_len),
+        mask_mod=mask_mod,
+        seq_lengths=_seq_lengths(frame, whole_blocks),
     )
 
 
-def _padded_block_mask(call: AttentionCall, block: int):
-    """A per-sequence block mask: key blocks all padding are skipped, partly padded ones masked."""
+def _padded_block_mask(call: AttentionCall, block: int, whole_blocks: bool = False):
+    """A per-sequence block mask: key blocks all padding are skipped, partly padded ones masked.
+    Keys past the sequence are padding slots of the frame, so ``whole_blocks`` needs nothing more.
+    """
     frame = build_frame(1, call.q_len, call.kv_len, block, block, call.device)
     state = build_layout(call.pattern, frame).state
-    keep = frame.k.gather(~call.key_padding_mask[:, :, None])[
-        ..., 0
-    ]  # (B, slots); padding slots False
+    keep = frame.k.gather(~call.key_padding_mask[:, :, None])[..., 0]  # (B, slots); False: padding
     by_block = keep.view(keep.shape[0], -1, block)
     any_kept, all_kept = by_block.any(-1)[:, None, :], by_block.all(-1)[:, None, :]
     state = torch.where(all_kept, state, torch.clamp(state, max=PARTIAL))
@@ -95,7 +123,7 @@ def _padded_block_mask(call: AttentionCall, block: int):
         *flex_block_tensors(state),
         BLOCK_SIZE=block,
         mask_mod=padded_mask,
-        seq_lengths=(call.q_len, call.kv_len),
+        seq_lengths=_seq_lengths(frame, whole_blocks),
     )
 
 
@@ -126,12 +154,17 @@ class FlexBackend(Backend):
             return f"torch.nn.attention.flex_attention does not import ({error})"
         return None
 
+    def whole_blocks(self, call: AttentionCall) -> bool:
+        """Whether q, k and v are padded to whole blocks for this call (see the module doc)."""
+        return self.compile and call.device.type == "cpu"
+
     def block_mask(self, call: AttentionCall):
+        whole = self.whole_blocks(call)
         if call.key_padding_mask is None:
             return _pattern_block_mask(
-                call.pattern, call.q_len, call.kv_len, self.block_size, call.device
+                call.pattern, call.q_len, call.kv_len, self.block_size, call.device, whole
             )
-        return _padded_block_mask(call, self.block_size)
+        return _padded_block_mask(call, self.block_size, whole)
 
     def scored_pairs(self, call: AttentionCall) -> int:
         frame = build_frame(
@@ -148,12 +181,12 @@ class FlexBackend(Backend):
                 return score + bias(h, q_idx + offset, kv_idx).to(score.dtype)
 
             score_mod = positional_bias
+        q, k, v = call.q, call.k, call.v
+        if self.whole_blocks(call):
+            frame = build_frame(1, call.q_len, call.kv_len, self.block_size, self.block_size,
+                                call.device)  # fmt: skip
+            q, k, v = frame.q.gather(q), frame.k.gather(k), frame.k.gather(v)
         out = _kernel(self.compile)(
-            call.q,
-            call.k,
-            call.v,
-            score_mod=score_mod,
-            block_mask=self.block_mask(call),
-            scale=call.scale,
+            q, k, v, score_mod=score_mod, block_mask=self.block_mask(call), scale=call.scale
         )
-        return out, None
+        return out[..., : call.q_len, :], None
