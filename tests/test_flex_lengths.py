@@ -32,9 +32,10 @@ from pathlib import Path
 
 import pytest
 
-# Runs in a fresh process: every length 1..300 once, then a large odd one. Each compiled graph
+# Runs in a fresh process: every length 1..300 once, then two large odd ones. Each compiled graph
 # costs seconds on CPU (one per configuration and padded length), so a process alternates two
-# configurations (variant, causal, key padding) by length; the two processes use different ones.
+# configurations (variant, causal, key padding) by length, and the second process, which swaps
+# them, finds the first one's graphs in inductor's cache.
 SWEEP = r"""
 import json, sys, torch, zoo
 sys.path.insert(0, sys.argv[2])
@@ -43,9 +44,9 @@ from helpers import small_params
 seed = int(sys.argv[1])
 torch.set_num_threads(2)
 generator = torch.Generator().manual_seed(seed)
-configs = [[("local", True, True), ("bigbird", False, False)],
-           [("full", False, True), ("longformer", True, False)]][seed]
-cases = [(n, *configs[n % 2]) for n in range(1, 301)] + [(1023 + 976 * seed, *configs[seed])]
+configs = [("local", True, True), ("longformer", False, False)]
+cases = [(n, *configs[(n + seed) % 2]) for n in range(1, 301)]
+cases += [(1023, *configs[0]), (1999, "bigbird", False, True)]
 failures = []
 for n, variant, causal, padded in cases:
     q, k, v = (torch.randn(2, 2, n, 16, generator=generator) for _ in range(3))
@@ -73,5 +74,5 @@ def test_compiled_flex_matches_reference_at_every_length(seed):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["cases"] == 301
+    assert result["cases"] == 302
     assert result["failures"] == [], f"compiled flex differs from the reference: {result}"
