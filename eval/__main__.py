@@ -1,4 +1,5 @@
-"""``python -m eval COMMAND`` (or ``zoo-eval COMMAND``): the harness's commands.
+"""``python -m eval COMMAND`` (or ``zoo-eval COMMAND``): the commands of the harness
+(eval/harness), the benchmark (eval/bench) and the demo.
 
 run CONFIG.yaml [key=value ...]   train and evaluate a sweep (eval/configs/quick.yaml: minutes)
 report RESULTS.jsonl              markdown, CSV and plots from a sweep's results
@@ -12,15 +13,16 @@ demo                              every variant forward and backward once, with 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 COMMANDS = {
-    "run": "eval.run",
-    "report": "eval.report",
-    "bench": "eval.bench",
-    "bench-report": "eval.bench_merge",
-    "attention-map": "eval.attention_map",
-    "auto-table": "eval.auto_table",
+    "run": "eval.harness.run",
+    "report": "eval.harness.report",
+    "bench": "eval.bench.run",
+    "bench-report": "eval.bench.merge",
+    "attention-map": "eval.harness.attention_map",
+    "auto-table": "eval.bench.auto_table",
     "demo": "eval.demo",
 }
 
@@ -30,7 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in COMMANDS:
         print(__doc__, file=sys.stderr)
         return 2
-    return importlib.import_module(COMMANDS[argv[0]]).main(argv[1:]) or 0
+    try:
+        status = importlib.import_module(COMMANDS[argv[0]]).main(argv[1:]) or 0
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader went away (``| head``): exit quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    return status
 
 
 if __name__ == "__main__":

@@ -5,6 +5,11 @@ allowed pairs and the pairs that backend scored (both as a fraction of n^2), and
 of a forward + backward pass.
 """
 
+# Why this file sits at eval/'s top level rather than in eval/harness or eval/bench: it trains
+# nothing and reads no task (not the harness), and it has no config, peers, reference check or
+# bench.json (not the benchmark); it is a one-screen tour of the zoo that imports only zoo, so it
+# stays beside the two tools, depending on neither.
+
 from __future__ import annotations
 
 import argparse
@@ -15,9 +20,9 @@ import torch
 
 import zoo
 from zoo.backends import resolve_backend
-from zoo.describe import markdown_table
 from zoo.functional import prepare_call
 from zoo.registry import get_spec
+from zoo.tables import markdown_table
 
 
 def time_variant(variant: str, x: torch.Tensor, repeats: int) -> tuple[str, float, float, float]:

@@ -8,7 +8,7 @@ import torch
 
 import zoo
 import zoo.backends.auto as auto
-from eval.auto_table import entries_from, merge, write_table
+from eval.bench.auto_table import entries_from, merge, write_table
 from zoo.backends.auto_table import load_table, lookup
 from zoo.functional import prepare_call
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 import yaml
 
-import eval.bench_cell as bench_cell
-from eval import bench
-from eval.bench_config import BenchConfig
-from eval.bench_measure import CudaClock, is_oom, peak_memory_mb
-from eval.bench_report import all_pairs, fit_exponent, goal_line, sparsity_realization
-from eval.config import load_config
+import eval.bench.cell as bench_cell
+from eval.bench import run as bench
+from eval.bench.config import BenchConfig
+from eval.bench.measure import CudaClock, is_oom, peak_memory_mb
+from eval.bench.report import all_pairs, fit_exponent, goal_line, sparsity_realization
+from eval.harness.config import load_config
 from zoo.backends import Backend, Capabilities
 
 SMALL = {"local": {"window_size": 8}, "block_local": {"block_size": 16}}
@@ -251,7 +251,7 @@ def synthetic_cell(variant, backend, n, ms, **fields):
 
 
 def test_goals_are_computed_from_the_cells():
-    from eval.bench_report import exponents, goals
+    from eval.bench.report import exponents, goals
 
     cells = []
     for n in (1024, 2048, 4096):
@@ -261,7 +261,7 @@ def test_goals_are_computed_from_the_cells():
             peak_memory_mb=1e-3 * n, mask_build_ms=2.0, resolved="flex",
         )  # fmt: skip
         cells += [dense, auto, synthetic_cell("local", "flex_standard", n, 5e-4 * n, kind="peer")]
-        bench.bench_report.realize(auto, dense)
+        bench.report.realize(auto, dense)
     lines = goals(cells, exponents(cells), "cuda")
     text = "\n".join(lines)
     assert "n=4096: time / flex_standard: 0.8 (goal <= 1): met by 0.2" in text

@@ -9,9 +9,10 @@ import shutil
 import pytest
 from test_bench import write_config
 
-from eval import bench, bench_merge
 from eval.__main__ import main as eval_main
-from eval.bench_merge import DERIVED, cell_key
+from eval.bench import merge as bench_merge
+from eval.bench import run as bench
+from eval.bench.merge import DERIVED, cell_key
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,9 @@ from helpers import gpu
 from test_bench import write_config
 from test_harness import read, tiny
 
-from eval import bench, distributed
-from eval.run import run
+from eval.bench import run as bench
+from eval.harness import distributed
+from eval.harness.run import run
 from zoo.backends import get_backend
 
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import eval.train
-from eval import distributed
-from eval.config import ConfigError, load_config
-from eval.report import write_report
-from eval.run import RunConfig, cells, check_cells, check_names, run
+import eval.harness.train
+from eval.harness import distributed
+from eval.harness.config import ConfigError, load_config
+from eval.harness.report import write_report
+from eval.harness.run import RunConfig, cells, check_cells, check_names, run
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = distributed.Context(0, 1, torch.device("cpu"))
@@ -79,7 +79,7 @@ def test_an_interrupted_sweep_resumes_without_recomputing(tmp_path, monkeypatch)
     config = tiny(
         tmp_path, "variants=[full, local, block_local]", "variant_params={local: {window_size: 4}}"
     )
-    real_train, calls = eval.train.train, []
+    real_train, calls = eval.harness.train.train, []
 
     def interrupt_second_cell(cell, context, *rest):
         calls.append(cell["variant"])
@@ -87,7 +87,7 @@ def test_an_interrupted_sweep_resumes_without_recomputing(tmp_path, monkeypatch)
             raise KeyboardInterrupt  # as if killed after the first cell
         return real_train(cell, context, *rest)
 
-    monkeypatch.setattr(eval.train, "train", interrupt_second_cell)
+    monkeypatch.setattr(eval.harness.train, "train", interrupt_second_cell)
     with pytest.raises(KeyboardInterrupt):
         run(config, "test", CPU, show_progress=False)
     first = (tmp_path / "results.jsonl").read_text()
@@ -105,19 +105,19 @@ def test_an_interrupted_sweep_resumes_without_recomputing(tmp_path, monkeypatch)
 
 def test_a_failing_cell_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
     config = tiny(tmp_path, "variants=[full, local]", "variant_params={local: {window_size: 4}}")
-    real_train = eval.train.train
+    real_train = eval.harness.train.train
 
     def out_of_memory_for_full(cell, context, *rest):
         if cell["variant"] == "full":
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
         return real_train(cell, context, *rest)
 
-    monkeypatch.setattr(eval.train, "train", out_of_memory_for_full)
+    monkeypatch.setattr(eval.harness.train, "train", out_of_memory_for_full)
     failed, ok = read(run(config, "test", CPU, show_progress=False))
     assert failed["status"] == "failed" and "out of memory" in failed["reason"]
     assert ok["status"] == "ok" and ok["cell"]["variant"] == "local"
     # The next run retries the failed cell only (the memory is there now).
-    monkeypatch.setattr(eval.train, "train", real_train)
+    monkeypatch.setattr(eval.harness.train, "train", real_train)
     *_, retried = read(run(config, "test", CPU, show_progress=False))
     assert retried["cell"]["variant"] == "full" and retried["status"] == "ok"
     assert len(read(tmp_path / "results.jsonl")) == 3
@@ -207,7 +207,7 @@ def test_bad_configs_name_the_file_and_the_key(tmp_path, overrides, message):
 
 
 def test_the_command_line_reports_config_errors(tmp_path, capsys):
-    from eval.run import main
+    from eval.harness.run import main
 
     assert main([str(ROOT / "eval/configs/quick.yaml"), "variants=[nope]"]) == 2
     assert "quick.yaml: variants[0]: unknown variant 'nope'" in capsys.readouterr().err
@@ -216,7 +216,7 @@ def test_the_command_line_reports_config_errors(tmp_path, capsys):
 def test_attention_map_of_a_trained_checkpoint(tmp_path):
     from matplotlib.image import imread
 
-    from eval.attention_map import attention_map
+    from eval.harness.attention_map import attention_map
 
     config = tiny(
         tmp_path,
@@ -234,7 +234,7 @@ def test_attention_map_of_a_trained_checkpoint(tmp_path):
 
 
 def test_report_keeps_latest_records_and_separates_settings(tmp_path):
-    from eval.report import rows, summary_table
+    from eval.harness.report import rows, summary_table
 
     def record(key, status, accuracy, window, steps=20):
         cell = {"task": "copy", "train_len": 32, "variant": "local", "encoding": "rope", "seed": 0,
@@ -266,8 +266,8 @@ def test_report_keeps_latest_records_and_separates_settings(tmp_path):
 
 
 def test_a_training_pool_is_read_in_shuffled_epochs():
+    from eval.harness.train import batches
     from eval.tasks import get_task
-    from eval.train import batches
 
     task = get_task("copy", seq_len=16)
     two_ranks = [distributed.Context(r, 2, torch.device("cpu")) for r in (0, 1)]
@@ -275,7 +275,7 @@ def test_a_training_pool_is_read_in_shuffled_epochs():
     first_epoch = torch.cat(
         [drawn[r](s).inputs for s in (0, 1) for r in (0, 1)]
     )  # 2 steps x 2 ranks x 3
-    pool = task.sample(12, eval.train.sample_seed(3, "train", 0)).inputs
+    pool = task.sample(12, eval.harness.train.sample_seed(3, "train", 0)).inputs
     as_rows = lambda x: sorted(tuple(row.tolist()) for row in x)  # noqa: E731
     assert as_rows(first_epoch) == as_rows(pool), "an epoch covers the pool once, ranks disjoint"
     second = torch.cat([drawn[r](s).inputs for s in (2, 3) for r in (0, 1)])

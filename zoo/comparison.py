@@ -15,11 +15,11 @@ one attention layer is one parallel step over all positions, whatever its patter
 
 from __future__ import annotations
 
-from .describe import markdown_table
 from .functional import dense_mask
 from .layout import allowed_pairs
 from .paths import max_path_length, min_receptive_fraction
 from .registry import get_spec, list_variants
+from .tables import markdown_table
 
 HEADERS = [
     "variant",
@@ -79,7 +79,7 @@ def comparison_rows(
 
 
 def comparison_table(seq_len: int, layers: int, variants: list[str] | None = None) -> str:
-    """``comparison_rows`` as an aligned markdown table (``zoo.describe.markdown_table``)."""
+    """``comparison_rows`` as an aligned markdown table (``zoo.tables.markdown_table``)."""
     rows = comparison_rows(seq_len, layers, variants)
     headers = [h.format(layers=layers) for h in HEADERS]
     return markdown_table(headers, rows)

@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from .comparison import comparison_table
+from .registry import (
+    Unavailable,
+    get_encoding_spec,
+    get_spec,
+    list_encodings,
+    list_variants,
+    unavailable,
+)
+from .tables import format_params, markdown_table
 
-from .registry import get_encoding_spec, get_spec, list_encodings, list_variants
 
-
-def format_params(params: dict[str, object]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in params.items()) or "-"
-
-
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A GitHub markdown table, its columns padded to line up in a terminal too."""
-    cells = [[str(h) for h in headers], *[[str(c) for c in row] for row in rows]]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-
-    def line(row: Sequence[str]) -> str:
-        return "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |"
-
-    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(cells[0]), rule, *(line(r) for r in cells[1:])])
+def unavailable_note(entry: Unavailable) -> str:
+    return f"UNAVAILABLE: {entry.reference} does not import (using {entry.name!r} says why)"
 
 
 def variant_table() -> str:
@@ -31,6 +26,8 @@ def variant_table() -> str:
         rows.append(
             [f"`{name}`", pattern, format_params(spec.params), spec.description, spec.complexity]
         )
+    for name, entry in sorted(unavailable("variants").items()):
+        rows.append([f"`{name}`", "-", "-", unavailable_note(entry), "-"])
     return markdown_table(["variant", "pattern", "parameters", "description", "complexity"], rows)
 
 
@@ -39,12 +36,12 @@ def encoding_table() -> str:
     for name in list_encodings():
         spec = get_encoding_spec(name)
         rows.append([f"`{name}`", spec.kind, format_params(spec.parameters()), spec.description])
+    for name, entry in sorted(unavailable("positional").items()):
+        rows.append([f"`{name}`", "-", "-", unavailable_note(entry)])
     return markdown_table(["encoding", "kind", "parameters", "description"], rows)
 
 
 def comparison() -> str:
-    from .comparison import comparison_table
-
     return comparison_table(1024, 2)
 
 

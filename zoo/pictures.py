@@ -17,10 +17,10 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from torch import Tensor
 
-from .describe import format_params
 from .functional import dense_mask
 from .module import create_attention
 from .registry import get_spec
+from .tables import format_params
 
 FIGSIZE = (6.0, 6.0)  # inches
 DPI = 100  # so a picture is 600 x 600 pixels

@@ -26,7 +26,9 @@ The three views, held equal by the tests:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -85,6 +87,12 @@ class Pattern:
 
     stride: int = 1
 
+    # What ``a | b`` and ``a & b`` build: ``Union`` and ``Intersection``, which
+    # zoo.patterns.compose installs here when it is imported (importing any of zoo.patterns
+    # imports it), so that this module need not import its compositions.
+    _union: ClassVar[Callable[[tuple[Pattern, ...]], Pattern]]
+    _intersection: ClassVar[Callable[[tuple[Pattern, ...]], Pattern]]
+
     def allowed(self, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
         raise NotImplementedError
 
@@ -122,11 +130,9 @@ class Pattern:
         return pattern_mask
 
     def __or__(self, other: Pattern) -> Pattern:
-        from .compose import Union
-
-        return Union((self, other))
+        """The pairs either pattern allows."""
+        return Pattern._union((self, other))
 
     def __and__(self, other: Pattern) -> Pattern:
-        from .compose import Intersection
-
-        return Intersection((self, other))
+        """The pairs both patterns allow."""
+        return Pattern._intersection((self, other))

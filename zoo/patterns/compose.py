@@ -136,3 +136,8 @@ class Difference(Pattern):
             self.include.specialize(q_len, kv_len, device),
             self.exclude.specialize(q_len, kv_len, device),
         )
+
+
+# ``a | b`` and ``a & b`` (Pattern.__or__ and __and__) build these.
+Pattern._union = Union
+Pattern._intersection = Intersection

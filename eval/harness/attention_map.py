@@ -14,7 +14,7 @@ import torch
 
 from zoo.pictures import draw_attention
 
-from .tasks import get_task
+from ..tasks import get_task
 from .train import build_model, sample_seed
 
 

@@ -17,7 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from zoo.describe import markdown_table
+from zoo.tables import markdown_table
 
 CSV_FIELDS = [
     "task", "train_len", "test_len", "variant", "encoding", "setting", "seed", "key", "status",

@@ -1,4 +1,4 @@
-"""The benchmark's config schema (for ``eval.config.load_config``) and its checks.
+"""The benchmark's config schema (for ``eval.harness.config.load_config``) and its checks.
 
 Defaults are the GPU sweep of eval/configs/bench.yaml; every key can be overridden on the command
 line (``repeats=50 lengths=[1024,2048]``). Errors name the file, the key, the value and the fix.
@@ -13,8 +13,8 @@ import torch
 import zoo
 from zoo.checks import suggest
 
-from .bench_impls import PEERS
-from .config import ConfigError
+from ..harness.config import ConfigError
+from .impls import PEERS
 
 PASSES = ("fwd", "fwd+bwd")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

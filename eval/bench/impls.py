@@ -32,7 +32,7 @@ import zoo.layout
 from zoo.backends import Backend, BlockedBackend, FlexBackend, resolve_backend
 from zoo.functional import prepare_call, resolve_pattern
 
-from .bench_measure import CellSkip, timed_once
+from .measure import CellSkip, timed_once
 
 Run = Callable[[Tensor, Tensor, Tensor], Tensor]
 

@@ -32,8 +32,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from .bench_impls import Point
-from .bench_measure import (
+from .impls import Point
+from .measure import (
     TOLERANCE,
     CellSkip,
     compare,

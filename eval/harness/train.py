@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..tasks import IGNORE, Batch, Task, get_task
 from .distributed import Context, wrap
 from .model import SequenceModel
-from .tasks import IGNORE, Batch, Task, get_task
 
 
 def sample_seed(cell_seed: int, stream: str, index: int) -> int:

@@ -23,9 +23,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import bench_report
-from .bench import write_report
-from .bench_config import BenchConfig
+from . import report
+from .config import BenchConfig
+from .run import write_report
 
 COMPARABLE = (
     "device", "device_type", "torch", "dtype",
@@ -114,7 +114,7 @@ def realize_all(cells: list[dict[str, Any]]) -> None:
     dense = {(c["n"], c["causal"], c["pass"]): c for c in cells if c["backend"] == "sdpa_dense"}
     for cell in cells:
         cell.update(dict.fromkeys(DERIVED))
-        bench_report.realize(cell, dense.get((cell["n"], cell["causal"], cell["pass"])))
+        report.realize(cell, dense.get((cell["n"], cell["causal"], cell["pass"])))
 
 
 def pieces_of(path: Path, data: dict[str, Any]) -> list[dict[str, Any]]:

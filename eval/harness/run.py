@@ -27,9 +27,9 @@ import torch
 import zoo
 from zoo.checks import suggest
 
+from ..tasks import get_task, list_tasks
 from . import distributed
 from .config import ConfigError, build, load_config
-from .tasks import get_task, list_tasks
 
 
 @dataclass

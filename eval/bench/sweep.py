@@ -17,11 +17,11 @@ import zoo
 from zoo.backends import Backend
 from zoo.functional import resolve_pattern
 
-from . import bench_report
-from .bench_cell import Settings, measure_cell, new_record
-from .bench_config import BenchConfig
-from .bench_impls import Point, SdpaDense, ZooImpl, clear_zoo_caches, variant_peer
-from .bench_measure import free_memory
+from . import report
+from .cell import Settings, measure_cell, new_record
+from .config import BenchConfig
+from .impls import Point, SdpaDense, ZooImpl, clear_zoo_caches, variant_peer
+from .measure import free_memory
 
 
 @dataclass
@@ -108,7 +108,7 @@ class Runner:
         key = (impl.variant, repr(sorted(impl.params.items())), point.causal, point.n)
         if key not in self.pairs:
             self.pairs[key] = allowed_pairs_for(impl.variant, impl.params, point.causal, point.n)
-        pairs, total = self.pairs[key], bench_report.all_pairs(point.n, point.causal)
+        pairs, total = self.pairs[key], report.all_pairs(point.n, point.causal)
         series = (impl.variant, impl.name, point.pass_name, point.causal)
         if series in self.oom_at:
             cell = new_record(impl, point, pairs, total)
@@ -143,7 +143,7 @@ def run_cells(sweep: Sweep, save: Callable[[list[dict]], None]) -> list[dict[str
                     cell = runner.run(impl, point)
                     if impl.name == "sdpa_dense":
                         dense = cell
-                    bench_report.realize(cell, dense)
+                    report.realize(cell, dense)
                     cells.append(cell)
                     print(progress(len(cells), total, cell), flush=True)
                 del point

@@ -6,9 +6,9 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from zoo.describe import markdown_table
+from zoo.tables import markdown_table
 
-from .bench_report import Cell, backend_label, series
+from .report import Cell, backend_label, series
 
 SHORT_STATUS = {
     "unsupported": "unsup.",

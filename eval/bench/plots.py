@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from .bench_report import Cell, backend_label, series
+from .report import Cell, backend_label, series
 
 DENSE = "sdpa_dense"
 

@@ -9,9 +9,9 @@ goes on; after an out-of-memory, longer lengths of that series are skipped. With
 eval/configs/bench.yaml runs on CUDA and eval/configs/bench_cpu.yaml elsewhere.
 
 Writes ``bench.json`` (header and cells, rewritten after every point), ``bench.md`` and PNG plots
-under ``out``; see eval/bench_cell.py for the cell fields and eval/bench_report.py for the derived
+under ``out``; see eval/bench/cell.py for the cell fields and eval/bench/report.py for the derived
 figures. A sweep run in pieces (one command each) becomes one report with ``python -m eval
-bench-report`` (eval/bench_merge.py).
+bench-report`` (eval/bench/merge.py).
 """
 
 from __future__ import annotations
@@ -34,15 +34,15 @@ import torch
 
 from zoo.backends import Backend
 
-from . import bench_markdown, bench_plots, bench_report
-from .bench_config import BenchConfig, check_config, resolve_device, resolve_dtype
-from .bench_impls import PEERS
-from .bench_measure import TOLERANCE
-from .bench_sweep import Sweep, run_cells
-from .config import ConfigError, load_config
-from .distributed import device_name
+from ..harness.config import ConfigError, load_config
+from ..harness.distributed import device_name
+from . import markdown, plots, report
+from .config import BenchConfig, check_config, resolve_device, resolve_dtype
+from .impls import PEERS
+from .measure import TOLERANCE
+from .sweep import Sweep, run_cells
 
-CONFIGS = Path(__file__).with_name("configs")
+CONFIGS = Path(__file__).parents[1] / "configs"  # eval/configs
 
 __all__ = ["PEERS", "BenchConfig", "check_config", "main", "run_bench", "write_report"]
 
@@ -140,15 +140,15 @@ def write_report(
     """The report of a sweep's cells, for ``bench`` and ``bench-report`` alike: fits the exponents,
     checks the goals, draws the plots, writes bench.json and bench.md under ``out`` and prints the
     exponents and goals. ``complete`` is false for cells of a sweep that was interrupted."""
-    exps = bench_report.exponents(cells, fit_points)
-    goals = bench_report.goals(cells, exps, header["device_type"])
-    plots = bench_plots.plot_all(cells, out)
+    exps = report.exponents(cells, fit_points)
+    goals = report.goals(cells, exps, header["device_type"])
+    pictures = plots.plot_all(cells, out)
     write_json(out / "bench.json", header, cells, complete=complete, exponents=exps, goals=goals)
-    markdown = bench_markdown.render(header, cells, exps, goals, plots, complete)
-    (out / "bench.md").write_text(markdown)
-    print("\n## Fitted exponents\n\n" + bench_markdown.exponent_table(exps))
+    text = markdown.render(header, cells, exps, goals, pictures, complete)
+    (out / "bench.md").write_text(text)
+    print("\n## Fitted exponents\n\n" + markdown.exponent_table(exps))
     print("\n## Goals\n\n" + "\n".join(goals))
-    print(f"\nwrote {out / 'bench.json'}, {out / 'bench.md'} and {len(plots)} plots", flush=True)
+    print(f"\nwrote {out / 'bench.json'}, {out / 'bench.md'} and {len(pictures)} plots", flush=True)
 
 
 @contextlib.contextmanager
