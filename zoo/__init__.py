@@ -7,6 +7,7 @@
 """
 
 from .backends import Backend, Capabilities, get_backend, list_backends, register_backend
+from .check import PatternCheckError, check_pattern
 from .functional import attention, build_encoding, dense_mask, explain
 from .layout import allowed_pairs
 from .module import MultiHeadAttention, create_attention
@@ -30,11 +31,13 @@ __all__ = [
     "Capabilities",
     "MultiHeadAttention",
     "Pattern",
+    "PatternCheckError",
     "PositionalEncoding",
     "VariantSpec",
     "allowed_pairs",
     "attention",
     "build_encoding",
+    "check_pattern",
     "create_attention",
     "dense_mask",
     "explain",

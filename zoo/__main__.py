@@ -11,11 +11,15 @@ zoo attention-map NAME [--seq-len N] [--out FILE.png] [key=value ...]
 zoo encoding NAME [--length N] [--dim D] [--out FILE.png]
                                    an absolute encoding's table P and a few of its columns
 zoo readme [PATH]                  write the generated tables into the README
+zoo check NAME [--lengths N,N,...] [key=value ...] | zoo check --all
+                                   check that a pattern's three views agree (exit 1 if not);
+                                   NAME: a variant, a pattern family or package.module:factory
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import yaml
@@ -32,6 +36,9 @@ def parse_params(items: list[str]) -> dict[str, object]:
             )
         params[key] = yaml.safe_load(value)
     return params
+
+
+WITH_PARAMS = ("show", "attention-map", "check")  # commands that take key=value words
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     encoding.add_argument("--out", default=None, help="PNG path (default: NAME.png)")
     readme = commands.add_parser("readme", help="write the generated tables into a README")
     readme.add_argument("path", nargs="?", default="README.md")
+    check = commands.add_parser("check", help="check that a pattern's three views agree")
+    check.add_argument("name", nargs="?", help="a variant, a family or package.module:factory")
+    check.add_argument("--all", action="store_true", help="check every registry variant")
+    check.add_argument("--lengths", default=None, help="comma-separated, e.g. 100,1000")
     return parser
 
 
@@ -64,17 +75,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)  # key=value words after the options
     args.params = [word for word in extra if "=" in word]
-    if len(args.params) != len(extra) or (extra and args.command not in ("show", "attention-map")):
+    if len(args.params) != len(extra) or (extra and args.command not in WITH_PARAMS):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        run(args)
+        failed = run(args)
+        sys.stdout.flush()  # a reader that went away shows here, not in a traceback at exit
+    except BrokenPipeError:  # `zoo table | head`: stop quietly, as other CLIs do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (ValueError, TypeError) as error:
         print(f"zoo {args.command}: {error}", file=sys.stderr)
         return 2
-    return 0
+    return 1 if failed else 0
 
 
-def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> bool | None:
+    """Run a command; True means it found a problem (exit status 1)."""
     from . import describe
 
     if args.command == "list":
@@ -109,6 +125,38 @@ def run(args: argparse.Namespace) -> None:
     elif args.command == "readme":
         changed = describe.update_readme(args.path)
         print(f"{args.path}: {'updated' if changed else 'already up to date'}")
+    elif args.command == "check":
+        return check(args)
+    return None
+
+
+def check(args: argparse.Namespace) -> bool:
+    """``zoo check``: one line per pattern, ok on stdout or the first disagreement on stderr."""
+    from .check import LENGTHS, PatternCheckError, check_pattern
+    from .registry import list_variants
+
+    if args.all == bool(args.name):
+        raise ValueError("give a pattern NAME or --all, not both or neither")
+    if args.all and args.params:
+        raise ValueError("--all checks the variants with their defaults; key=value needs a NAME")
+    lengths = LENGTHS
+    if args.lengths is not None:
+        try:
+            lengths = [int(word) for word in args.lengths.split(",")]
+        except ValueError:
+            message = f"--lengths must be comma-separated ints, got {args.lengths!r}"
+            raise ValueError(message) from None
+    params = parse_params(args.params)
+    failed = False
+    for name in list_variants() if args.all else [args.name]:
+        try:
+            shapes = check_pattern(name, lengths=lengths, **params)
+        except PatternCheckError as error:
+            print(f"zoo check: {error}", file=sys.stderr)
+            failed = True
+        else:
+            print(f"ok: {name}: three views agree at {shapes} shapes")
+    return failed
 
 
 if __name__ == "__main__":

@@ -3,25 +3,93 @@
 from __future__ import annotations
 
 import difflib
+import importlib
 from collections.abc import Iterable
+
+
+def close_matches(name: str, known: Iterable[str], cutoff: float = 0.5) -> list[str]:
+    """The known names closest to a misspelt one, best first (at most three)."""
+    return difflib.get_close_matches(name, sorted(known), n=3, cutoff=cutoff)
+
+
+def did_you_mean(close: Iterable[str]) -> str:
+    """'; did you mean 'a' or 'b'?', or '' when nothing is close."""
+    close = list(close)
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
 def suggest(kind: str, name: str, known: Iterable[str], listing: str) -> str:
     """An 'unknown X' sentence with the closest known names, e.g. for a misspelt variant."""
     known = sorted(known)
-    close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
-    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    hint = did_you_mean(close_matches(name, known))
     return f"unknown {kind} {name!r}{hint} ({listing} lists all: {', '.join(known)})"
 
 
-def check_parameters(what: str, given: Iterable[str], known: Iterable[str]) -> None:
+def check_parameters(
+    what: str,
+    given: Iterable[str],
+    known: Iterable[str],
+    *,
+    options: Iterable[str] = (),
+    options_of: str = "",
+) -> None:
     """A TypeError for the first parameter in ``given`` that ``known`` lacks, listing the valid
-    ones; ``what`` names the owner, e.g. "variant 'local'"."""
-    known = list(known)
+    ones; ``what`` names the owner, e.g. "variant 'local'". A misspelling is matched against the
+    known parameters and against ``options``, the caller's own arguments (``causal``,
+    ``backend``...), which ``options_of`` names, e.g. "zoo.MultiHeadAttention"."""
+    known, options = list(known), [o for o in options if o not in known]
     for key in given:
-        if key not in known:
-            valid = ", ".join(known) or "none"
-            raise TypeError(f"{what} has no parameter {key!r} (its parameters: {valid})")
+        if key in known:
+            continue
+        valid = ", ".join(known) or "none"
+        message = f"{what} has no parameter {key!r} (its parameters: {valid})"
+        close = close_matches(key, [*known, *options], cutoff=0.6)
+        message += did_you_mean(close)
+        misplaced = [c for c in close if c in options]
+        if misplaced:
+            names = " and ".join(repr(c) for c in misplaced)
+            one = len(misplaced) == 1
+            verb, noun = ("is an option", "a parameter") if one else ("are options", "parameters")
+            message += f" {names} {verb} of {options_of or 'the call'}, not {noun} of the {what}"
+        raise TypeError(message)
+
+
+class NotImportable(ValueError):
+    """A ``package.module:attribute`` reference that does not import. A registry file records
+    such an entry instead of failing as a whole: only using it raises (see ``zoo.registry``)."""
+
+    def __init__(self, message: str, reference: str) -> None:
+        super().__init__(message)
+        self.reference = reference
+
+
+def import_object(reference: str, what: str) -> object:
+    """The attribute named by ``package.module:attribute``; ``what`` names it in errors, e.g.
+    "pattern". Raises NotImportable, naming the module that failed and how to make it import."""
+    module_name, _, attribute = reference.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:  # an import runs the module's code: any error may come out
+        missing = error.name if isinstance(error, ModuleNotFoundError) else None
+        if missing and (module_name == missing or module_name.startswith(missing + ".")):
+            cause = f"no module named {missing!r}"
+        elif missing:
+            cause = f"it imports {missing!r}, which is not installed"
+        else:
+            cause = f"{type(error).__name__}: {error}"
+        raise NotImportable(
+            f"{what} {reference!r}: cannot import module {module_name!r} ({cause}); the part "
+            "before the colon must be importable from sys.path: install its package, or add the "
+            "folder that holds it to PYTHONPATH",
+            reference,
+        ) from error
+    if not hasattr(module, attribute):
+        raise NotImportable(
+            f"{what} {reference!r}: module {module_name!r} ({getattr(module, '__file__', '?')}) "
+            f"has no attribute {attribute!r}; the part after the colon must name one",
+            reference,
+        )
+    return getattr(module, attribute)
 
 
 def check_int(name: str, value: object, *, minimum: int = 1) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Iterable
 from functools import lru_cache
 
 import torch
@@ -9,7 +11,8 @@ from torch import Tensor
 
 from .backends import Backend, explain_backend, resolve_backend
 from .call import AttentionCall, check_dropout, check_key_padding_mask, check_qkv, resolve_scale
-from .layout import specialized
+from .checks import check_parameters, close_matches, did_you_mean
+from .layout import allowed_pairs, specialized
 from .patterns import Causal, Intersection, Pattern, query_positions
 from .positional import PositionalEncoding
 from .registry import get_encoding_spec, get_spec
@@ -18,16 +21,36 @@ from .scores import AdditiveScore, DotProduct
 Encoding = str | PositionalEncoding | None
 
 
-def resolve_pattern(variant: str | Pattern, causal: bool, params: dict[str, object]) -> Pattern:
-    """The variant's pattern with the caller's parameters, made causal when asked."""
+def resolve_pattern(
+    variant: str | Pattern,
+    causal: bool,
+    params: dict[str, object],
+    *,
+    options: Iterable[str] = (),
+    options_of: str = "",
+) -> Pattern:
+    """The variant's pattern with the caller's parameters, made causal when asked.
+
+    ``options`` are the caller's own arguments, which ``options_of`` names (see
+    ``zoo.checks.check_parameters``): a misspelt one, ``casual=True``, gets its suggestion."""
     if isinstance(variant, Pattern):
         if params:
+            hint = did_you_mean(c for key in params for c in close_matches(key, options, 0.6))
             raise TypeError(
-                f"parameters {sorted(params)} apply to a variant name, not to a Pattern object"
+                f"parameters {sorted(params)} apply to a variant name, not to a Pattern "
+                f"object{hint}"
             )
         pattern = variant
     else:
-        pattern = get_spec(variant).build(**params)
+        spec = get_spec(variant)
+        check_parameters(
+            f"variant {variant!r}",
+            params,
+            spec.parameters(),
+            options=options,
+            options_of=options_of,
+        )
+        pattern = spec.build(**params)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
     return Intersection((pattern, Causal())) if causal else pattern
@@ -62,7 +85,8 @@ def build_encoding(
 def _shared_encoding(
     name: str, dim: int, num_heads: int, causal: bool, device: torch.device
 ) -> PositionalEncoding:
-    encoding = build_encoding(name, dim=dim, num_heads=num_heads, causal=causal).to(device)
+    spec = get_encoding_spec(name)
+    encoding = spec.probe(dim=dim, num_heads=num_heads, causal=causal).to(device)
     if any(True for _ in encoding.parameters()):
         raise ValueError(
             f"pos={name!r} has learned parameters, which a functional call would draw anew each "
@@ -118,7 +142,9 @@ def prepare_call(
     """Check the arguments of ``attention`` and bind them into the call a backend receives;
     a rotary encoding turns q and k here, before any backend sees them."""
     check_qkv(q, k, v)
-    pattern = resolve_pattern(variant, causal, params)
+    pattern = resolve_pattern(
+        variant, causal, params, options=CALL_OPTIONS, options_of="zoo.attention"
+    )
     encoding = attention_encoding(pos, q, k, causal)
     if encoding is not None and encoding.kind == "rotate":
         q_pos = query_positions(q.shape[2], k.shape[2], q.device)
@@ -196,6 +222,11 @@ def attention(
     return (out, weights) if return_weights else out
 
 
+CALL_OPTIONS = tuple(
+    p.name for p in inspect.signature(attention).parameters.values() if p.kind == p.KEYWORD_ONLY
+)
+
+
 def dense_mask(
     variant: str | Pattern, q_len: int, kv_len: int | None = None, **params: object
 ) -> Tensor:
@@ -210,6 +241,38 @@ def dense_mask(
 
 
 def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
-    """Which backend ``attention(q, k, v, **kwargs)`` with ``backend="auto"`` runs, and why."""
+    """Which backend ``attention(q, k, v, **kwargs)`` with ``backend="auto"`` runs, and why; and
+    whether the variant is plain full (or causal) attention at these lengths, which would make
+    its curves coincide with those of ``full`` (or ``causal``)."""
     kwargs.pop("backend", None)
-    return explain_backend(prepare_call(q, k, v, **kwargs))
+    call = prepare_call(q, k, v, **kwargs)
+    params = {key: value for key, value in kwargs.items() if key not in CALL_OPTIONS}
+    pattern = resolve_pattern(kwargs.get("variant"), kwargs.get("causal", False), params)
+    note = dense_at_length(pattern, call.q_len, call.kv_len)
+    if note is not None:
+        shown = ", ".join(f"{key}={value!r}" for key, value in call.variant_params.items())
+        note = (
+            f". Note: at q_len={call.q_len}, kv_len={call.kv_len}, {call.variant!r}"
+            f"{f' ({shown})' if shown else ''} allows every pair {ALLOWS[note]}: it is {note} "
+            f"attention at this length, the same as variant {note!r}"
+        )
+    return explain_backend(call) + (note or "")
+
+
+ALLOWS = {"full": "of queries and keys", "causal": "that causal attention allows"}
+
+
+def dense_at_length(pattern: Pattern, q_len: int, kv_len: int) -> str | None:
+    """'full' or 'causal' where a sparse pattern allows exactly the pairs of full or causal
+    attention at these lengths (a window wider than the sequence, say), else None."""
+    if pattern.kind != "sparse":
+        return None
+    pairs = allowed_pairs(pattern, q_len, kv_len)
+    if pairs == q_len * kv_len:
+        return "full"
+    causal = Causal()
+    causal_pairs = allowed_pairs(causal, q_len, kv_len)
+    # Equal counts, and the causal part all there: the pattern is the causal set, not just as big.
+    if pairs == causal_pairs == allowed_pairs(Intersection((pattern, causal)), q_len, kv_len):
+        return "causal"
+    return None

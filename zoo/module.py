@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from einops import rearrange
 from torch import Tensor, nn
 
 from .backends import Backend
 from .checks import check_int, check_probability
-from .functional import attention, build_encoding, resolve_pattern
+from .functional import attention, build_encoding, resolve_pattern, resolved_params
 from .patterns import Pattern
 from .positional import PositionalEncoding
 from .registry import get_spec
@@ -94,7 +96,13 @@ class MultiHeadAttention(nn.Module):
         self.variant, self.backend, self.causal = variant, backend, causal
         self.dropout = check_probability("dropout", dropout)
         self.params = dict(params)
-        resolve_pattern(variant, causal, self.params)  # fail now, not at the first forward
+        resolve_pattern(  # fail now, not at the first forward
+            variant,
+            causal,
+            self.params,
+            options=MODULE_OPTIONS,
+            options_of="the module (create_attention / zoo.MultiHeadAttention)",
+        )
         kv_dim = dim if kv_dim is None else check_int("kv_dim", kv_dim)
         self.q_proj = nn.Linear(dim, dim, bias=bias)
         self.k_proj = nn.Linear(kv_dim, dim, bias=bias)
@@ -111,11 +119,15 @@ class MultiHeadAttention(nn.Module):
             )
 
     def extra_repr(self) -> str:
-        variant = self.variant if isinstance(self.variant, str) else type(self.variant).__name__
-        params = "".join(f", {k}={v!r}" for k, v in self.params.items())
+        """The variant with every parameter it runs with (its defaults too), so that two modules
+        that look alike in a printout are alike; the options after it."""
+        params = resolved_params(self.variant, self.params)
+        shown = "".join(f", {k}={v!r}" for k, v in params.items())
+        backend = self.backend if isinstance(self.backend, str) else self.backend.name
+        options = f", dropout={self.dropout}" if self.dropout else ""
         return (
-            f"dim={self.dim}, num_heads={self.num_heads}, variant={variant!r}{params}, "
-            f"causal={self.causal}"
+            f"dim={self.dim}, num_heads={self.num_heads}, variant={self.variant!r}{shown}, "
+            f"causal={self.causal}, backend={backend!r}, pos={self.pos.name!r}{options}"
         )
 
     def forward(
@@ -162,6 +174,13 @@ class MultiHeadAttention(nn.Module):
         out, weights = result if return_weights else (result, None)
         out = self.out_proj(rearrange(out, "b h l d -> b l (h d)"))  # (B, Lq, dim)
         return (out, weights) if return_weights else out
+
+
+MODULE_OPTIONS = tuple(
+    p.name
+    for p in inspect.signature(MultiHeadAttention.__init__).parameters.values()
+    if p.kind == p.KEYWORD_ONLY
+)
 
 
 def create_attention(

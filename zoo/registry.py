@@ -22,17 +22,22 @@ See ``zoo.variants`` and ``zoo.positional.spec`` for what the entries mean. The 
 first, then the files named in ``ZOO_REGISTRY`` (a path list, ``os.pathsep``-separated), then any
 ``zoo.load_registry(path)``. A name defined twice, an unknown key, family, class or parameter, or a
 wrong type is an error naming the file, the entry and the fix.
+
+An entry whose ``package.module:name`` does not import (a package not installed, or not on
+sys.path) does not stop the rest of the file: the registry records it as unavailable, listings
+leave it out (``zoo list`` marks it), and only using it raises the error.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from .checks import suggest
+from .checks import NotImportable, suggest
 from .positional.spec import EncodingSpec
 from .variants import VariantSpec
 
@@ -105,15 +110,41 @@ def check_entry(section: str, name: str, entry: object, source: str) -> dict[str
     return {**entry, "params": params}
 
 
+@dataclass(frozen=True)
+class Unavailable:
+    """An entry whose code does not import; using it raises ``message``."""
+
+    name: str
+    source: str
+    reference: str  # the package.module:name that failed
+    message: str  # the whole sentence: file, entry, module and fix
+
+    def error(self) -> NotImportable:
+        return NotImportable(self.message, self.reference)
+
+
 def parse_entry(section: str, name: str, entry: object, source: str) -> VariantSpec | EncodingSpec:
     fields = check_entry(section, name, entry, source)
     make = VariantSpec if section == "variants" else EncodingSpec
     spec = make(name=name, source=source, **fields)
+    where = f"{source}: {SINGULAR[section]} {name!r}"
     try:
         spec.validate()
+    except NotImportable as error:
+        raise NotImportable(f"{where}: {error}", error.reference) from error
     except (TypeError, ValueError) as error:
-        raise ValueError(f"{source}: {SINGULAR[section]} {name!r}: {error}") from error
+        raise ValueError(f"{where}: {error}") from error
     return spec
+
+
+def parse_or_record(
+    section: str, name: str, entry: object, source: str
+) -> VariantSpec | EncodingSpec | Unavailable:
+    """The parsed entry, or a record of why its code does not import."""
+    try:
+        return parse_entry(section, name, entry, source)
+    except NotImportable as error:
+        return Unavailable(name, source, error.reference, str(error))
 
 
 class Registry:
@@ -122,20 +153,22 @@ class Registry:
     def __init__(self) -> None:
         self.variants: dict[str, VariantSpec] = {}
         self.positional: dict[str, EncodingSpec] = {}
+        # entries whose code does not import, by section: using one raises its error
+        self.unavailable: dict[str, dict[str, Unavailable]] = {s: {} for s in SECTION_KEYS}
         self.files: list[str] = []
 
     def load(self, path: str | os.PathLike) -> list[str]:
-        """Add a file's entries; returns the names it added."""
+        """Add a file's entries; returns the names it added (unavailable ones included)."""
         data = read_registry_file(path)
         source = str(path)
         parsed = {
             section: {
-                n: parse_entry(section, n, e, source) for n, e in data.get(section, {}).items()
+                n: parse_or_record(section, n, e, source) for n, e in data.get(section, {}).items()
             }
             for section in SECTION_KEYS
         }
         for section, entries in parsed.items():
-            known = getattr(self, section)
+            known = {**getattr(self, section), **self.unavailable[section]}
             for name in entries:
                 if name in known:
                     raise ValueError(
@@ -143,7 +176,9 @@ class Registry:
                         f"{known[name].source}; give it another name"
                     )
         for section, entries in parsed.items():
-            getattr(self, section).update(entries)
+            for name, entry in entries.items():
+                broken = isinstance(entry, Unavailable)
+                (self.unavailable[section] if broken else getattr(self, section))[name] = entry
         self.files.append(source)
         return [name for entries in parsed.values() for name in entries]
 
@@ -158,7 +193,10 @@ def registry() -> Registry:
         fresh = Registry()
         fresh.load(BUILTIN_REGISTRY)
         for path in filter(None, os.environ.get("ZOO_REGISTRY", "").split(os.pathsep)):
-            fresh.load(path)
+            try:
+                fresh.load(path)
+            except ValueError as error:
+                raise ValueError(f"{error} (the file is named in ZOO_REGISTRY)") from error
         _registry = fresh
     return _registry
 
@@ -173,8 +211,15 @@ def list_variants(pattern: str = "*") -> list[str]:
     return sorted(fnmatch.filter(registry().variants, pattern))
 
 
+def unavailable(section: str = "variants") -> dict[str, Unavailable]:
+    """Entries of a section ("variants" or "positional") whose code does not import, by name."""
+    return dict(registry().unavailable[section])
+
+
 def get_spec(name: str) -> VariantSpec:
     variants = registry().variants
+    if isinstance(name, str) and name in registry().unavailable["variants"]:
+        raise registry().unavailable["variants"][name].error()
     if not isinstance(name, str) or name not in variants:
         raise ValueError(suggest("variant", str(name), variants, "zoo.list_variants()"))
     return variants[name]
@@ -187,6 +232,8 @@ def list_encodings(pattern: str = "*") -> list[str]:
 
 def get_encoding_spec(name: str) -> EncodingSpec:
     encodings = registry().positional
+    if isinstance(name, str) and name in registry().unavailable["positional"]:
+        raise registry().unavailable["positional"][name].error()
     if not isinstance(name, str) or name not in encodings:
         raise ValueError(suggest("encoding", str(name), encodings, "zoo.list_encodings()"))
     return encodings[name]

@@ -10,9 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from .checks import check_parameters
+from .checks import check_parameters, close_matches, did_you_mean
 from .patterns import Causal, Intersection, Pattern, Union, build_family, resolve_family
-from .patterns.registry import family_parameters
+from .patterns.registry import family_parameters, list_families
+
+COMBINATORS = ("union", "intersection", "causal")
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ def _compose(node: object, params: dict[str, object]) -> Pattern:
             f"causal, or a family with its parameters), got {node!r}"
         )
     ((key, value),) = node.items()
+    _check_pattern_name(key)
     if key in ("union", "intersection"):
         if not isinstance(value, list) or len(value) < 2:
             raise ValueError(f"{key} takes a list of at least two pattern specs, got {value!r}")
@@ -90,6 +93,19 @@ def _compose(node: object, params: dict[str, object]) -> Pattern:
     if not isinstance(value, dict):
         raise ValueError(f"the parameters of pattern {key!r} must be a mapping, got {value!r}")
     return build_family(key, {k: _substitute(v, params) for k, v in value.items()})
+
+
+def _check_pattern_name(name: object) -> None:
+    """A spec key must be a combinator, a registered family or ``package.module:factory``."""
+    if isinstance(name, str) and (name in COMBINATORS or ":" in name):
+        return
+    families = list_families()
+    if name not in families:
+        hint = did_you_mean(close_matches(str(name), [*COMBINATORS, *families]))
+        raise ValueError(
+            f"unknown pattern {name!r}{hint} (a pattern is a combinator, {', '.join(COMBINATORS)}, "
+            f"or a family from zoo.list_pattern_families(): {', '.join(families)})"
+        )
 
 
 def _substitute(value: object, params: dict[str, object]) -> object:

@@ -52,7 +52,8 @@ def _unavailable() -> str | None:
         cause = getattr(cause, "__cause__", None) or cause
         return f"{versions} cannot load its compiled _C ({cause}), so it runs no operator"
     try:  # forward and backward: a wheel can carry one without the other
-        probe = torch.randn(1, 8, 1, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+        # ones, not randn: a probe must not move the global (CUDA) random state
+        probe = torch.ones(1, 8, 1, 64, device="cuda", dtype=torch.float16, requires_grad=True)
         xops.memory_efficient_attention(probe, probe, probe).sum().backward()
     except Exception as error:
         lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]

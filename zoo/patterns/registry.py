@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
 
-from ..checks import check_parameters, suggest
+from ..checks import check_parameters, import_object, suggest
 from .base import Pattern
 
 PatternFactory = Callable[..., Pattern]
@@ -45,17 +44,11 @@ def list_families() -> list[str]:
 def resolve_family(name: str) -> PatternFactory:
     """A family by registered name, or a factory given as ``package.module:attribute``."""
     if ":" in name:
-        module_name, _, attribute = name.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as error:
-            raise ValueError(
-                f"pattern {name!r}: cannot import module {module_name!r} ({error})"
-            ) from error
-        factory = getattr(module, attribute, None)
+        factory = import_object(name, "pattern")
         if not callable(factory):
             raise ValueError(
-                f"pattern {name!r}: module {module_name!r} has no callable {attribute!r}"
+                f"pattern {name!r} is a {type(factory).__name__}, not a Pattern class or a "
+                "function returning a Pattern"
             )
         return factory
     if name not in _FAMILIES:

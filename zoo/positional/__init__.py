@@ -18,9 +18,7 @@ t5         bias     num_buckets=32, max_distance=128              Raffel et al. 
 
 from __future__ import annotations
 
-import importlib
-
-from ..checks import suggest
+from ..checks import import_object, suggest
 from .alibi import AlibiEncoding, alibi_slopes
 from .base import PositionalEncoding
 from .learned import LearnedEncoding
@@ -62,13 +60,7 @@ def register_encoding(cls: type[PositionalEncoding]) -> type[PositionalEncoding]
 def resolve_encoding(name: str) -> type[PositionalEncoding]:
     """An encoding class by registered name, or as ``package.module:Class``."""
     if ":" in name:
-        module_name, _, attribute = name.partition(":")
-        try:
-            cls = getattr(importlib.import_module(module_name), attribute, None)
-        except ImportError as error:
-            raise ValueError(
-                f"encoding {name!r}: cannot import {module_name!r} ({error})"
-            ) from error
+        cls = import_object(name, "encoding")
         if not (isinstance(cls, type) and issubclass(cls, PositionalEncoding)):
             raise ValueError(f"encoding {name!r} is not a PositionalEncoding subclass")
         return cls

@@ -15,6 +15,8 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 
+import torch
+
 from ..checks import check_parameters
 from . import resolve_encoding
 from .base import PositionalEncoding
@@ -55,6 +57,15 @@ class EncodingSpec:
         cls = self.encoding_class()
         return cls(dim=dim, num_heads=num_heads, causal=causal, **{**self.params, **overrides})
 
+    def probe(
+        self, *, dim: int = 64, num_heads: int = 4, causal: bool = False, **overrides: object
+    ) -> PositionalEncoding:
+        """An instance the zoo builds for itself, not for a user's model: to check parameters or
+        to serve a functional call. Its weights come from a forked generator, so a probe never
+        moves torch's global random state (only a user's own module creation may draw from it)."""
+        with torch.random.fork_rng(devices=[]):
+            return self.build(dim=dim, num_heads=num_heads, causal=causal, **overrides)
+
     def validate(self) -> None:
         """Build it once at a typical size, so that a bad parameter fails when the file loads."""
-        self.build(dim=64, num_heads=4)
+        self.probe()
