@@ -124,29 +124,95 @@ def summary_table(flat: list[dict[str, Any]]) -> str:
     return markdown_table(headers, table)
 
 
-def _figure(panels: int):
+def _figure(panels: int, width: float = 5.5):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(5.5 * panels, 4.2), layout="constrained")
+    fig = Figure(figsize=(width * panels, 4.2), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, panels, squeeze=False)[0]
     return fig, axes
 
 
-def plot_accuracy_vs_length(flat: list[dict[str, Any]], path: Path) -> Path:
+MARKERS = ["o", "s", "^", "D", "v", "P", "X", "<", ">", "*", "h", "p"]
+LINESTYLES = ["-", "--", ":", "-."]
+
+
+def _styles(flat: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, Any]]:
+    """One distinct look per (variant, encoding, train length), the same in every plot: colour by
+    variant, marker and line style by encoding and train length."""
+    from matplotlib import colormaps
+
+    variants = sorted({r["variant"] for r in flat})
+    encodings = sorted({r["encoding"] for r in flat})
+    train_lens = sorted({r["train_len"] for r in flat})
+    n = len(variants)
+    palette = colormaps["tab10" if n <= 10 else "tab20" if n <= 20 else "turbo"]
+    colours = [palette(i if n <= 20 else i / max(n - 1, 1)) for i in range(n)]
+    styles = {}
+    for v, variant in enumerate(variants):
+        for e, encoding in enumerate(encodings):
+            for t, train_len in enumerate(train_lens):
+                kind = e + t * len(encodings)
+                styles[variant, encoding, train_len] = {
+                    "color": colours[v],
+                    "marker": MARKERS[kind % len(MARKERS)],
+                    "linestyle": LINESTYLES[kind % len(LINESTYLES)],
+                }
+    return styles
+
+
+def _label(variant: str, encoding: str, train_len: int, several_lengths: bool) -> str:
+    return f"{variant}+{encoding}" + (f" (L={train_len})" if several_lengths else "")
+
+
+def _legend(ax) -> int:
+    """A legend right of the panel, in as many columns as keep it within the panel's height;
+    returns the number of columns."""
+    entries = len(ax.get_legend_handles_labels()[1])
+    columns = max(1, -(-entries // 16))
+    ax.legend(
+        fontsize="small",
+        loc="upper left",
+        bbox_to_anchor=(1.02, 1.0),
+        borderaxespad=0,
+        ncols=columns,
+    )
+    return columns
+
+
+def _fit_width(fig, panels: int, columns: int) -> None:
+    """Widen the figure for legends of several columns (a panel and a column take fixed room)."""
+    fig.set_size_inches((5.5 + 2.2 * columns) * panels, fig.get_size_inches()[1])
+
+
+def accuracy_vs_length_figure(flat: list[dict[str, Any]]):
+    """Accuracy against test length, one panel per task and one line per variant, encoding and
+    train length; the x ticks are the tested lengths."""
+    from matplotlib.ticker import NullLocator
+
     tasks = sorted({r["task"] for r in flat})
-    fig, axes = _figure(len(tasks))
+    styles = _styles(flat)
+    several = len({r["train_len"] for r in flat}) > 1
+    fig, axes = _figure(len(tasks), width=7.7)
+    columns = 1
     for ax, task in zip(axes, tasks, strict=True):
-        curves: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+        curves: dict[tuple, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
         for r in flat:
             if r["task"] == task and r["status"] == "ok":
-                curves[f"{r['variant']}+{r['encoding']} (L={r['train_len']})"][
-                    r["test_len"]
-                ].append(r["accuracy"])
-        for label, points in sorted(curves.items()):
+                key = (r["variant"], r["encoding"], r["train_len"])
+                curves[key][r["test_len"]].append(r["accuracy"])
+        for key, points in sorted(curves.items()):
             xs = sorted(points)
-            ax.plot(xs, [statistics.fmean(points[x]) for x in xs], marker="o", label=label)
+            ax.plot(
+                xs,
+                [statistics.fmean(points[x]) for x in xs],
+                label=_label(*key, several),
+                markerfacecolor="none",
+                markeredgewidth=1.5,
+                **styles[key],
+            )
+        lengths = sorted({x for points in curves.values() for x in points})
         ax.set(
             xscale="log",
             xlabel="test length",
@@ -154,16 +220,31 @@ def plot_accuracy_vs_length(flat: list[dict[str, Any]], path: Path) -> Path:
             title=f"{task}: accuracy against test length",
             ylim=(-0.02, 1.02),
         )
-        ax.legend(fontsize="small")
-    fig.savefig(path, dpi=100)
+        ax.set_xticks(lengths, labels=[str(n) for n in lengths])
+        ax.xaxis.set_minor_locator(NullLocator())
+        if len(lengths) > 1:
+            ax.set_xlim(lengths[0] / 1.15, lengths[-1] * 1.15)
+        ax.grid(True, alpha=0.3)
+        columns = max(columns, _legend(ax))
+    _fit_width(fig, len(tasks), columns)
+    return fig
+
+
+def plot_accuracy_vs_length(flat: list[dict[str, Any]], path: Path) -> Path:
+    accuracy_vs_length_figure(flat).savefig(path, dpi=100)
     return path
 
 
-def plot_accuracy_vs_cost(flat: list[dict[str, Any]], path: Path) -> Path:
+def accuracy_vs_cost_figure(flat: list[dict[str, Any]]):
+    """Accuracy at the train length against training time, one point per variant, encoding and
+    train length (named in the legend, not on the plot), with the Pareto front."""
     tasks = sorted({r["task"] for r in flat})
-    fig, axes = _figure(len(tasks))
+    styles = _styles(flat)
+    several = len({r["train_len"] for r in flat}) > 1
+    fig, axes = _figure(len(tasks), width=7.7)
+    columns = 1
     for ax, task in zip(axes, tasks, strict=True):
-        points: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        points: dict[tuple, list[tuple[float, float]]] = defaultdict(list)
         for r in flat:
             if (
                 r["task"] == task
@@ -171,16 +252,26 @@ def plot_accuracy_vs_cost(flat: list[dict[str, Any]], path: Path) -> Path:
                 and r["test_len"] == r["train_len"]
                 and r["steps_per_second"]
             ):
-                points[f"{r['variant']}+{r['encoding']}"].append(
+                points[r["variant"], r["encoding"], r["train_len"]].append(
                     (1000 / r["steps_per_second"], r["accuracy"])
                 )
         means = {
             k: (statistics.fmean(x for x, _ in v), statistics.fmean(y for _, y in v))
             for k, v in points.items()
         }
-        for label, (x, y) in sorted(means.items()):
-            ax.scatter([x], [y])
-            ax.annotate(label, (x, y), fontsize="small", xytext=(3, 3), textcoords="offset points")
+        for key, (x, y) in sorted(means.items()):
+            style = styles[key]
+            ax.plot(
+                [x],
+                [y],
+                linestyle="none",
+                marker=style["marker"],
+                color=style["color"],
+                markerfacecolor="none",
+                markeredgewidth=1.5,
+                markersize=8,
+                label=_label(*key, several),
+            )
         front, best = [], -1.0
         for x, y in sorted(means.values()):
             if y > best:
@@ -194,15 +285,23 @@ def plot_accuracy_vs_cost(flat: list[dict[str, Any]], path: Path) -> Path:
                 color="grey",
                 linestyle="--",
                 label="Pareto front",
+                zorder=0,
             )
-            ax.legend(fontsize="small")
         ax.set(
             xlabel="training seconds per 1000 steps",
             ylabel="accuracy at the train length",
             title=f"{task}: accuracy against cost",
             ylim=(-0.02, 1.02),
         )
-    fig.savefig(path, dpi=100)
+        ax.grid(True, alpha=0.3)
+        if means:
+            columns = max(columns, _legend(ax))
+    _fit_width(fig, len(tasks), columns)
+    return fig
+
+
+def plot_accuracy_vs_cost(flat: list[dict[str, Any]], path: Path) -> Path:
+    accuracy_vs_cost_figure(flat).savefig(path, dpi=100)
     return path
 
 
