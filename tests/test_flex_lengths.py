@@ -76,3 +76,26 @@ def test_compiled_flex_matches_reference_at_every_length(seed):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["cases"] == 302
     assert result["failures"] == [], f"compiled flex differs from the reference: {result}"
+
+
+def test_the_cpu_kernel_only_sees_whole_blocks(monkeypatch):
+    """The defence itself, where the fault does not show: on CPU the compiled kernel is handed q, k
+    and v padded to whole blocks, and the caller gets its own length back."""
+    import torch
+
+    import zoo
+    from zoo.backends import FlexBackend, flex
+
+    seen = []
+
+    def recording_kernel(q, k, v, **kwargs):
+        seen.append((q.shape[-2], k.shape[-2], kwargs["block_mask"].seq_lengths))
+        return flex._flex_module().flex_attention(q, k, v, **kwargs)
+
+    monkeypatch.setattr(flex, "_kernel", lambda compiled: recording_kernel)
+    q, k, v = (torch.randn(1, 2, n, 16) for n in (37, 56, 56))
+    out = zoo.attention(q, k, v, variant="local", backend=FlexBackend(block_size=16), window_size=3)
+    ref = zoo.attention(q, k, v, variant="local", backend="reference", window_size=3)
+    assert seen == [(48, 64, (48, 64))]
+    assert out.shape == (1, 2, 37, 16)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
