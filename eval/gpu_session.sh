@@ -6,6 +6,7 @@
 #
 #   bash eval/gpu_session.sh tests                      # GPU tests, tiny GPU sweep and training
 #   bash eval/gpu_session.sh bench NAME [key=value...]  # one piece of eval/configs/bench.yaml
+#   BENCH_CONFIG=eval/configs/bench_gqa.yaml bash eval/gpu_session.sh bench gqa  # another config
 #   bash eval/gpu_session.sh standard NAME [key=value]  # a part of eval/configs/standard.yaml
 #
 # xFormers, where its wheel was carried in .whl/ (see the device tool's README), is installed
@@ -43,7 +44,8 @@ tests)
 bench)
     name=${1:?"bench NAME [key=value ...]"}
     shift
-    timeout -s INT "$LIMIT" python3 -m eval bench eval/configs/bench.yaml "out=/tmp/bench-$name" "$@" 2>&1 |
+    timeout -s INT "$LIMIT" python3 -m eval bench "${BENCH_CONFIG:-eval/configs/bench.yaml}" \
+        "out=/tmp/bench-$name" "$@" 2>&1 |
         tee "$OUT/bench-$name.log"
     cp "/tmp/bench-$name/bench.json" "$OUT/bench-$name.json"
     ;;

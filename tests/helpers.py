@@ -38,13 +38,25 @@ def small_params(variant: str) -> dict[str, object]:
 
 
 def random_qkv(
-    batch, heads, q_len, kv_len, head_dim=16, v_dim=None, dtype=torch.float32, device="cpu", seed=0
+    batch,
+    heads,
+    q_len,
+    kv_len,
+    head_dim=16,
+    v_dim=None,
+    dtype=torch.float32,
+    device="cpu",
+    seed=0,
+    kv_heads=None,
 ):
+    """q, k and v from a float64 normal draw; k and v with ``kv_heads`` heads (grouped-query
+    attention) if given."""
     generator = torch.Generator().manual_seed(seed)
+    kv_heads = heads if kv_heads is None else kv_heads
     shapes = [
         (batch, heads, q_len, head_dim),
-        (batch, heads, kv_len, head_dim),
-        (batch, heads, kv_len, v_dim or head_dim),
+        (batch, kv_heads, kv_len, head_dim),
+        (batch, kv_heads, kv_len, v_dim or head_dim),
     ]
     return [
         torch.randn(s, generator=generator, dtype=torch.float64).to(device, dtype).requires_grad_()
@@ -64,7 +76,10 @@ def padding_mask(batch, kv_len, device="cpu"):
 
 def naive_attention(q, k, v, allowed, scale=None, pos=None):
     """Plain PyTorch attention computed in the inputs' dtype: the baseline of the convention.
-    ``pos`` is a rotate or bias encoding, applied at the zoo's aligned positions."""
+    ``pos`` is a rotate or bias encoding, applied at the zoo's aligned positions. Grouped k and v
+    are repeated to q's heads."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     q_pos = torch.arange(q.shape[2], device=q.device) + k.shape[2] - q.shape[2]
     k_pos = torch.arange(k.shape[2], device=q.device)
     if pos is not None and pos.kind == "rotate":
@@ -124,18 +139,22 @@ def check_against_reference(
     head_dim=16,
     pos=None,
     v_dim=8,
+    heads=2,
+    kv_heads=None,
 ):
     """Output (and, with ``grads``, dq, dk, dv and the encoding's parameters' gradients) of
     ``backend`` against the float64 reference, by the tolerance convention, on 3 random sequences
-    of 2 heads; sequences 1 and 2 padded if asked. ``pos``: an encoding instance for 2 heads;
-    ``v_dim``: the values' head size."""
+    of ``heads`` heads (k and v with ``kv_heads``, grouped-query attention, if given); sequences 1
+    and 2 padded if asked. ``pos``: an encoding instance for ``heads`` heads; ``v_dim``: the
+    values' head size."""
     params = small_params(variant) if params is None else params
     q, k, v = random_qkv(
-        3, 2, q_len, kv_len, head_dim=head_dim, v_dim=v_dim, dtype=dtype, device=device
-    )
+        3, heads, q_len, kv_len, head_dim=head_dim, v_dim=v_dim, dtype=dtype, device=device,
+        kv_heads=kv_heads,
+    )  # fmt: skip
     key_padding = padding_mask(3, kv_len, device=device) if padded else None
     generator = torch.Generator().manual_seed(1)
-    grad_out = torch.randn(3, 2, q_len, v_dim, generator=generator).to(device, dtype)
+    grad_out = torch.randn(3, heads, q_len, v_dim, generator=generator).to(device, dtype)
 
     weights = [] if pos is None else list(pos.parameters())
 

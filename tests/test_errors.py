@@ -75,8 +75,10 @@ def test_bad_arguments(kwargs, error, message):
     [
         (
             [(2, 4, 16, 8), (3, 4, 16, 8), (3, 4, 16, 8)],
-            r"must agree in batch and heads .* \(2, 4, 16, 8\), \(3, 4, 16, 8\)",
+            r"must agree in batch \(dim 0\), got shapes \(2, 4, 16, 8\), \(3, 4, 16, 8\)",
         ),
+        ([(2, 4, 16, 8), (2, 3, 16, 8), (2, 3, 16, 8)], r"q has 4 heads, k and v have 3"),
+        ([(2, 4, 16, 8), (2, 2, 16, 8), (2, 1, 16, 8)], r"k and v must have the same number"),
         ([(2, 4, 16, 8), (2, 4, 16, 4), (2, 4, 16, 8)], r"q and k must have the same head_dim"),
         ([(2, 4, 16, 8), (2, 4, 16, 8), (2, 4, 12, 8)], r"k and v must have the same length"),
         (

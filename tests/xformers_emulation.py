@@ -38,16 +38,30 @@ def _scores(q, k, mask, scale):
     return scores.masked_fill(~allowed, float("-inf"))
 
 
+def _repeated(q, k, v):
+    """Grouped k and v (B, M, H_kv, K) repeated to q's heads: the emulation may copy."""
+    groups = q.shape[2] // k.shape[2]
+    return k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+
+
+def _summed(grad, heads):
+    """A repeated k's or v's gradient (B, N, H, K) summed back to its ``heads``."""
+    return grad.unflatten(2, (heads, -1)).sum(3)
+
+
 class EmulatedKernels:
-    """memory_efficient_attention, its _partial and its _backward, in float32."""
+    """memory_efficient_attention, its _partial and its _backward, in float32; k and v may have
+    fewer heads than q, as the backend's kernels take them (grouped-query attention)."""
 
     def attention(self, q, k, v, mask, scale, p):
+        k, v = _repeated(q, k, v)
         weights = torch.softmax(_scores(q, k, mask, scale), dim=-1).nan_to_num(0.0)
         weights = torch.nn.functional.dropout(weights, p)
         return torch.einsum("bhmn,bnhk->bmhk", weights, v.float()).to(q.dtype)
 
     def partial(self, q, k, v, mask, scale):
         """As FlashAttention's partial kernel: out in q's dtype, lse +inf on a row without keys."""
+        k, v = _repeated(q, k, v)
         scores = _scores(q, k, mask, scale)
         lse = torch.logsumexp(scores, dim=-1)
         weights = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
@@ -56,6 +70,8 @@ class EmulatedKernels:
 
     def backward(self, grad, out, lse, q, k, v, mask, scale):
         """FlashAttention's backward: P = exp(S - lse), D = rowsum(dO * O), dS = P (dP - D)."""
+        kv_heads, k_dtype = k.shape[2], k.dtype
+        k, v = _repeated(q, k, v)
         weights = torch.exp(_scores(q, k, mask, scale) - lse[..., None])
         grad, out = grad.float(), out.float()
         dv = torch.einsum("bhmn,bmhk->bnhk", weights, grad)
@@ -64,4 +80,5 @@ class EmulatedKernels:
         d_scores = weights * (d_weights - rowsum) * scale
         dq = torch.einsum("bhmn,bnhk->bmhk", d_scores, k.float())
         dk = torch.einsum("bhmn,bmhk->bnhk", d_scores, q.float())
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        dk, dv = _summed(dk, kv_heads), _summed(dv, kv_heads)
+        return dq.to(q.dtype), dk.to(k_dtype), dv.to(k_dtype)

@@ -43,6 +43,11 @@ class AttentionCall:
         return self.k.shape[-2]
 
     @property
+    def groups(self) -> int:
+        """Query heads per key/value head: 1 for multi-head, H_q for multi-query attention."""
+        return self.q.shape[1] // self.k.shape[1]
+
+    @property
     def device(self) -> torch.device:
         return self.q.device
 
@@ -63,7 +68,8 @@ def _shape(t: Tensor) -> str:
 
 
 def check_qkv(q: object, k: object, v: object) -> None:
-    """q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv): same dtype, device, batch and heads."""
+    """q (B, H, Lq, D), k (B, H_kv, Lk, D), v (B, H_kv, Lk, Dv): one dtype, device and batch;
+    H_kv divides H (grouped-query attention; H_kv = 1 is multi-query, H_kv = H multi-head)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -80,10 +86,20 @@ def check_qkv(q: object, k: object, v: object) -> None:
         raise ValueError(
             f"q, k and v must be on one device, got {q.device}, {k.device} and {v.device}"
         )
-    if not q.shape[:2] == k.shape[:2] == v.shape[:2]:
+    if not q.shape[0] == k.shape[0] == v.shape[0]:
         raise ValueError(
-            f"q, k and v must agree in batch and heads (dims 0 and 1), got shapes "
+            f"q, k and v must agree in batch (dim 0), got shapes "
             f"{_shape(q)}, {_shape(k)} and {_shape(v)}"
+        )
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(
+            f"k and v must have the same number of heads (dim 1), got {_shape(k)} and {_shape(v)}"
+        )
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"the heads of k and v must divide those of q (grouped-query attention shares each "
+            f"key/value head among a group of query heads): q has {q.shape[1]} heads, k and v "
+            f"have {k.shape[1]}"
         )
     if k.shape[2] != v.shape[2]:
         raise ValueError(

@@ -57,6 +57,10 @@ class MultiHeadAttention(nn.Module):
         score: "dot" (scaled dot product) or "additive" (a small learned network over q and k,
             Bahdanau et al.; the reference and blocked backends compute it).
         kv_dim: width of ``context`` in cross-attention, if not ``dim``.
+        num_kv_heads: key/value heads for grouped-query attention (Ainslie et al., 2023): each
+            is shared by num_heads / num_kv_heads query heads, and the k and v projections
+            shrink to num_kv_heads * head_dim. None (default) is num_heads (multi-head); 1 is
+            multi-query attention. It must divide num_heads.
 
     ``forward(x, context=None, key_padding_mask=None, valid_lens=None, return_weights=False)``:
     ``context`` (B, Lk, kv_dim) makes it cross-attention: queries from x, keys and values from
@@ -80,6 +84,7 @@ class MultiHeadAttention(nn.Module):
         bias: bool = True,
         score: str = "dot",
         kv_dim: int | None = None,
+        num_kv_heads: int | None = None,
         **params: object,
     ) -> None:
         super().__init__()
@@ -90,9 +95,18 @@ class MultiHeadAttention(nn.Module):
                 f"num_heads ({num_heads}) must divide dim ({dim}); "
                 f"head_dim would be {dim / num_heads}"
             )
+        num_kv_heads = (
+            num_heads if num_kv_heads is None else check_int("num_kv_heads", num_kv_heads)
+        )
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads}): each "
+                "key/value head is shared by a group of query heads"
+            )
         if score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {score!r}")
         self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
+        self.num_kv_heads = num_kv_heads
         self.variant, self.backend, self.causal = variant, backend, causal
         self.dropout = check_probability("dropout", dropout)
         self.params = dict(params)
@@ -105,8 +119,8 @@ class MultiHeadAttention(nn.Module):
         )
         kv_dim = dim if kv_dim is None else check_int("kv_dim", kv_dim)
         self.q_proj = nn.Linear(dim, dim, bias=bias)
-        self.k_proj = nn.Linear(kv_dim, dim, bias=bias)
-        self.v_proj = nn.Linear(kv_dim, dim, bias=bias)
+        self.k_proj = nn.Linear(kv_dim, num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(kv_dim, num_kv_heads * self.head_dim, bias=bias)
         self.out_proj = nn.Linear(dim, dim, bias=bias)
         self.score = AdditiveScore(num_heads, self.head_dim) if score == "additive" else None
         self.pos = build_encoding(
@@ -125,8 +139,12 @@ class MultiHeadAttention(nn.Module):
         shown = "".join(f", {k}={v!r}" for k, v in params.items())
         backend = self.backend if isinstance(self.backend, str) else self.backend.name
         options = f", dropout={self.dropout}" if self.dropout else ""
+        kv_heads = (
+            "" if self.num_kv_heads == self.num_heads else f", num_kv_heads={self.num_kv_heads}"
+        )
         return (
-            f"dim={self.dim}, num_heads={self.num_heads}, variant={self.variant!r}{shown}, "
+            f"dim={self.dim}, num_heads={self.num_heads}{kv_heads}, "
+            f"variant={self.variant!r}{shown}, "
             f"causal={self.causal}, backend={backend!r}, pos={self.pos.name!r}{options}"
         )
 
@@ -153,10 +171,10 @@ class MultiHeadAttention(nn.Module):
         if self.pos.kind == "embed":  # each sequence from its own position 0
             x = self.pos.embed(x)
             source = x if context is None else self.pos.embed(context)
-        heads = self.num_heads
+        heads, kv_heads = self.num_heads, self.num_kv_heads
         q = rearrange(self.q_proj(x), "b l (h d) -> b h l d", h=heads)  # (B, H, Lq, hd)
-        k = rearrange(self.k_proj(source), "b l (h d) -> b h l d", h=heads)  # (B, H, Lk, hd)
-        v = rearrange(self.v_proj(source), "b l (h d) -> b h l d", h=heads)
+        k = rearrange(self.k_proj(source), "b l (h d) -> b h l d", h=kv_heads)  # (B, H_kv, Lk, hd)
+        v = rearrange(self.v_proj(source), "b l (h d) -> b h l d", h=kv_heads)
         result = attention(
             q,
             k,

@@ -53,8 +53,11 @@ class AdditiveScore(nn.Module):
         self.w_v = nn.Parameter(torch.empty(num_heads, hidden).uniform_(-bound, bound))
 
     def prepare(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        """(B, H, L, D) -> (B, H, L, hidden), once per token."""
+        """(B, H, L, D) -> (B, H, L, hidden), once per token. Grouped k (B, H_kv, L, D) is
+        repeated to the H query heads first: each query head maps the keys with its own W_k."""
         dtype = score_dtype(q)
+        if k.shape[1] != q.shape[1]:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         w_q, w_k = self.w_q.to(dtype), self.w_k.to(dtype)
         return (
             torch.einsum("bhld,hde->bhle", q.to(dtype), w_q),

@@ -35,6 +35,7 @@ class BenchConfig:
     causal: list[bool] = field(default_factory=lambda: [False, True])
     batch: int = 1
     heads: int = 16
+    kv_heads: int | None = None  # key/value heads (grouped-query attention); None: heads
     head_dim: int = 64
     dtype: str = "auto"  # bfloat16 on CUDA, float32 on CPU
     warmup: int = 5
@@ -92,6 +93,16 @@ def check_config(config: BenchConfig, source: str, extra_backends: dict | None =
         value = getattr(config, key)
         if value < minimum:
             raise ConfigError(f"{source}: {key} must be at least {minimum}, got {value}")
+    if config.kv_heads is not None and (config.kv_heads < 1 or config.heads % config.kv_heads):
+        raise ConfigError(
+            f"{source}: kv_heads must divide heads ({config.heads}) or be null, got "
+            f"{config.kv_heads!r}"
+        )
+    if "repeat_kv" in config.peers and config.kv_heads in (None, config.heads):
+        raise ConfigError(
+            f"{source}: the repeat_kv peer compares grouped-query attention with its repeated "
+            f"form; set kv_heads below heads ({config.heads}), got {config.kv_heads!r}"
+        )
     if config.dtype != "auto" and config.dtype not in DTYPES:
         raise ConfigError(
             f"{source}: dtype must be auto or one of {', '.join(DTYPES)}, got {config.dtype!r}"

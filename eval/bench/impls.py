@@ -12,6 +12,12 @@ Peers:
   the mask on all n^2 pairs). ``dynamic=False`` as the zoo's flex backend, so that the two differ
   in how the mask is built, not in the compiled kernel.
 - ``xformers``: ``memory_efficient_attention`` for full and causal attention, where it imports.
+- ``repeat_kv``: for grouped-query points (``kv_heads`` below ``heads``), the zoo's ``auto`` on k
+  and v repeated to every query head inside the timed step, as a model without grouped-query
+  support runs it (transformers' ``repeat_kv``): the form whose memory GQA must stay below.
+
+Every peer takes grouped k and v as its kernel shares them: SDPA and FlexAttention with
+``enable_gqa``, xFormers in its 5-D layout.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import zoo.backends.reference
 import zoo.frames
 import zoo.layout
 from zoo.backends import Backend, BlockedBackend, FlexBackend, resolve_backend
+from zoo.backends.base import repeat_kv
+from zoo.backends.xformers import grouped_layout
 from zoo.functional import prepare_call, resolve_pattern
 
 from .measure import CellSkip, timed_once
@@ -54,6 +62,11 @@ class Point:
     @property
     def device(self) -> torch.device:
         return self.q.device
+
+    @property
+    def grouped(self) -> bool:
+        """Whether k and v have fewer heads than q (grouped-query attention)."""
+        return self.k.shape[1] != self.q.shape[1]
 
     @property
     def pass_name(self) -> str:
@@ -169,7 +182,9 @@ class SdpaDense:
 
     def setup(self, point: Point) -> Prepared:
         def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            return scaled_dot_product_attention(q, k, v, is_causal=point.causal)
+            return scaled_dot_product_attention(
+                q, k, v, is_causal=point.causal, enable_gqa=point.grouped
+            )
 
         return Prepared(run, self.name, False, None, None, 1.0)
 
@@ -213,7 +228,7 @@ class FlexStandard:
         kernel = compiled_flex_attention()
 
         def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            return kernel(q, k, v, block_mask=mask)
+            return kernel(q, k, v, block_mask=mask, enable_gqa=point.grouped)
 
         return Prepared(run, self.name, True, build_ms, int(mask.BLOCK_SIZE[0]), _density(mask, n))
 
@@ -258,14 +273,40 @@ class Xformers:
 
         def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # xformers takes (B, L, H, D)
-            return xops.memory_efficient_attention(q, k, v, attn_bias=bias).transpose(1, 2)
+            out = xops.memory_efficient_attention(*grouped_layout(q, k, v), attn_bias=bias)
+            return (out.flatten(2, 3) if out.dim() == 5 else out).transpose(1, 2)
 
         return Prepared(run, self.name, False, None, None, 1.0)
 
 
-PEERS = ("sdpa_dense", "flex_standard", "xformers")
+@dataclass
+class RepeatKv:
+    """The zoo's auto choice on k and v repeated to the query heads (the repeat is timed)."""
+
+    variant: str
+    params: dict
+    name: str = "repeat_kv"
+    kind: str = "peer"
+
+    def setup(self, point: Point) -> Prepared:
+        if not point.grouped:
+            raise CellSkip("unsupported", "repeat_kv needs a point with kv_heads below heads")
+        inner = ZooImpl("auto", "auto", self.variant, self.params).setup(point)
+        groups = point.q.shape[1] // point.k.shape[1]
+
+        def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return inner.run(q, repeat_kv(k, groups), repeat_kv(v, groups))
+
+        return Prepared(
+            run, inner.resolved, inner.sparse, inner.mask_build_ms,
+            inner.block_size, inner.block_density,
+        )  # fmt: skip
+
+
+PEERS = ("sdpa_dense", "flex_standard", "xformers", "repeat_kv")
 
 
 def variant_peer(name: str, variant: str, params: dict):
     """A per-variant peer by name (sdpa_dense is per point, not per variant)."""
-    return {"flex_standard": FlexStandard, "xformers": Xformers}[name](variant, params)
+    peers = {"flex_standard": FlexStandard, "xformers": Xformers, "repeat_kv": RepeatKv}
+    return peers[name](variant, params)

@@ -157,7 +157,8 @@ def render(
         f"- device: {header['device']} ({header['device_type']}), torch {header['torch']}, "
         f"triton {shared['triton']}, CUDA {shared['cuda']}, "
         f"{shared['threads']} CPU threads; {load}",
-        f"- q, k, v: batch {config['batch']}, heads {config['heads']}, head_dim "
+        f"- q, k, v: batch {config['batch']}, heads {config['heads']}"
+        f"{grouped_heads(config)}, head_dim "
         f"{config['head_dim']}, {header['dtype']}; median of {config['repeats']} runs after "
         f"{config['warmup']} warm-up runs; reference check up to n = "
         f"{config.get('check_max_len', per_piece)} (normalised error <= {header['tolerance']:g})",
@@ -187,3 +188,11 @@ def render(
     if plots:
         sections.append("## Plots\n\n" + "\n".join(f"![{p}]({p})" for p in plots))
     return "\n\n".join(sections) + "\n"
+
+
+def grouped_heads(config: dict) -> str:
+    """ ", k/v heads 4 (grouped-query attention)" where the sweep set fewer k/v heads, else ""."""
+    kv_heads = config.get("kv_heads")
+    if kv_heads in (None, config["heads"]):
+        return ""
+    return f", k/v heads {kv_heads} (grouped-query attention)"

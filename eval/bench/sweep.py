@@ -47,13 +47,15 @@ class Sweep:
 
 
 def random_inputs(sweep: Sweep, n: int) -> list[torch.Tensor]:
-    """q, k, v and the output gradient: unit variance, seeded by the config's seed and n."""
+    """q, k, v and the output gradient: unit variance, seeded by the config's seed and n; k and v
+    with ``kv_heads`` heads where the config sets them (grouped-query attention)."""
     c = sweep.config
     generator = torch.Generator(device=sweep.device).manual_seed(c.seed * 1_000_003 + n)
     shape = (c.batch, c.heads, n, c.head_dim)
+    kv_shape = (c.batch, c.kv_heads or c.heads, n, c.head_dim)
     return [
-        torch.randn(shape, generator=generator, device=sweep.device).to(sweep.dtype)
-        for _ in range(4)
+        torch.randn(s, generator=generator, device=sweep.device).to(sweep.dtype)
+        for s in (shape, kv_shape, kv_shape, shape)
     ]
 
 

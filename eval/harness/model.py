@@ -46,6 +46,7 @@ class SequenceModel(nn.Module):
         variant, variant_params: the attention pattern, by registry name.
         encoding, encoding_params: the positional encoding, by registry name.
         causal, backend, attention_dropout: passed to every zoo.MultiHeadAttention.
+        kv_heads: key/value heads of grouped-query attention (None: heads).
     """
 
     def __init__(
@@ -57,6 +58,7 @@ class SequenceModel(nn.Module):
         dim: int = 64,
         depth: int = 2,
         heads: int = 2,
+        kv_heads: int | None = None,
         mlp_dim: int = 128,
         dropout: float = 0.0,
         variant: str = "full",
@@ -81,6 +83,7 @@ class SequenceModel(nn.Module):
                 zoo.MultiHeadAttention(
                     dim,
                     heads,
+                    num_kv_heads=kv_heads,
                     variant=variant,
                     pos=in_attention,
                     backend=backend,

@@ -37,6 +37,7 @@ class ModelConfig:
     dim: int = 64
     depth: int = 2
     heads: int = 2
+    kv_heads: int | None = None  # grouped-query attention: key/value heads; None: heads
     mlp_dim: int = 128
     dropout: float = 0.0
 

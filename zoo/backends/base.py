@@ -79,6 +79,12 @@ def key_keep(call: AttentionCall) -> Tensor | None:
     return None if call.key_padding_mask is None else ~call.key_padding_mask
 
 
+def repeat_kv(x: Tensor, groups: int) -> Tensor:
+    """(B, H_kv, L, D) -> (B, H_kv * groups, L, D), each key/value head repeated for its group
+    of query heads: the copy that grouped-query kernels avoid, for paths that need one."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
 def head_index(num_heads: int, device: torch.device, trailing: int) -> Tensor:
     """Head indices shaped (H, 1, ..., 1) to broadcast against ``trailing`` more dimensions."""
     return torch.arange(num_heads, device=device).view(-1, *([1] * trailing))

@@ -13,6 +13,11 @@ gathered (``block_plan``). Two paths:
   maximum, from which the parts merge exactly, as FlashAttention merges key blocks.
 
 Memory is O(B * H * computed pairs) in both: a query block against its keys, never n x n.
+
+Grouped-query attention: k and v keep their H_kv heads throughout. The fused path hands them to
+SDPA with ``enable_gqa``; the explicit path views q as (B, H_kv, groups, ...) against k and v
+(B, H_kv, 1, ...), so each key block is gathered once per key/value head, not per query head.
+Additive scores map keys with one W_k per query head, so they expand k (``AdditiveScore``).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from ..call import AttentionCall
 from ..checks import check_int
 from ..frames import Frame, build_frame
 from ..patterns import Pattern
-from .base import FLOATS, Backend, Capabilities, head_index
+from .base import FLOATS, Backend, Capabilities, head_index, repeat_kv
 from .block_plan import GroupPlan, key_windows, plan
 
 
@@ -54,6 +59,19 @@ def merge(partials: list[Partial]) -> Tensor:
     total = sum(mass)
     total = torch.where(total > 0, total, 1)
     return sum((m / total)[..., None] * p.output for m, p in zip(mass, partials, strict=True))
+
+
+def by_kv_head(x: Tensor, kv_heads: int) -> Tensor:
+    """(B, H or 1, R, bq, ...) -> (B, H_kv or 1, R, groups or 1, bq, ...): the query heads that
+    share a key/value head side by side, a view."""
+    if x.shape[1] == 1:
+        return x.unsqueeze(3)
+    return x.unflatten(1, (kv_heads, -1)).transpose(2, 3)
+
+
+def by_query_head(x: Tensor) -> Tensor:
+    """The inverse of ``by_kv_head``: (B, H_kv, R, groups, bq, ...) -> (B, H, R, bq, ...)."""
+    return x.transpose(2, 3).flatten(1, 2)
 
 
 @dataclass
@@ -163,9 +181,8 @@ class BlockedBackend(Backend):
         padded = None
         if call.key_padding_mask is not None:
             padded = frame.k.gather(call.key_padding_mask[:, :, None])[..., 0]
-        return Inputs(
-            frame.q.gather(q), frame.k.gather(k), frame.k.gather(call.v.to(dtype)), padded
-        )
+        v = repeat_kv(call.v.to(dtype), k.shape[1] // call.v.shape[1])  # additive k is per head
+        return Inputs(frame.q.gather(q), frame.k.gather(k), frame.k.gather(v), padded)
 
     # The fused path.
 
@@ -197,7 +214,7 @@ class BlockedBackend(Backend):
             out = scaled_dot_product_attention(
                 heads_inside(q), heads_inside(k), heads_inside(v),
                 attn_mask=mask.expand(B, -1, -1, -1, -1).flatten(0, 1),
-                dropout_p=call.dropout_p, scale=call.scale,
+                dropout_p=call.dropout_p, scale=call.scale, enable_gqa=call.groups > 1,
             ).unflatten(0, (B, group.rows.numel()))  # fmt: skip
         if has_key is not None:
             out = out * has_key.to(out.dtype)
@@ -239,8 +256,9 @@ class BlockedBackend(Backend):
         keys = key_windows(inputs.k[b], window, rows, frame.k.block)
         values = key_windows(inputs.v[b], window, rows, frame.k.block)
         return scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, dropout_p=call.dropout_p, scale=call.scale
-        )
+            q, keys, values, attn_mask=mask, dropout_p=call.dropout_p, scale=call.scale,
+            enable_gqa=call.groups > 1,
+        )  # fmt: skip
 
     # The explicit path.
 
@@ -265,16 +283,24 @@ class BlockedBackend(Backend):
         call: AttentionCall, frame: Frame, group: GroupPlan, inputs: Inputs
     ) -> tuple[Tensor, Tensor, Tensor]:
         q, k, v = group.gather(inputs.q, inputs.k, inputs.v, frame)  # (B, H, R, bq or W*bk, D)
-        scores = call.score.pairwise(q, k)  # (B, H, R, bq, W*bk)
+        # The query heads of a key/value head are stacked as extra query rows (as FlashAttention
+        # packs them): (B, H_kv, R, groups * bq, D) against keys (B, H_kv, R, W*bk, D), so each
+        # key block is multiplied once per key/value head, never repeated.
+        kv_heads = k.shape[1]
+        rows = by_kv_head(q, kv_heads).flatten(3, 4)
+        scores = call.score.pairwise(rows, k).unflatten(3, (-1, q.shape[3]))  # (B,Hkv,R,G,bq,W)
         if call.bias is not None:
-            heads = head_index(scores.shape[1], q.device, 3)
-            scores = scores + call.bias(heads, group.q_pos, group.k_pos)
-        scores = scores.masked_fill(group.masked_with(inputs.padded)[:, None], float("-inf"))
+            heads = head_index(q.shape[1], q.device, 3)
+            bias = call.bias(heads, group.q_pos, group.k_pos)  # (H, R, bq, W*bk)
+            scores = scores + by_kv_head(bias[None], kv_heads)
+        masked = by_kv_head(group.masked_with(inputs.padded)[:, None], kv_heads)
+        scores = scores.masked_fill(masked, float("-inf"))
         peak = scores.amax(dim=-1).detach()
         exp = torch.exp(scores - torch.where(torch.isfinite(peak), peak, 0)[..., None])
         denominator = exp.sum(dim=-1)
         if call.dropout_p:
             exp = dropout(exp, call.dropout_p)
         # Normalise after the product: a (bq, Dv) division instead of a (bq, W*bk) one.
-        output = (exp.to(v.dtype) @ v) / torch.where(denominator > 0, denominator, 1)[..., None]
-        return output, denominator, peak
+        output = (exp.flatten(3, 4).to(v.dtype) @ v).unflatten(3, (-1, q.shape[3]))
+        output = output / torch.where(denominator > 0, denominator, 1)[..., None]
+        return by_query_head(output), by_query_head(denominator), by_query_head(peak)

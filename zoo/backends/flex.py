@@ -187,6 +187,7 @@ class FlexBackend(Backend):
                                 call.device)  # fmt: skip
             q, k, v = frame.q.gather(q), frame.k.gather(k), frame.k.gather(v)
         out = _kernel(self.compile)(
-            q, k, v, score_mod=score_mod, block_mask=self.block_mask(call), scale=call.scale
-        )
+            q, k, v, score_mod=score_mod, block_mask=self.block_mask(call), scale=call.scale,
+            enable_gqa=call.groups > 1,  # k and v shared by each group of query heads, not copied
+        )  # fmt: skip
         return out[..., : call.q_len, :], None

@@ -1,4 +1,6 @@
-"""The oracle: dense scores in float32 (float64 for float64 inputs) and an explicit softmax."""
+"""The oracle: dense scores in float32 (float64 for float64 inputs) and an explicit softmax.
+Grouped k and v are repeated to every query head, the textbook definition of grouped-query
+attention that the other backends are held to."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from torch import Tensor
 
 from ..call import AttentionCall
 from ..patterns import Pattern, query_positions
-from .base import FLOATS, Backend, Capabilities, head_index, key_keep
+from .base import FLOATS, Backend, Capabilities, head_index, key_keep, repeat_kv
 
 
 @lru_cache(maxsize=64)
@@ -56,7 +58,8 @@ class ReferenceBackend(Backend):
 
     def forward(self, call: AttentionCall) -> tuple[Tensor, Tensor]:
         dtype = torch.float64 if call.q.dtype == torch.float64 else torch.float32
-        q, k = call.score.prepare(call.q.to(dtype), call.k.to(dtype))
+        k, v = (repeat_kv(t.to(dtype), call.groups) for t in (call.k, call.v))
+        q, k = call.score.prepare(call.q.to(dtype), k)
         scores = call.score.pairwise(q, k)  # (B, H, Lq, Lk)
         if call.bias is not None:
             scores = scores + score_bias(call, scores.dtype)
@@ -64,5 +67,5 @@ class ReferenceBackend(Backend):
         dropped = (
             torch.nn.functional.dropout(weights, call.dropout_p) if call.dropout_p else weights
         )
-        out = dropped @ call.v.to(dtype)
+        out = dropped @ v
         return out.to(call.q.dtype), weights

@@ -1,5 +1,9 @@
 """``torch.nn.functional.scaled_dot_product_attention``: FlashAttention for full and causal
-attention on GPU (no mask at all), a dense boolean mask for everything else."""
+attention on GPU (no mask at all), a dense boolean mask for everything else.
+
+Grouped k and v go to SDPA as they are, with ``enable_gqa``: its FlashAttention and cuDNN kernels
+share each key/value head among its query heads; its math fallback (CPU, or a dense mask on some
+GPUs) repeats them inside the call."""
 
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ class SdpaBackend(Backend):
                 dropout_p=call.dropout_p,
                 is_causal=kind == "causal",
                 scale=call.scale,
+                enable_gqa=call.groups > 1,
             )
             return out, None
         mask = attention_mask(call)
@@ -51,6 +56,12 @@ class SdpaBackend(Backend):
             bias = score_bias(call, call.q.dtype)
             mask = bias.masked_fill(~mask, float("-inf"))
         out = scaled_dot_product_attention(
-            call.q, call.k, call.v, attn_mask=mask, dropout_p=call.dropout_p, scale=call.scale
+            call.q,
+            call.k,
+            call.v,
+            attn_mask=mask,
+            dropout_p=call.dropout_p,
+            scale=call.scale,
+            enable_gqa=call.groups > 1,
         )
         return out * has_key, None

@@ -11,10 +11,11 @@ over key blocks, with pieces for blocks).
 Imported lazily. xFormers' wheels carry compiled operators built for one torch version; where the
 package is missing, its operators do not load against the installed torch, or there is no CUDA
 device, the backend reports itself unavailable with that reason and ``auto`` never takes it.
-It takes no key padding mask and no score bias; composed patterns have no dropout (the partial
-kernel has none). Windows and merged pieces run only on xFormers' FlashAttention kernels (bf16 or
-fp16, one head size up to 256, see ``kernel_reason``); whole-call full and causal attention also
-on its cutlass kernel (float32 too).
+Grouped k and v run in xFormers' 5-D layout (``grouped_layout``), expanded over each group's query
+heads without a copy. It takes no key padding mask and no score bias; composed patterns have no
+dropout (the partial kernel has none). Windows and merged pieces run only on xFormers'
+FlashAttention kernels (bf16 or fp16, one head size up to 256, see ``kernel_reason``); whole-call
+full and causal attention also on its cutlass kernel (float32 too).
 """
 
 from __future__ import annotations
@@ -84,7 +85,9 @@ class Kernels(Protocol):
     """The three kernel calls the backend makes; tensors in xFormers' (B, M, H, K) layout."""
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float, p: float):
-        """softmax(q k^T * scale + mask) v, differentiable, in q's dtype."""
+        """softmax(q k^T * scale + mask) v, differentiable, in q's dtype. k and v may have fewer
+        heads than q (grouped-query attention); so in the other two, whose dk and dv then have
+        the heads of k and v."""
 
     def partial(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float):
         """(out (B, M, H, Kv), lse float32 (B, H, M)). FlashAttention's out comes in q's dtype
@@ -105,31 +108,61 @@ def attention_bias(mask: Mask):
     return attn_bias.LocalAttentionFromBottomRightMask(window_left=mask[0], window_right=mask[1])
 
 
+def grouped_layout(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Grouped k and v (B, M, H_kv, K) in xFormers' 5-D (B, M, G, H, K) layout, as its docs ask for
+    grouped-query attention: q split into G = H_kv groups of H / H_kv heads, k and v expanded over
+    a group's heads (stride 0, no copy)."""
+    groups = q.shape[2] // k.shape[2]
+    if groups == 1:
+        return q, k, v
+    k, v = (t.unsqueeze(3).expand(-1, -1, -1, groups, -1) for t in (k, v))
+    return q.unflatten(2, (-1, groups)), k, v
+
+
+def shared_gradient(grad: Tensor) -> Tensor:
+    """The gradient of an expanded (B, M, G, H, K) k or v, back to (B, M, G, K): a sum over the
+    heads that shared it, unless the kernel summed already and expanded the sum (stride 0)."""
+    return grad[:, :, :, 0] if grad.stride(3) == 0 else grad.sum(3)
+
+
 class XformersKernels:
-    """The real kernels."""
+    """The real kernels. Tensors arrive in (B, M, H, K) with k and v of H_kv heads; grouped ones
+    run in the 5-D layout of ``grouped_layout``, results come back in 4-D."""
 
     def attention(self, q, k, v, mask, scale, p):
         import xformers.ops as xops
 
-        return xops.memory_efficient_attention(
-            q, k, v, attn_bias=attention_bias(mask), p=p, scale=scale
+        out = xops.memory_efficient_attention(
+            *grouped_layout(q, k, v), attn_bias=attention_bias(mask), p=p, scale=scale
         )
+        return out.flatten(2, 3) if out.dim() == 5 else out
 
     def partial(self, q, k, v, mask, scale):
         from xformers.ops import fmha
 
         # No output_dtype: only the split-k inference kernel takes one.
         out, lse = fmha.memory_efficient_attention_partial(
-            q, k, v, attn_bias=attention_bias(mask), scale=scale
+            *grouped_layout(q, k, v), attn_bias=attention_bias(mask), scale=scale
         )
+        if out.dim() == 5:  # (B, M, G, H, K) and (B, G, H, M)
+            out, lse = out.flatten(2, 3), lse.flatten(1, 2)
         return out, lse[..., : q.shape[1]]  # some kernels pad the log-sum-exp's length
 
     def backward(self, grad, out, lse, q, k, v, mask, scale):
         from xformers.ops import fmha
 
-        return fmha.memory_efficient_attention_backward(
-            grad, out, lse, q, k, v, attn_bias=attention_bias(mask), scale=scale
-        )
+        q5, k5, v5 = grouped_layout(q, k, v)
+        if q5.dim() == 4:
+            return fmha.memory_efficient_attention_backward(
+                grad, out, lse, q, k, v, attn_bias=attention_bias(mask), scale=scale
+            )
+        groups = q5.shape[2]
+        dq, dk, dv = fmha.memory_efficient_attention_backward(
+            grad.unflatten(2, (groups, -1)), out.unflatten(2, (groups, -1)),
+            lse.unflatten(1, (groups, -1)), q5, k5, v5, attn_bias=attention_bias(mask),
+            scale=scale,
+        )  # fmt: skip
+        return dq.flatten(2, 3), shared_gradient(dk), shared_gradient(dv)
 
 
 def _chunks(x: Tensor, chunk: int | None) -> Tensor:
