@@ -13,12 +13,12 @@ Padding slots are marked invalid; masks exclude them and outputs drop them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 from torch import Tensor
 
 from .patterns.base import Spans
+from .shape_cache import per_shape
 
 _FAR = 2**62  # larger than any position; marks the bounds of blocks with no valid slot
 
@@ -103,7 +103,7 @@ class Frame:
     stride: int
 
 
-@lru_cache(maxsize=256)
+@per_shape(maxsize=256)
 def build_frame(
     stride: int, q_len: int, kv_len: int, block_q: int, block_k: int, device: torch.device
 ) -> Frame:

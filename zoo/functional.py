@@ -17,6 +17,7 @@ from .patterns import Causal, Intersection, Pattern, query_positions
 from .positional import PositionalEncoding
 from .registry import get_encoding_spec, get_spec
 from .scores import AdditiveScore, DotProduct
+from .shape_cache import per_shape
 
 Encoding = str | PositionalEncoding | None
 
@@ -124,6 +125,59 @@ def attention_encoding(
     return pos
 
 
+def call_pattern(
+    variant: str | Pattern,
+    causal: bool,
+    params: dict[str, object],
+    q_len: int,
+    kv_len: int,
+    device: torch.device,
+) -> Pattern:
+    """The call's pattern, resolved and specialised once per shape by a per-shape builder
+    (``zoo.shape_cache``), so that under ``torch.compile`` it is made outside the traced graph:
+    a pattern made inside it could not key the per-shape structures of the backends."""
+    frozen = _frozen_params(params)
+    if frozen is None:  # a value that is no parameter at all: resolve_pattern says which
+        return specialized(_resolve_call_pattern(variant, causal, params), q_len, kv_len, device)
+    return _call_pattern(variant, causal, frozen, q_len, kv_len, device)
+
+
+@per_shape(maxsize=256)
+def _call_pattern(
+    variant: str | Pattern,
+    causal: bool,
+    params: tuple,
+    q_len: int,
+    kv_len: int,
+    device: torch.device,
+) -> Pattern:
+    pattern = _resolve_call_pattern(variant, causal, dict(params))
+    return specialized(pattern, q_len, kv_len, device)
+
+
+def _resolve_call_pattern(
+    variant: str | Pattern, causal: bool, params: dict[str, object]
+) -> Pattern:
+    return resolve_pattern(
+        variant, causal, params, options=CALL_OPTIONS, options_of="zoo.attention"
+    )
+
+
+def _frozen_params(params: dict[str, object]) -> tuple | None:
+    """The parameters as sorted (name, value) pairs, lists as tuples; None if some value is
+    not a number, string, or list of them (hashable, so a per-shape builder can take them)."""
+    items = []
+    for name, value in sorted(params.items()):
+        if isinstance(value, list | tuple):
+            value = tuple(value)
+            if not all(isinstance(v, int | float | str) for v in value):
+                return None
+        elif value is not None and not isinstance(value, int | float | str):
+            return None
+        items.append((name, value))
+    return tuple(items)
+
+
 def prepare_call(
     q: Tensor,
     k: Tensor,
@@ -142,9 +196,7 @@ def prepare_call(
     """Check the arguments of ``attention`` and bind them into the call a backend receives;
     a rotary encoding turns q and k here, before any backend sees them."""
     check_qkv(q, k, v)
-    pattern = resolve_pattern(
-        variant, causal, params, options=CALL_OPTIONS, options_of="zoo.attention"
-    )
+    pattern = call_pattern(variant, causal, params, q.shape[2], k.shape[2], q.device)
     encoding = attention_encoding(pos, q, k, causal)
     if encoding is not None and encoding.kind == "rotate":
         q_pos = query_positions(q.shape[2], k.shape[2], q.device)
@@ -153,7 +205,7 @@ def prepare_call(
         q=q,
         k=k,
         v=v,
-        pattern=specialized(pattern, q.shape[2], k.shape[2], q.device),
+        pattern=pattern,
         variant=variant if isinstance(variant, str) else type(variant).__name__,
         key_padding_mask=check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device),
         score=score if score is not None else DotProduct(resolve_scale(scale, q.shape[-1])),
@@ -203,6 +255,14 @@ def attention(
 
     Returns the output (B, H, Lq, Dv) in q's dtype, and the weights if asked. A query with no
     allowed key gets zeros, never NaN.
+
+    Under ``torch.compile`` (``fullgraph=True`` works for every variant on sdpa, flex, blocked
+    and auto) the pattern, its block layout, masks and the auto choice are built once per shape
+    outside the traced graph (``zoo.shape_cache``). Lengths are static: a compiled model keeps
+    one graph per (Lq, Lk) it has seen, also under ``dynamic=True``, and reuses it for every
+    later call at that length. Pad batches to a few lengths (multiples of the block size, say),
+    and raise ``torch._dynamo.config.recompile_limit`` (8) above 8 lengths. A Pattern passed as
+    ``variant`` must be made outside the compiled region (a module attribute, say).
     """
     call = prepare_call(
         q,

@@ -9,14 +9,14 @@ for its backward pass anyway.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import lru_cache
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from .frames import Frame, build_frame
 from .patterns.base import EMPTY, FULL, PARTIAL, Pattern
+from .shape_cache import per_shape
 
 
 def used_first(flags: Tensor) -> Tensor:
@@ -38,10 +38,12 @@ class BlockLayout:
     state: Tensor  # [query blocks, key blocks] int8: EMPTY, PARTIAL or FULL
     block_q: int
     block_k: int
+    # Counted when the layout is built (once per shape, outside any traced graph): counting
+    # later would read a tensor's value inside the graph.
+    computed_blocks: int = field(init=False)
 
-    @property
-    def computed_blocks(self) -> int:
-        return int((self.state != EMPTY).sum())
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "computed_blocks", int((self.state != EMPTY).sum()))
 
     def density(self) -> float:
         """Computed blocks as a fraction of all blocks."""
@@ -74,17 +76,20 @@ class BlockLayout:
         return groups
 
 
-@lru_cache(maxsize=256)
+@per_shape(maxsize=256)
 def build_layout(part: Pattern, frame: Frame) -> BlockLayout:
     """The layout of one part (see ``Pattern.parts``) in its frame."""
     state = part.block_state(frame.q.spans().column(), frame.k.spans().row())
     return BlockLayout(state, frame.q.block, frame.k.block)
 
 
-@lru_cache(maxsize=256)
+@per_shape(maxsize=256)
 def specialized(pattern: Pattern, q_len: int, kv_len: int, device: torch.device) -> Pattern:
-    """``pattern.specialize`` once per shape, so that cached layouts are found again."""
-    return pattern.specialize(q_len, kv_len, device)
+    """``pattern.specialize`` once per shape, so that cached layouts are found again; its
+    ``parts()`` are split here too, so that a traced graph reads them rather than making them."""
+    pattern = pattern.specialize(q_len, kv_len, device)
+    pattern.parts()
+    return pattern
 
 
 def allowed_pairs(pattern: Pattern, q_len: int, kv_len: int, block: int = 128) -> int:

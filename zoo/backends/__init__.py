@@ -19,15 +19,11 @@ _BACKENDS: dict[str, Backend] = {
 
 def clear_caches() -> None:
     """Forget every shape-dependent structure the zoo caches (specialised patterns, frames, block
-    layouts, blocked plans, flex block masks, dense masks), and the device memory they hold."""
-    from .. import frames, layout
-    from . import block_plan, flex, reference
+    layouts, blocked plans, flex block masks, dense masks: every ``zoo.shape_cache`` builder),
+    and the device memory they hold."""
+    from ..shape_cache import clear_all
 
-    for cache in (
-        layout.specialized, frames.build_frame, layout.build_layout, block_plan.plan,
-        flex._pattern_block_mask, reference.dense_mask,
-    ):  # fmt: skip
-        cache.cache_clear()
+    clear_all()
 
 
 def register_backend(backend: Backend, *, replace: bool = False) -> Backend:

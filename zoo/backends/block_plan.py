@@ -12,7 +12,6 @@ says so (``Window``): the backend then reads overlapping windows of the keys as 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 from torch import Tensor
@@ -20,6 +19,7 @@ from torch import Tensor
 from ..frames import Frame
 from ..layout import build_layout, used_first
 from ..patterns import EMPTY, Pattern
+from ..shape_cache import per_shape
 
 
 def gather_blocks(x: Tensor, index: Tensor, width: int, block: int) -> Tensor:
@@ -100,13 +100,17 @@ class GroupPlan:
         """The mask as SDPA takes it, (R, 1, bq, W * bk) of 0 and -inf, built once per dtype; and
         (R, 1, bq, 1) True where a query has some key, or None when all do. A query with no key
         sees every slot (the kernel would divide 0 by 0) and its output is zeroed after."""
-        cache = self.__dict__.setdefault("_additive", {})
-        if dtype not in cache:
-            has_key = ~self.masked.all(dim=-1, keepdim=True)
-            mask = torch.zeros(self.masked.shape, dtype=dtype, device=self.masked.device)
-            mask = mask.masked_fill(self.masked & has_key, float("-inf"))[:, None]
-            cache[dtype] = (mask, None if bool(has_key.all()) else has_key[:, None])
-        return cache[dtype]
+        return additive_mask(self, dtype)
+
+
+@per_shape(maxsize=1024)
+def additive_mask(group: GroupPlan, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+    """``GroupPlan.additive``, built outside any traced graph: whether every query has a key is a
+    tensor's value, which a graph cannot branch on."""
+    has_key = ~group.masked.all(dim=-1, keepdim=True)
+    mask = torch.zeros(group.masked.shape, dtype=dtype, device=group.masked.device)
+    mask = mask.masked_fill(group.masked & has_key, float("-inf"))[:, None]
+    return mask, None if bool(has_key.all()) else has_key[:, None]
 
 
 def _group(
@@ -135,7 +139,7 @@ def _window_group(part: Pattern, frame: Frame, window: Window, count: int) -> Gr
     return _group(part, frame, rows, kv_blocks, used, window)
 
 
-@lru_cache(maxsize=256)
+@per_shape(maxsize=256)
 def plan(part: Pattern, frame: Frame, waste: float) -> list[GroupPlan]:
     """The row groups of a part's layout in its frame, with gather indices and masks: one band
     window for the whole layout where it is a band, else row groups (``BlockLayout.row_groups``),

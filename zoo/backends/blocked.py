@@ -14,6 +14,10 @@ gathered (``block_plan``). Two paths:
 
 Memory is O(B * H * computed pairs) in both: a query block against its keys, never n x n.
 
+Under ``torch.compile`` it traces as one graph (``fullgraph=True``), forward and backward: the
+plans, with their data-dependent row groups and band windows, are built once per shape outside
+the graph (``zoo.shape_cache``) and enter it as constant index tensors and Python ints.
+
 Grouped-query attention: k and v keep their H_kv heads throughout. The fused path hands them to
 SDPA with ``enable_gqa``; the explicit path views q as (B, H_kv, groups, ...) against k and v
 (B, H_kv, 1, ...), so each key block is gathered once per key/value head, not per query head.

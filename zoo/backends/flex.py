@@ -29,6 +29,7 @@ from ..checks import check_int
 from ..frames import Frame, build_frame
 from ..layout import build_layout, used_first
 from ..patterns import EMPTY, FULL, PARTIAL, Pattern
+from ..shape_cache import per_shape
 from .base import FLOATS, Backend, Capabilities
 
 # Every pattern and shape is a separate compiled graph; dynamo's default of 8 would send the
@@ -42,11 +43,17 @@ def _flex_module():
     return flex_attention
 
 
-@lru_cache(maxsize=2)
 def _kernel(compiled: bool):
     flex = _flex_module().flex_attention
-    if not compiled:
+    if not compiled or torch.compiler.is_compiling():
+        # Inside a model that torch.compile traces, the model's graph compiles the kernel.
         return flex
+    return _compiled_kernel()
+
+
+@lru_cache(maxsize=1)
+def _compiled_kernel():
+    flex = _flex_module().flex_attention
     import torch._dynamo.config as dynamo_config
 
     for name in ("recompile_limit", "cache_size_limit"):  # the newer name, and the older one
@@ -73,7 +80,7 @@ def _seq_lengths(frame: Frame, whole_blocks: bool) -> tuple[int, int]:
     return frame.q.length, frame.k.length
 
 
-@lru_cache(maxsize=128)
+@per_shape(maxsize=128)
 def _pattern_block_mask(
     pattern: Pattern,
     q_len: int,
@@ -186,6 +193,11 @@ class FlexBackend(Backend):
             frame = build_frame(1, call.q_len, call.kv_len, self.block_size, self.block_size,
                                 call.device)  # fmt: skip
             q, k, v = frame.q.gather(q), frame.k.gather(k), frame.k.gather(v)
+            if torch.compiler.is_compiling():
+                # Inductor's CPU lowering of the kernel reads q's layout as that of a stored
+                # tensor and fails on a view of another kernel's output (the heads of a
+                # projection, say): hand it stored tensors.
+                q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out = _kernel(self.compile)(
             q, k, v, score_mod=score_mod, block_mask=self.block_mask(call), scale=call.scale,
             enable_gqa=call.groups > 1,  # k and v shared by each group of query heads, not copied

@@ -4,17 +4,16 @@ attention that the other backends are held to."""
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 from torch import Tensor
 
 from ..call import AttentionCall
 from ..patterns import Pattern, query_positions
+from ..shape_cache import per_shape
 from .base import FLOATS, Backend, Capabilities, head_index, key_keep, repeat_kv
 
 
-@lru_cache(maxsize=64)
+@per_shape(maxsize=64)
 def dense_mask(pattern: Pattern, q_len: int, kv_len: int, device: torch.device) -> Tensor:
     """The pattern's dense view on a device, built once per shape."""
     return pattern.dense(q_len, kv_len).to(device)

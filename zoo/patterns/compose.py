@@ -13,6 +13,7 @@ partial softmaxes exactly (see ``zoo.backends.merge``).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import reduce
 
@@ -20,6 +21,17 @@ import torch
 from torch import Tensor
 
 from .base import EMPTY, FULL, PARTIAL, Pattern, Spans
+
+
+def memo_parts(pattern: Pattern, split: Callable[[], tuple[Pattern, ...]]) -> tuple[Pattern, ...]:
+    """The parts, split once per pattern. ``zoo.layout.specialized`` splits them outside any
+    traced graph; a graph then reads these objects, which per-shape builders can take, instead of
+    making new ones (see ``zoo.shape_cache``)."""
+    parts = getattr(pattern, "_parts", None)
+    if parts is None:
+        parts = split()
+        object.__setattr__(pattern, "_parts", parts)
+    return parts
 
 
 def _flatten(kind: type, children: tuple[Pattern, ...]) -> tuple[Pattern, ...]:
@@ -61,6 +73,9 @@ class Union(Pattern):
         return "full" if "full" in kinds else kinds.pop() if kinds == {"causal"} else "sparse"
 
     def parts(self) -> tuple[Pattern, ...]:
+        return memo_parts(self, self._split)
+
+    def _split(self) -> tuple[Pattern, ...]:
         by_stride: dict[int, list[Pattern]] = {}
         for piece in itertools.chain.from_iterable(c.parts() for c in self.children):
             by_stride.setdefault(piece.stride, []).append(piece)
@@ -105,6 +120,9 @@ class Intersection(Pattern):
         )
 
     def parts(self) -> tuple[Pattern, ...]:
+        return memo_parts(self, self._split)
+
+    def _split(self) -> tuple[Pattern, ...]:
         # Intersection distributes over the disjoint parts of each member.
         combos = itertools.product(*(c.parts() for c in self.children))
         return tuple(combo[0] if len(combo) == 1 else Intersection(combo) for combo in combos)

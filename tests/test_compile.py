@@ -1,0 +1,148 @@
+"""``torch.compile(fullgraph=True)`` of models built from zoo modules: no graph break for any
+variant, compiled equals eager, and one graph per sequence length (``zoo.shape_cache``).
+
+Graph breaks are a dynamo matter, so most tests compile with a counting backend that skips
+Inductor (``CompileCounter``, or "aot_eager" where the backward graph is traced too); Inductor
+compiles only the few models whose compiled numbers are compared with eager ones.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import small_params
+from torch._dynamo.testing import CompileCounter
+
+import zoo
+
+DIM, HEADS, LENGTH = 32, 2, 64
+# Where auto takes blocked on CPU: from 1024 keys (zoo.backends.auto).
+LONG = 1024
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def layer(variant: str, backend: str, **options: object) -> zoo.MultiHeadAttention:
+    torch.manual_seed(0)
+    return zoo.MultiHeadAttention(
+        DIM, HEADS, variant=variant, backend=backend, **small_params(variant), **options
+    )
+
+
+def graphs_of(model: torch.nn.Module, *inputs: torch.Tensor, train: bool) -> int:
+    """How many graphs dynamo makes of one call, under fullgraph=True (a graph break raises)."""
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    with torch.set_grad_enabled(train):
+        compiled(*inputs)
+    return counter.frame_count
+
+
+def inputs(length: int = LENGTH, train: bool = False) -> torch.Tensor:
+    return torch.randn(2, length, DIM, requires_grad=train)
+
+
+# The flex kernel has no backward on CPU, so flex runs inference here (the GPU campaign trains).
+PASSES = [("sdpa", True), ("sdpa", False), ("flex", False), ("blocked", True), ("auto", True)]
+
+
+@pytest.mark.parametrize("variant", zoo.list_variants())
+@pytest.mark.parametrize(("backend", "train"), PASSES)
+def test_no_graph_break(variant, backend, train):
+    assert graphs_of(layer(variant, backend), inputs(train=train), train=train) == 1
+
+
+@pytest.mark.parametrize("variant", ["local", "sliding_window", "strided"])
+def test_no_graph_break_where_auto_takes_blocked(variant):
+    q = torch.randn(2, HEADS, LONG, DIM // HEADS, requires_grad=True)
+    assert zoo.explain(q, q, q, variant=variant, **small_params(variant)).startswith(
+        "auto -> blocked"
+    )
+    assert graphs_of(layer(variant, "auto"), inputs(LONG, train=True), train=True) == 1
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "blocked"])
+def test_no_graph_break_with_padding_and_positions(backend):
+    model = layer("bigbird", backend, pos="alibi")
+    padding = torch.zeros(2, LENGTH, dtype=torch.bool)
+    padding[1, -20:] = True
+    assert graphs_of(model, inputs(), None, padding, train=False) == 1
+
+
+def eager_and_compiled(model, x, compiled, *, train: bool):
+    results = []
+    for run in (model, compiled):
+        model.zero_grad()
+        x.grad = None
+        with torch.set_grad_enabled(train):
+            out = run(x)
+            if train:
+                out.square().sum().backward()
+        grads = [x.grad] + [p.grad for p in model.parameters()] if train else []
+        results.append([out.detach(), *grads])
+    return results
+
+
+@pytest.mark.parametrize("variant", zoo.list_variants())
+def test_compiled_gradients_equal_eager(variant):
+    """Every variant on blocked (auto's sparse choice on CPU), through AOTAutograd's joint graph:
+    the structures built outside the graph are the ones eager uses."""
+    model = layer(variant, "blocked")
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    eager, traced = eager_and_compiled(model, inputs(train=True), compiled, train=True)
+    for a, b in zip(eager, traced, strict=True):
+        torch.testing.assert_close(b, a)
+
+
+@pytest.mark.parametrize(
+    ("variant", "backend", "train"),
+    [("bigbird", "blocked", True), ("strided", "sdpa", True), ("local", "flex", False)],
+)
+def test_inductor_equals_eager(variant, backend, train):
+    model = layer(variant, backend)
+    compiled = torch.compile(model, fullgraph=True)
+    eager, fused = eager_and_compiled(model, inputs(train=train), compiled, train=train)
+    for a, b in zip(eager, fused, strict=True):
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4)
+
+
+def test_no_recompilation_across_training_steps():
+    model = layer("bigbird", "auto")
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        optimizer.zero_grad()
+        compiled(inputs(train=True)).square().mean().backward()
+        optimizer.step()
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+@pytest.mark.parametrize("variant", ["full", "bigbird"])
+def test_one_graph_per_length(variant, dynamic):
+    """The policy (zoo.attention): lengths are static, one graph per length seen, whether or not
+    dynamo was asked for dynamic shapes; a length seen before reuses its graph."""
+    model = layer(variant, "auto")
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=dynamic)
+    for length in (64, 80, 64, 96, 80):
+        compiled(inputs(length))
+    assert counter.frame_count == 3
+
+
+def test_inductor_survives_a_length_change():
+    """A compiled training run on blocked (Inductor once failed here: `vr must not be None`) and
+    flex under dynamic=True (once `Source of ... is None`)."""
+    blocked = torch.compile(layer("local", "blocked"))
+    flex = torch.compile(layer("local", "flex"), dynamic=True)
+    for length in (64, 48):
+        blocked(inputs(length, train=True)).sum().backward()
+        with torch.no_grad():
+            out = flex(inputs(length))
+        assert out.shape == (2, length, DIM) and torch.isfinite(out).all()
