@@ -8,6 +8,8 @@
 #   bash eval/gpu_session.sh bench NAME [key=value...]  # one piece of eval/configs/bench.yaml
 #   BENCH_CONFIG=eval/configs/bench_gqa.yaml bash eval/gpu_session.sh bench gqa  # another config
 #   bash eval/gpu_session.sh standard NAME [key=value]  # a part of eval/configs/standard.yaml
+#   RUN_CONFIG=eval/configs/compile_gpu.yaml bash eval/gpu_session.sh standard compile-graph \
+#       train.compile=true                            # compiled training speed (and without)
 #
 # xFormers, where its wheel was carried in .whl/ (see the device tool's README), is installed
 # first into /tmp/site. Run from the repository root. The wheels for torch 2.11+cu130:
@@ -52,7 +54,8 @@ bench)
 standard)
     name=${1:?"standard NAME [key=value ...]"}
     shift
-    timeout -s INT "$LIMIT" python3 -m eval run eval/configs/standard.yaml "out=/tmp/standard-$name" \
+    timeout -s INT "$LIMIT" python3 -m eval run "${RUN_CONFIG:-eval/configs/standard.yaml}" \
+        "out=/tmp/standard-$name" \
         save_checkpoints=false "$@" 2>&1 | tee "$OUT/standard-$name.log"
     cp "/tmp/standard-$name/results.jsonl" "$OUT/standard-$name.jsonl"
     ;;

@@ -55,6 +55,9 @@ class TrainConfig:
     # 0: a fresh batch every step. N: draw N training sequences once and go through them in
     # shuffled epochs, as LRA trains on a fixed set; for tasks whose generator is slow (ListOps).
     pool: int = 0
+    # torch.compile(model, fullgraph=True) for training (one graph per sequence length; the first
+    # steps include the compilation, steady_steps_per_second leaves them out).
+    compile: bool = False
 
 
 @dataclass

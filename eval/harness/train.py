@@ -116,6 +116,8 @@ def train(
         model.check_length(length)
     model.to(context.device)
     network = wrap(model, context)
+    if settings["compile"]:
+        network = torch.compile(network, fullgraph=True)
     optimizer = torch.optim.AdamW(
         model.parameters(),
         lr=settings["lr"],
@@ -131,7 +133,10 @@ def train(
     losses = []
     start = time.perf_counter()
     draw = batches(task, cell["seed"], settings["pool"], per_rank, context)
+    halfway = start
     for step in range(steps):
+        if step == steps // 2:
+            halfway = time.perf_counter()
         inputs, targets, mask = to_device(draw(step), context.device)
         with autocast(context.device):
             logits = network(inputs, mask)
@@ -145,7 +150,8 @@ def train(
         if progress is not None:
             progress.update(1)
             progress.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
-    seconds = time.perf_counter() - start
+    end = time.perf_counter()
+    seconds = end - start
     peak = (
         torch.cuda.max_memory_allocated(context.device) / 2**20
         if context.device.type == "cuda"
@@ -159,6 +165,8 @@ def train(
         "parameters": sum(p.numel() for p in model.parameters()),
         "train_seconds": round(seconds, 3),
         "steps_per_second": round(steps / seconds, 3),
+        # The second half of training: without a compiled model's compilation or warm-up.
+        "steady_steps_per_second": round((steps - steps // 2) / (end - halfway), 3),
         "peak_memory_mb": None if peak is None else round(peak, 1),
         "final_loss": round(sum(losses[-10:]) / len(losses[-10:]), 5),
         "accuracy": {n: e["accuracy"] for n, e in evaluation.items()},
