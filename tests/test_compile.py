@@ -74,6 +74,22 @@ def test_no_graph_break_with_padding_and_positions(backend):
     assert graphs_of(model, inputs(), None, padding, train=False) == 1
 
 
+def test_no_graph_break_with_valid_lens_or_an_encoding_by_name():
+    """valid_lens skips its data-dependent range check inside a graph; an encoding named in the
+    functional call is built outside it, like the per-shape structures."""
+    valid_lens = torch.tensor([LENGTH, LENGTH - 20])
+    assert graphs_of(layer("local", "sdpa"), inputs(), None, None, valid_lens, train=True) == 1
+
+    class Functional(torch.nn.Module):
+        def forward(self, q):
+            return zoo.attention(
+                q, q, q, variant="local", backend="sdpa", pos="alibi", window_size=4
+            )
+
+    q = torch.randn(1, HEADS, LENGTH, DIM // HEADS)
+    assert graphs_of(Functional(), q, train=False) == 1
+
+
 def eager_and_compiled(model, x, compiled, *, train: bool):
     results = []
     for run in (model, compiled):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable
-from functools import lru_cache
 
 import torch
 from torch import Tensor
@@ -82,7 +81,7 @@ def build_encoding(
     return get_encoding_spec(name).build(dim=dim, num_heads=num_heads, causal=causal, **params)
 
 
-@lru_cache(maxsize=64)
+@per_shape(64)  # built outside a compiled graph, as the per-shape structures
 def _shared_encoding(
     name: str, dim: int, num_heads: int, causal: bool, device: torch.device
 ) -> PositionalEncoding:
