@@ -75,6 +75,23 @@ def test_records_hold_what_the_report_needs(tmp_path):
         assert r["cell"]["variant_params"] and r["cell"]["key"]
 
 
+def test_a_compiled_model_trains_to_the_eager_loss(tmp_path):
+    """train.compile=true compiles the model with fullgraph=True (a graph break would fail the
+    cell) and trains to the loss of eager mode."""
+    losses = {}
+    for compiled in ("false", "true"):
+        config = tiny(
+            tmp_path / compiled, "variants=[bigbird]", "variant_params={bigbird: {block_size: 8}}",
+            "encodings=[rope]", "test_lengths=[32]", f"train={{steps: 3, batch_size: 4, "
+            f"eval_samples: 8, eval_batch_size: 4, compile: {compiled}}}",
+        )  # fmt: skip
+        (record,) = read(run(config, "test", CPU, show_progress=False))
+        assert record["status"] == "ok", record.get("reason")
+        assert record["steady_steps_per_second"] > 0
+        losses[compiled] = record["final_loss"]
+    assert losses["true"] == pytest.approx(losses["false"], abs=1e-4)
+
+
 def test_an_interrupted_sweep_resumes_without_recomputing(tmp_path, monkeypatch):
     config = tiny(
         tmp_path, "variants=[full, local, block_local]", "variant_params={local: {window_size: 4}}"
