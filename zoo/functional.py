@@ -12,7 +12,7 @@ from .backends import Backend, explain_backend, resolve_backend
 from .call import AttentionCall, check_dropout, check_key_padding_mask, check_qkv, resolve_scale
 from .checks import check_parameters, close_matches, did_you_mean
 from .layout import allowed_pairs, specialized
-from .patterns import Causal, Intersection, Pattern, query_positions
+from .patterns import Causal, Intersection, Pattern, made_causal, query_positions
 from .positional import PositionalEncoding
 from .registry import get_encoding_spec, get_spec
 from .scores import AdditiveScore, DotProduct
@@ -53,7 +53,7 @@ def resolve_pattern(
         pattern = spec.build(**params)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
-    return Intersection((pattern, Causal())) if causal else pattern
+    return made_causal(pattern) if causal else pattern
 
 
 def resolved_params(variant: str | Pattern, params: dict[str, object]) -> dict[str, object]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from .checks import check_parameters, close_matches, did_you_mean
-from .patterns import Causal, Intersection, Pattern, Union, build_family, resolve_family
+from .patterns import Intersection, Pattern, Union, build_family, made_causal, resolve_family
 from .patterns.registry import family_parameters, list_families
 
 COMBINATORS = ("union", "intersection", "causal")
@@ -87,7 +87,7 @@ def _compose(node: object, params: dict[str, object]) -> Pattern:
         members = tuple(_compose(v, params) for v in value)
         return Union(members) if key == "union" else Intersection(members)
     if key == "causal":
-        return Intersection((_compose(value, params), Causal()))
+        return made_causal(_compose(value, params))
     if value is None:
         value = {}
     if not isinstance(value, dict):

@@ -6,7 +6,7 @@ Importing this package registers the built-in families; ``register_pattern`` add
 from .base import EMPTY, FULL, PARTIAL, Pattern, Spans, query_positions
 from .block_local import BlockLocal
 from .compose import Difference, Intersection, Union
-from .full import Causal, Full
+from .full import Causal, Full, made_causal
 from .global_tokens import Global
 from .local import Local
 from .random_blocks import Random, RandomBlocks
@@ -33,6 +33,7 @@ __all__ = [
     "build_family",
     "dilated",
     "list_families",
+    "made_causal",
     "query_positions",
     "register_pattern",
     "resolve_family",

@@ -111,6 +111,12 @@ class Pattern:
         """
         return self
 
+    def causal_form(self) -> Pattern:
+        """The pattern to intersect with ``Causal`` when made causal (see ``made_causal``): itself,
+        except where a family draws differently for a decoder (``Random``: each query block's
+        blocks from the blocks at or before it, so that a prefix sees what it saw alone)."""
+        return self
+
     def parts(self) -> tuple[Pattern, ...]:
         """Disjoint pieces whose union is this pattern, each block-sparse in its own ``stride``."""
         return (self,)

@@ -64,6 +64,9 @@ class Union(Pattern):
     def dense(self, q_len: int, kv_len: int) -> Tensor:
         return reduce(torch.logical_or, (c.dense(q_len, kv_len) for c in self.children))
 
+    def causal_form(self) -> Pattern:
+        return Union(tuple(c.causal_form() for c in self.children))
+
     def specialize(self, q_len: int, kv_len: int, device: torch.device | None = None) -> Pattern:
         return Union(tuple(c.specialize(q_len, kv_len, device) for c in self.children))
 
@@ -109,6 +112,9 @@ class Intersection(Pattern):
     def dense(self, q_len: int, kv_len: int) -> Tensor:
         return reduce(torch.logical_and, (c.dense(q_len, kv_len) for c in self.children))
 
+    def causal_form(self) -> Pattern:
+        return Intersection(tuple(c.causal_form() for c in self.children))
+
     def specialize(self, q_len: int, kv_len: int, device: torch.device | None = None) -> Pattern:
         return Intersection(tuple(c.specialize(q_len, kv_len, device) for c in self.children))
 
@@ -148,6 +154,9 @@ class Difference(Pattern):
 
     def dense(self, q_len: int, kv_len: int) -> Tensor:
         return self.include.dense(q_len, kv_len) & ~self.exclude.dense(q_len, kv_len)
+
+    def causal_form(self) -> Pattern:
+        return Difference(self.include.causal_form(), self.exclude.causal_form())
 
     def specialize(self, q_len: int, kv_len: int, device: torch.device | None = None) -> Pattern:
         return Difference(

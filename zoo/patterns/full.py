@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .base import Pattern, Spans, state_from
+from .compose import Intersection
 from .registry import register_pattern
 
 
@@ -60,3 +61,9 @@ class Causal(Pattern):
     @property
     def kind(self) -> str:
         return "causal"
+
+
+def made_causal(pattern: Pattern) -> Pattern:
+    """``pattern`` made causal: its causal form (``Pattern.causal_form``) intersected with
+    ``Causal``, what ``causal=True`` and a registry entry's ``causal:`` build."""
+    return Intersection((pattern.causal_form(), Causal()))

@@ -4,10 +4,17 @@ Positions are cut into blocks of ``block_size`` (the last one shorter when the l
 multiple). For every query block, ``num_blocks`` distinct key blocks are drawn uniformly (Floyd's
 algorithm); with fewer key blocks than that, the query block sees them all. The draw uses a CPU
 ``torch.Generator`` seeded with ``seed``: the same seed and lengths give the same blocks on every
-device, in training and in evaluation. The draw depends on the seed and the key length only
-(queries are aligned to the keys' end, see ``zoo.patterns.base``), and query block i's row on i,
-not on how many query blocks follow. Query positions before 0 (more queries than keys) get no
-random block::
+device, in training and in evaluation. Query positions before 0 (more queries than keys) get no
+random block.
+
+Non-causal form: the draw depends on the seed and the key length (queries are aligned to the keys'
+end, see ``zoo.patterns.base``): query block i chooses among all key blocks, so a longer sequence
+gives block i other blocks than a shorter one. Causal form (``causal=True``, see
+``Pattern.causal_form``): query block i chooses its blocks among the blocks 0 .. i, its own
+included, with the same seed, and the choice depends on the seed and i only. A prefix of a
+longer sequence therefore sees exactly the blocks it saw alone, which is what decoding with a
+cache needs (``zoo.cache``); a block with no more than ``num_blocks`` blocks at or before it sees
+them all::
 
     block_size=2, num_blocks=1, seed=0 (6x6), one possible draw
     . . x x . .
@@ -33,12 +40,32 @@ from .registry import register_pattern
 def draw_blocks(num_q_blocks: int, num_k_blocks: int, count: int, seed: int) -> Tensor:
     """[num_q_blocks, min(count, num_k_blocks)] distinct key blocks per row, uniformly drawn."""
     count = min(count, num_k_blocks)
+    candidates = torch.full((num_q_blocks,), num_k_blocks, dtype=torch.long)
+    return _floyd(_uniform(num_q_blocks, count, seed), candidates, count)
+
+
+def draw_causal_blocks(num_blocks: int, count: int, seed: int) -> Tensor:
+    """[num_blocks, count]: row i holds ``count`` distinct blocks among 0 .. i, uniformly drawn;
+    a row with i + 1 <= count holds all of 0 .. i, its last block repeated to fill the row. Row i
+    depends on the seed and i only: the generator's stream is read row by row, so a table of more
+    rows starts with the rows of a shorter one."""
+    rows = torch.arange(num_blocks)
+    chosen = _floyd(_uniform(num_blocks, count, seed), (rows + 1).clamp(min=count), count)
+    every = torch.arange(count).clamp(max=rows[:, None])  # 0 .. i, then i again
+    return torch.where((rows < count)[:, None], every, chosen)
+
+
+def _uniform(rows: int, count: int, seed: int) -> Tensor:
     generator = torch.Generator().manual_seed(seed)
-    uniform = torch.rand(num_q_blocks, max(count, 1), generator=generator, dtype=torch.float64)
-    chosen = torch.empty(num_q_blocks, count, dtype=torch.long)
-    for t in range(count):  # Floyd: a uniform draw from 0..j, or j itself on a repeat
-        j = num_k_blocks - count + t
-        draw = (uniform[:, t] * (j + 1)).long().clamp(max=j)
+    return torch.rand(rows, max(count, 1), generator=generator, dtype=torch.float64)
+
+
+def _floyd(uniform: Tensor, candidates: Tensor, count: int) -> Tensor:
+    """Per row, ``count`` distinct ints from 0 .. candidates - 1 (Floyd's algorithm), sorted."""
+    chosen = torch.empty(uniform.shape[0], count, dtype=torch.long)
+    for t in range(count):  # a uniform draw from 0..j, or j itself on a repeat
+        j = candidates - count + t
+        draw = torch.minimum((uniform[:, t] * (j + 1)).long(), j)
         repeat = (chosen[:, :t] == draw[:, None]).any(dim=1)
         chosen[:, t] = torch.where(repeat, j, draw)
     return chosen.sort(dim=1).values
@@ -65,10 +92,26 @@ class Random(Pattern):
         table = draw_blocks(num_blocks, num_blocks, self.num_blocks, self.seed)
         return RandomBlocks(self.block_size, table.to(device))
 
+    def causal_form(self) -> Pattern:
+        return CausalRandom(self.block_size, self.num_blocks, self.seed)
+
     def _needs_lengths(self, *args: object) -> Tensor:
         raise TypeError("a random pattern needs its lengths first: call specialize(q_len, kv_len)")
 
     allowed = block_state = dense = _needs_lengths  # type: ignore[assignment]
+
+
+@dataclass(frozen=True)
+class CausalRandom(Random):
+    """The causal form of ``Random``: query block i draws among blocks 0 .. i (module docstring)."""
+
+    def specialize(self, q_len: int, kv_len: int, device: torch.device | None = None) -> Pattern:
+        num_blocks = (kv_len - 1) // self.block_size + 1
+        table = draw_causal_blocks(num_blocks, self.num_blocks, self.seed)
+        return RandomBlocks(self.block_size, table.to(device))
+
+    def causal_form(self) -> Pattern:
+        return self
 
 
 @dataclass(frozen=True, eq=False)
