@@ -9,8 +9,10 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from .backends import Backend
+from .cache import KVCache
 from .checks import check_int, check_probability
 from .functional import attention, build_encoding, resolve_pattern, resolved_params
+from .generation import module_step, new_cache
 from .patterns import Pattern
 from .positional import PositionalEncoding
 from .registry import get_spec
@@ -151,6 +153,29 @@ class MultiHeadAttention(nn.Module):
             f"causal={self.causal}, backend={backend!r}, pos={self.pos.name!r}{options}"
         )
 
+    def new_cache(
+        self,
+        batch_size: int,
+        max_len: int,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> KVCache:
+        """A key-value cache for generating ``batch_size`` sequences of up to ``max_len`` tokens
+        with this (causal) module, in its parameters' dtype and device unless given."""
+        weight = self.k_proj.weight
+        return new_cache(
+            self.variant,
+            batch_size=batch_size,
+            max_len=max_len,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            causal=self.causal,
+            dtype=weight.dtype if dtype is None else dtype,
+            device=weight.device if device is None else device,
+            **self.params,
+        )
+
     def forward(
         self,
         x: Tensor,
@@ -158,10 +183,21 @@ class MultiHeadAttention(nn.Module):
         key_padding_mask: Tensor | None = None,
         valid_lens: Tensor | None = None,
         return_weights: bool = False,
+        cache: KVCache | None = None,
+        positions: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
             shown = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"x must have shape (batch, length, {self.dim}), got {shown}")
+        if cache is not None:
+            if context is not None or key_padding_mask is not None or return_weights:
+                raise ValueError(
+                    "a call with a cache takes x and valid_lens (right padding), not context, "
+                    "key_padding_mask or return_weights"
+                )
+            return module_step(self, x, cache, valid_lens, positions)
+        if positions is not None:
+            raise ValueError("positions apply to a call with a cache (cache=...)")
         source = x if context is None else context
         if source.dim() != 3 or source.shape[0] != x.shape[0]:
             raise ValueError(

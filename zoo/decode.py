@@ -1,0 +1,188 @@
+"""Attention of new tokens against a ``KVCache``: the decoding path of ``zoo.attention``.
+
+A call's queries sit at their rows' absolute positions (``zoo.cache``). Keys are the cache's slots,
+plus the call's own keys: one token is written first and attends the slots alone; a longer call
+(a prefill) attends the slots and its own keys, then is written, in chunks of at most ``CHUNK``
+queries so that the score matrix stays small. The mask is the pattern's ``allowed`` on the absolute
+positions of queries and slots, so a cache that holds only a window, or a window and pinned global
+tokens, gives the pattern's output exactly.
+
+Backends for one query against a cache (``decode_backend``):
+
+- ``sdpa``: ``scaled_dot_product_attention`` over the slots. With one query per row and fewer than
+  half of the slots allowed (a BigBird or strided pattern, whose cache keeps keys that this query
+  does not read), the allowed keys are gathered first, so the kernel sees only them; a window
+  cache, all of it allowed, goes in as it is, and full or causal attention with every slot in use
+  runs without a mask.
+- ``reference``: dense float32 scores and an explicit softmax; additive scores, and the oracle.
+
+FlexAttention and the block-sparse backends are for long query blocks: for one query, the work is
+reading the kept keys, which a gather does without a compiled kernel, so ``auto`` takes sdpa.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .backends.base import head_index, repeat_kv
+from .backends.reference import safe_softmax
+from .cache import KVCache
+from .positional import PositionalEncoding
+from .scores import AdditiveScore, DotProduct
+
+CHUNK = 256  # queries per chunk of a long call
+DECODE_BACKENDS = ("sdpa", "reference")
+
+
+def decode_backend(backend: object, score: DotProduct | AdditiveScore, dropout_p: float) -> str:
+    """The backend that runs a cached call: sdpa or reference (see the module docstring)."""
+    name = backend if isinstance(backend, str) else getattr(backend, "name", None)
+    if name in DECODE_BACKENDS:
+        if name == "sdpa" and score.kind != "dot":
+            raise ValueError(
+                f"backend 'sdpa' computes dot scores, not {score.kind}; decode with "
+                "backend='reference' or 'auto'"
+            )
+        return name
+    return "sdpa" if score.kind == "dot" else "reference"
+
+
+def explain_decode(backend: object, score: DotProduct | AdditiveScore, cache: KVCache) -> str:
+    """What ``explain`` says for a call with a cache."""
+    chosen = decode_backend(backend, score, 0.0)
+    plan = cache.plan
+    asked = backend if isinstance(backend, str) else getattr(backend, "name", "?")
+    note = (
+        ""
+        if asked in (*DECODE_BACKENDS, "auto")
+        else f" (backend {asked!r} has no decoding path; a cached call runs on {chosen})"
+    )
+    return (
+        f"decoding with a cache on {chosen}{note}: {plan.slots} slots "
+        f"({plan.pinned.numel()} pinned, a ring of {plan.ring} for a window of {plan.window}) "
+        f"of max_len={cache.max_len}; one query attends the slots its pattern allows"
+        + (", gathered when fewer than half of them" if chosen == "sdpa" else "")
+    )
+
+
+def cache_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cache: KVCache,
+    *,
+    counts: Tensor,
+    encoding: PositionalEncoding | None,
+    score: DotProduct | AdditiveScore,
+    dropout_p: float,
+    backend: str,
+) -> Tensor:
+    """q (B, H, t, D), k and v (B, H_kv, t, D) of the new tokens, ``counts`` (B,) of them real in
+    each row -> output (B, H, t, Dv), zeros at padding columns; the cache takes the new keys."""
+    t = q.shape[2]
+    if t > 1 and t > CHUNK:
+        outs = []
+        for start in range(0, t, CHUNK):
+            part = slice(start, start + CHUNK)
+            sub = (counts - start).clamp(0, min(CHUNK, t - start))
+            outs.append(
+                cache_attention(
+                    q[:, :, part],
+                    k[:, :, part],
+                    v[:, :, part],
+                    cache,
+                    counts=sub,
+                    encoding=encoding,
+                    score=score,
+                    dropout_p=dropout_p,
+                    backend=backend,
+                )
+            )
+        return torch.cat(outs, dim=2)
+    steps = torch.arange(t, device=q.device)
+    positions = cache.lengths[:, None] + steps  # (B, t) absolute positions
+    valid = steps < counts[:, None]
+    if encoding is not None and encoding.kind == "rotate":
+        q, k = encoding.rotate(q, k, positions[:, None], positions[:, None])
+    if t == 1:  # written first: the ring has a slot for the current key
+        cache.write(k, v, positions, valid)
+        keys, values, key_pos = cache.keys, cache.values, cache.slot_pos
+        key_ok = key_pos >= 0
+    else:
+        keys, values = torch.cat((cache.keys, k), dim=2), torch.cat((cache.values, v), dim=2)
+        key_pos = torch.cat((cache.slot_pos, positions), dim=1)
+        key_ok = torch.cat((cache.slot_pos >= 0, valid), dim=1)
+    allowed = cache.pattern.allowed(positions[:, :, None], key_pos[:, None, :])
+    mask = allowed & key_ok[:, None, :] & valid[:, :, None]  # (B, t, S)
+    bias = encoding.bias if encoding is not None and encoding.kind == "bias" else None
+    if backend == "sdpa":
+        out = _sdpa(q, keys, values, key_pos, positions, mask, bias, score.scale, dropout_p)
+    else:
+        out = _reference(q, keys, values, key_pos, positions, mask, bias, score, dropout_p)
+    if t > 1:
+        cache.write(k, v, positions, valid)
+    cache.lengths += counts
+    return out * valid[:, None, :, None]
+
+
+def _bias(bias, heads: int, q_pos: Tensor, key_pos: Tensor, device: torch.device) -> Tensor:
+    """(B, H, t, S) positional score bias at absolute positions."""
+    return bias(head_index(heads, device, 2)[None], q_pos[:, None, :, None], key_pos[:, None, None])
+
+
+def _gather_allowed(mask: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """For one query per row: each row's allowed slots first, cut to the widest row's count.
+    ``mask`` (B, 1, S); tensors (B, H_kv, S, D) or (B, S). Returns the mask and the tensors."""
+    order = torch.argsort(mask[:, 0].to(torch.int8), dim=-1, descending=True, stable=True)
+    width = max(int(mask.sum(-1).max()), 1)
+    index = order[:, :width]  # (B, K)
+    out = [mask.gather(2, index[:, None])]
+    for t in tensors:
+        if t.dim() == 2:
+            out.append(t.gather(1, index))
+        else:
+            out.append(t.gather(2, index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])))
+    return tuple(out)
+
+
+def _sdpa(q, keys, values, key_pos, q_pos, mask, bias, scale, dropout_p) -> Tensor:
+    if q.shape[2] == 1 and 2 * int(mask.sum(-1).max()) < mask.shape[-1]:
+        mask, keys, values, key_pos = _gather_allowed(mask, keys, values, key_pos)
+    groups = q.shape[1] // keys.shape[1]
+    if bias is None and bool(mask.all()):  # every slot in use: no mask at all
+        attn_mask = None
+        has_key = None
+    else:
+        has_key = mask.any(-1, keepdim=True)[:, None]  # (B, 1, t, 1)
+        attn_mask = (mask | ~has_key[:, 0])[:, None]  # SDPA gives NaN on a row of no keys
+        if bias is not None:
+            attn_mask = (
+                _bias(bias, q.shape[1], q_pos, key_pos, q.device)
+                .to(q.dtype)
+                .masked_fill(~attn_mask, float("-inf"))
+            )
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q,
+        keys,
+        values,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        scale=scale,
+        enable_gqa=groups > 1,
+    )
+    return out if has_key is None else out * has_key
+
+
+def _reference(q, keys, values, key_pos, q_pos, mask, bias, score, dropout_p) -> Tensor:
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    groups = q.shape[1] // keys.shape[1]
+    k, v = (repeat_kv(t.to(dtype), groups) for t in (keys, values))
+    qs, k = score.prepare(q.to(dtype), k)
+    scores = score.pairwise(qs, k)  # (B, H, t, S)
+    if bias is not None:
+        scores = scores + _bias(bias, q.shape[1], q_pos, key_pos, q.device).to(scores.dtype)
+    weights = safe_softmax(scores.masked_fill(~mask[:, None], float("-inf")))
+    if dropout_p:
+        weights = torch.nn.functional.dropout(weights, dropout_p)
+    return (weights @ v).to(q.dtype)
