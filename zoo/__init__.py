@@ -7,8 +7,10 @@
 """
 
 from .backends import Backend, Capabilities, get_backend, list_backends, register_backend
+from .cache import KVCache
 from .check import PatternCheckError, check_pattern
 from .functional import attention, build_encoding, dense_mask, explain
+from .generation import new_cache
 from .layout import allowed_pairs
 from .module import MultiHeadAttention, create_attention
 from .patterns import Pattern, list_families, register_pattern
@@ -29,6 +31,7 @@ __all__ = [
     "AdditiveScore",
     "Backend",
     "Capabilities",
+    "KVCache",
     "MultiHeadAttention",
     "Pattern",
     "PatternCheckError",
@@ -49,6 +52,7 @@ __all__ = [
     "list_pattern_families",
     "list_variants",
     "load_registry",
+    "new_cache",
     "register_backend",
     "register_encoding",
     "register_pattern",

@@ -34,6 +34,12 @@ from .patterns.retention import Retention, retention
 from .shape_cache import per_shape
 
 
+def cache_signature(variant: object, params: dict, num_kv_heads: int) -> dict[str, object]:
+    """What a cache is built for (a variant with its resolved parameters, and the key/value
+    heads): a call for anything else is refused."""
+    return {"variant": variant, "params": dict(params), "num_kv_heads": num_kv_heads}
+
+
 @per_shape(maxsize=64)
 def cache_plan(pattern: Pattern, max_len: int) -> Retention:
     """The retention of a (specialised, causal) pattern, once per pattern and max_len."""

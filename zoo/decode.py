@@ -66,6 +66,26 @@ def explain_decode(backend: object, score: DotProduct | AdditiveScore, cache: KV
     )
 
 
+def counts_from_padding(key_padding_mask: Tensor | None, batch: int, length: int) -> Tensor:
+    """(B,) real tokens per row from a (B, t) right-padding mask of a call's new tokens."""
+    if key_padding_mask is None:
+        return torch.full((batch,), length, dtype=torch.long)
+    mask = key_padding_mask
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.shape != (batch, length):
+        shown = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
+        raise ValueError(
+            f"with a cache, key_padding_mask must be a ({batch}, {length}) bool tensor over the "
+            f"call's new tokens, got {shown}"
+        )
+    counts = (~mask).sum(1)
+    if not torch.equal(mask, torch.arange(length, device=mask.device) >= counts[:, None]):
+        raise ValueError(
+            "with a cache, key_padding_mask must be right padding (each row: real tokens, then "
+            "padding), since a row's tokens take consecutive positions"
+        )
+    return counts
+
+
 def cache_attention(
     q: Tensor,
     k: Tensor,

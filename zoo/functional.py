@@ -9,8 +9,10 @@ import torch
 from torch import Tensor
 
 from .backends import Backend, explain_backend, resolve_backend
+from .cache import KVCache, cache_signature
 from .call import AttentionCall, check_dropout, check_key_padding_mask, check_qkv, resolve_scale
 from .checks import check_parameters, close_matches, did_you_mean
+from .decode import cache_attention, counts_from_padding, decode_backend, explain_decode
 from .layout import allowed_pairs, specialized
 from .patterns import Causal, Intersection, Pattern, made_causal, query_positions
 from .positional import PositionalEncoding
@@ -231,6 +233,7 @@ def attention(
     score: AdditiveScore | None = None,
     pos: Encoding = None,
     return_weights: bool = False,
+    cache: KVCache | None = None,
     **params: object,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of ``variant`` over q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv).
@@ -250,6 +253,9 @@ def attention(
             follow the alignment above: query i at i + Lk - Lq, key j at j.
         return_weights: also return the (B, H, Lq, Lk) weights (the reference backend computes
             them: dense, for inspection).
+        cache: a ``KVCache`` (``zoo.new_cache``) for generation: q, k, v are the new tokens
+            (B, H, t, D), attending the cached ones and then kept; causal must be True, and
+            key_padding_mask (B, t), if given, right padding. See ``zoo.cache``.
         **params: the variant's parameters, overriding its registry defaults (e.g. window_size).
 
     Returns the output (B, H, Lq, Dv) in q's dtype, and the weights if asked. A query with no
@@ -263,6 +269,14 @@ def attention(
     and raise ``torch._dynamo.config.recompile_limit`` (8) above 8 lengths. A Pattern passed as
     ``variant`` must be made outside the compiled region (a module attribute, say).
     """
+    if cache is not None:
+        if return_weights:
+            raise ValueError("return_weights is not available with a cache")
+        return _cached_attention(
+            q, k, v, cache, variant=variant, backend=backend, causal=causal,
+            key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale, score=score,
+            pos=pos, params=params,
+        )  # fmt: skip
     call = prepare_call(
         q,
         k,
@@ -279,6 +293,28 @@ def attention(
     )
     out, weights = resolve_backend(backend, call).forward(call)
     return (out, weights) if return_weights else out
+
+
+def _cached_attention(q, k, v, cache: KVCache, *, variant, backend, causal, key_padding_mask,
+                      dropout_p, scale, score, pos, params) -> Tensor:  # fmt: skip
+    """``attention`` with a cache: checked here, computed by ``zoo.decode``."""
+    check_qkv(q, k, v)
+    if causal is not True:
+        raise ValueError(f"a call with a cache must be causal (causal=True), got {causal!r}")
+    _resolve_call_pattern(variant, causal, params)  # a misspelt parameter gets its suggestion
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache must be a zoo KVCache (zoo.new_cache), got {type(cache).__name__}")
+    cache.check_signature(cache_signature(variant, resolved_params(variant, params), k.shape[1]))
+    if q.shape[0] != cache.batch_size:
+        raise ValueError(f"cache holds {cache.batch_size} sequences, q has {q.shape[0]}")
+    counts = counts_from_padding(key_padding_mask, q.shape[0], q.shape[2]).to(q.device)
+    cache.check_step(k, v, counts, None)
+    score = score if score is not None else DotProduct(resolve_scale(scale, q.shape[-1]))
+    dropout_p = check_dropout(dropout_p)
+    return cache_attention(
+        q, k, v, cache, counts=counts, encoding=attention_encoding(pos, q, k, causal),
+        score=score, dropout_p=dropout_p, backend=decode_backend(backend, score, dropout_p),
+    )  # fmt: skip
 
 
 CALL_OPTIONS = tuple(
@@ -303,7 +339,11 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
     """Which backend ``attention(q, k, v, **kwargs)`` with ``backend="auto"`` runs, and why; and
     whether the variant is plain full (or causal) attention at these lengths, which would make
     its curves coincide with those of ``full`` (or ``causal``)."""
-    kwargs.pop("backend", None)
+    backend = kwargs.pop("backend", "auto")
+    cache = kwargs.pop("cache", None)
+    if cache is not None:
+        score = kwargs.get("score") or DotProduct(resolve_scale(kwargs.get("scale"), q.shape[-1]))
+        return explain_decode(backend, score, cache)
     call = prepare_call(q, k, v, **kwargs)
     params = {key: value for key, value in kwargs.items() if key not in CALL_OPTIONS}
     pattern = resolve_pattern(kwargs.get("variant"), kwargs.get("causal", False), params)

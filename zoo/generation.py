@@ -11,22 +11,13 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from .cache import KVCache
+from .cache import KVCache, cache_signature
 from .checks import check_int
 from .decode import cache_attention, decode_backend
 from .functional import resolve_pattern, resolved_params
 from .layout import specialized
 from .patterns import Pattern
 from .scores import DotProduct
-
-
-def cache_signature(variant: str | Pattern, params: dict, num_kv_heads: int) -> dict:
-    """What a cache is built for: a call for anything else is refused."""
-    return {
-        "variant": variant,
-        "params": resolved_params(variant, params),
-        "num_kv_heads": num_kv_heads,
-    }
 
 
 def new_cache(
@@ -61,7 +52,7 @@ def new_cache(
     pattern = specialized(resolve_pattern(variant, True, dict(params)), max_len, max_len, device)
     return KVCache(
         pattern=pattern,
-        signature=cache_signature(variant, params, num_kv_heads),
+        signature=cache_signature(variant, resolved_params(variant, params), num_kv_heads),
         batch_size=batch_size,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
@@ -101,7 +92,11 @@ def module_step(
     """``MultiHeadAttention.forward(x, cache=cache)``: x (B, t, dim) -> (B, t, dim)."""
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a zoo KVCache (module.new_cache), got {type(cache)}")
-    cache.check_signature(cache_signature(module.variant, module.params, module.num_kv_heads))
+    cache.check_signature(
+        cache_signature(
+            module.variant, resolved_params(module.variant, module.params), module.num_kv_heads
+        )
+    )
     batch, t = x.shape[:2]
     counts = step_counts(valid_lens, batch, t, cache.lengths.device)
     if module.pos.kind == "embed":
@@ -125,4 +120,6 @@ def module_step(
         dropout_p=dropout,
         backend=decode_backend(module.backend, score, dropout),
     )
-    return module.out_proj(rearrange(out, "b h l d -> b l (h d)"))  # (B, t, dim)
+    out = module.out_proj(rearrange(out, "b h l d -> b l (h d)"))  # (B, t, dim)
+    padding = torch.arange(t, device=out.device) >= counts[:, None].to(out.device)
+    return out.masked_fill(padding[:, :, None], 0.0)  # padding columns: zeros

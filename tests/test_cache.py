@@ -1,0 +1,204 @@
+"""Generation with a KVCache: prefill + steps equal one causal forward, for every registry variant
+and encoding, in the memory that the pattern needs (zoo.cache, zoo.decode, zoo.patterns.retention).
+
+Compared in float64, where the decoding path and the full forward agree to rounding (1e-10)."""
+
+import itertools
+
+import pytest
+import torch
+
+import zoo
+from zoo.functional import resolve_pattern
+from zoo.layout import specialized
+from zoo.patterns.random_blocks import draw_causal_blocks
+from zoo.patterns.retention import last_needed
+
+SMALL = {"window_size": 5, "block_size": 8, "stride": 6, "dilation": 3, "global_tokens": 1}
+ENCODINGS = ["none", "sinusoidal", "learned", "rope", "alibi", "t5"]
+CPU = torch.device("cpu")
+
+
+def small(variant):
+    params = zoo.get_spec(variant).parameters()
+    out = {k: v for k, v in SMALL.items() if k in params}
+    if variant == "dilated":
+        out["window_size"] = 2
+    return out
+
+
+def module(variant, pos="none", backend="auto", kv_heads=1, **extra):
+    torch.manual_seed(0)
+    attn = zoo.create_attention(
+        variant, dim=16, num_heads=2, num_kv_heads=kv_heads, causal=True, pos=pos,
+        backend=backend, **{**small(variant), **extra},
+    )  # fmt: skip
+    return attn.double().eval()
+
+
+def decode(attn, x, cuts, max_len=64):
+    """Prefill x[:, :cuts[0]], then steps x[:, cuts[i]:cuts[i+1]], then one token at a time."""
+    cache = attn.new_cache(x.shape[0], max_len)
+    bounds = [0, *cuts, *range(cuts[-1] + 1, x.shape[1] + 1)]
+    outs = [attn(x[:, a:b], cache=cache) for a, b in itertools.pairwise(bounds)]
+    return torch.cat(outs, 1), cache
+
+
+@pytest.mark.parametrize("pos", ENCODINGS)
+@pytest.mark.parametrize("variant", zoo.list_variants())
+def test_prefill_and_steps_equal_the_causal_forward(variant, pos):
+    attn = module(variant, pos)
+    x = torch.randn(2, 43, 16, dtype=torch.float64)
+    with torch.no_grad():
+        got, cache = decode(attn, x, [11, 14])  # prefill 11, a step of 3, then 1 at a time
+        assert torch.allclose(got, attn(x), atol=1e-10, rtol=0), (variant, pos)
+    assert cache.lengths.tolist() == [43, 43]
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+@pytest.mark.parametrize("variant", ["sliding_window", "longformer", "bigbird", "strided"])
+def test_rows_of_different_lengths_with_grouped_heads(variant, backend):
+    torch.manual_seed(1)
+    attn = zoo.create_attention(
+        variant, dim=24, num_heads=6, num_kv_heads=2, causal=True, pos="rope", backend=backend,
+        **small(variant),
+    ).double().eval()  # fmt: skip
+    x = torch.randn(3, 40, 24, dtype=torch.float64)
+    lens = torch.tensor([12, 3, 0])
+    with torch.no_grad():
+        cache = attn.new_cache(3, 64)
+        pre = attn(x[:, :12], cache=cache, valid_lens=lens)
+        steps = [attn(x[:, 12 + i : 13 + i], cache=cache) for i in range(25)]
+        for b in range(3):
+            n = int(lens[b])
+            whole = attn(torch.cat([x[b : b + 1, :n], x[b : b + 1, 12:37]], 1))
+            got = torch.cat([pre[b : b + 1, :n], *(s[b : b + 1] for s in steps)], 1)
+            assert torch.allclose(got, whole, atol=1e-10, rtol=0), b
+            assert not pre[b, n:].any(), "padding columns give zeros"
+    assert cache.lengths.tolist() == [37, 28, 25]
+
+
+@pytest.mark.parametrize(("variant", "pos"), [("sliding_window", "rope"), ("bigbird", "t5")])
+def test_gradients_through_the_cache_equal_those_of_the_forward(variant, pos):
+    attn = module(variant, pos)
+    x = torch.randn(2, 30, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(2, 30, 16, dtype=torch.float64)
+    got, _ = decode(attn, x, [9, 12])
+    grads = torch.autograd.grad((got * weight).sum(), [x, *attn.parameters()])
+    want = torch.autograd.grad((attn(x) * weight).sum(), [x, *attn.parameters()])
+    for g, w in zip(grads, want, strict=True):
+        assert torch.allclose(g, w, atol=1e-10, rtol=0)
+
+
+def test_ring_buffer_wraps_at_lengths_off_the_window():
+    attn = module("sliding_window", "alibi", window_size=5)  # a ring of 6 slots
+    x = torch.randn(1, 300, 16, dtype=torch.float64)
+    with torch.no_grad():
+        for cuts in ([263], [7, 10], [1, 300 - 1]):  # a prefill past CHUNK (256), and steps
+            got, cache = decode(attn, x, cuts, max_len=400)
+            assert torch.allclose(got, attn(x), atol=1e-10, rtol=0), cuts
+            assert cache.keys.shape[2] == 6
+            assert sorted(cache.slot_pos[0].tolist()) == list(range(294, 300))
+
+
+@pytest.mark.parametrize(
+    ("variant", "slots"),
+    [
+        ("sliding_window", lambda p: p["window_size"] + 1),
+        ("block_local", lambda p: p["block_size"]),
+        ("longformer", lambda p: p["window_size"] * p["dilation"] + 1 + p["global_tokens"]),
+        ("dilated", lambda p: p["window_size"] * p["dilation"] + 1),
+        ("global", lambda p: p["global_tokens"] * p["block_size"]),
+    ],
+)
+def test_windowed_memory_does_not_grow_with_the_length(variant, slots):
+    attn = module(variant)
+    sizes = {n: attn.new_cache(2, n) for n in (64, 4096)}
+    assert sizes[64].nbytes == sizes[4096].nbytes
+    assert sizes[64].keys.shape[2] == slots(small(variant))
+    full = module("causal")
+    assert full.new_cache(2, 4096).nbytes > 60 * full.new_cache(2, 64).nbytes
+
+
+@pytest.mark.parametrize("variant", zoo.list_variants())
+def test_the_cache_keeps_every_key_a_later_query_reads(variant):
+    """The last reader found from block states is never before the true one (dense oracle), and
+    is exact for the built-in families."""
+    n = 96
+    pattern = specialized(resolve_pattern(variant, True, small(variant)), n, n, CPU)
+    dense = pattern.dense(n, n)
+    rows = torch.arange(n)[:, None].expand(n, n)
+    truth = torch.maximum(torch.where(dense, rows, -1).amax(0), torch.arange(n) - 1)
+    assert torch.equal(last_needed(pattern, n), truth)
+
+
+def test_causal_random_blocks_of_a_prefix_are_the_blocks_it_had_alone():
+    assert torch.equal(draw_causal_blocks(40, 3, 7)[:9], draw_causal_blocks(9, 3, 7))
+    table = draw_causal_blocks(40, 3, 7)
+    assert (table <= torch.arange(40)[:, None]).all(), "only blocks at or before the query's"
+    for variant in ("random", "bigbird"):
+        params = small(variant)
+        long = zoo.dense_mask(variant, 80, causal=True, **params)
+        assert torch.equal(zoo.dense_mask(variant, 30, causal=True, **params), long[:30, :30])
+
+
+def test_reset_reuses_the_cache():
+    attn = module("longformer", "sinusoidal")
+    x, y = (torch.randn(2, 20, 16, dtype=torch.float64) for _ in range(2))
+    with torch.no_grad():
+        _, cache = decode(attn, x, [5])
+        before = cache.nbytes
+        cache.reset()
+        assert cache.lengths.tolist() == [0, 0] and cache.nbytes == before
+        outs = [attn(y[:, :8], cache=cache)] + [
+            attn(y[:, i : i + 1], cache=cache) for i in range(8, 20)
+        ]
+        assert torch.allclose(torch.cat(outs, 1), attn(y), atol=1e-10, rtol=0)
+
+
+def test_functional_form_matches_the_full_call():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 30, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    k, v = k[:, :2], v[:, :2]
+    kw = dict(variant="bigbird", causal=True, pos="alibi", **small("bigbird"))
+    cache = zoo.new_cache("bigbird", batch_size=2, max_len=32, num_kv_heads=2, head_dim=8,
+                          dtype=torch.float64, **small("bigbird"))  # fmt: skip
+    outs = [zoo.attention(q[:, :, :10], k[:, :, :10], v[:, :, :10], cache=cache, **kw)]
+    for i in range(10, 30):
+        one = slice(i, i + 1)
+        outs.append(zoo.attention(q[:, :, one], k[:, :, one], v[:, :, one], cache=cache, **kw))
+    assert torch.allclose(torch.cat(outs, 2), zoo.attention(q, k, v, **kw), atol=1e-10, rtol=0)
+    said = zoo.explain(q[:, :, :1], k[:, :, :1], v[:, :, :1], cache=cache, **kw)
+    assert "on sdpa" in said and f"{cache.keys.shape[2]} slots" in said
+
+
+def _state(cache):
+    return [t.clone() for t in (cache.keys, cache.values, cache.slot_pos, cache.lengths)]
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda a, c, x: a(x[:, :10], cache=c), "step too long"),
+        (lambda a, c, x: a(x[:, :1], cache=c, positions=torch.tensor([[5], [6]])), "out of order"),
+        (lambda a, c, x: a(x[:1, :1], cache=c), "cache holds 2 sequences"),
+        (lambda a, c, x: a.float()(x[:, :1].float(), cache=c), "float64"),
+        (lambda a, c, x: module("sliding_window", window_size=4)(x[:, :1], cache=c), "window_size"),
+        (lambda a, c, x: module("sliding_window", kv_heads=2)(x[:, :1], cache=c), "num_kv_heads"),
+    ],
+)
+def test_refused_steps_name_the_problem_and_change_nothing(call, message):
+    attn = module("sliding_window")
+    x = torch.randn(2, 12, 16, dtype=torch.float64)
+    with torch.no_grad():
+        cache = attn.new_cache(2, 12)
+        attn(x[:, :3], cache=cache)
+        before = _state(cache)
+        with pytest.raises(ValueError, match=message):
+            call(attn, cache, x)
+    assert all(torch.equal(a, b) for a, b in zip(before, _state(cache), strict=True))
+
+
+def test_a_cache_needs_a_causal_module():
+    with pytest.raises(ValueError, match="causal"):
+        zoo.create_attention("sliding_window", dim=16, num_heads=2).new_cache(1, 8)
