@@ -4,6 +4,7 @@
 run CONFIG.yaml [key=value ...]   train and evaluate a sweep (eval/configs/quick.yaml: minutes)
 report RESULTS.jsonl              markdown, CSV and plots from a sweep's results
 bench [CONFIG.yaml] [key=value]   time and memory of every variant and backend, with peers
+bench-decode [CONFIG.yaml] [k=v]  one generation step against a cache, 1K to 64K tokens
 bench-report BENCH.json [...]     one report from a sweep run in pieces (out=DIR), or re-rendered
 attention-map CHECKPOINT          one head's weights in a trained model (save_checkpoints=true)
 auto-table BENCH.json [...]       the table behind backend="auto", from benchmark results
@@ -20,6 +21,7 @@ COMMANDS = {
     "run": "eval.harness.run",
     "report": "eval.harness.report",
     "bench": "eval.bench.run",
+    "bench-decode": "eval.bench.decode",
     "bench-report": "eval.bench.merge",
     "attention-map": "eval.harness.attention_map",
     "auto-table": "eval.bench.auto_table",

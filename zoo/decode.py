@@ -152,12 +152,17 @@ def _bias(bias, heads: int, q_pos: Tensor, key_pos: Tensor, device: torch.device
 
 
 def _gather_allowed(mask: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
-    """For one query per row: each row's allowed slots first, cut to the widest row's count.
-    ``mask`` (B, 1, S); tensors (B, H_kv, S, D) or (B, S). Returns the mask and the tensors."""
-    order = torch.argsort(mask[:, 0].to(torch.int8), dim=-1, descending=True, stable=True)
-    width = max(int(mask.sum(-1).max()), 1)
-    index = order[:, :width]  # (B, K)
-    out = [mask.gather(2, index[:, None])]
+    """For one query per row: each row's allowed slots, in slot order, packed to the front and
+    cut to the widest row's count (O(slots), no sort). ``mask`` (B, 1, S); tensors (B, H_kv, S,
+    D) or (B, S). Returns the packed mask and tensors."""
+    allowed = mask[:, 0]
+    rank = allowed.cumsum(-1) - 1  # (B, S) each allowed slot's place in its row
+    width = max(int(rank[:, -1].max()) + 1, 1)
+    index = torch.zeros(allowed.shape[0], width + 1, dtype=torch.long, device=mask.device)
+    slots = torch.arange(allowed.shape[1], device=mask.device).expand_as(allowed)
+    index.scatter_(1, torch.where(allowed, rank, width), slots)  # column `width` takes the rest
+    index = index[:, :width]  # (B, K)
+    out = [(torch.arange(width, device=mask.device) <= rank[:, -1:])[:, None]]  # (B, 1, K)
     for t in tensors:
         if t.dim() == 2:
             out.append(t.gather(1, index))
@@ -166,7 +171,21 @@ def _gather_allowed(mask: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
     return tuple(out)
 
 
+def _used_prefix(mask: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """The slots up to the last one any query may read (views, no copy): a cache that fills
+    its slots in order (full, causal) is read only as far as it is filled."""
+    used = mask.any(1).any(0)  # (S,)
+    width = int(used.nonzero().max()) + 1 if bool(used.any()) else 1
+    if width == mask.shape[-1]:
+        return (mask, *tensors)
+    return (
+        mask[..., :width],
+        *(t[..., :width] if t.dim() == 2 else t[:, :, :width] for t in tensors),
+    )
+
+
 def _sdpa(q, keys, values, key_pos, q_pos, mask, bias, scale, dropout_p) -> Tensor:
+    mask, keys, values, key_pos = _used_prefix(mask, keys, values, key_pos)
     if q.shape[2] == 1 and 2 * int(mask.sum(-1).max()) < mask.shape[-1]:
         mask, keys, values, key_pos = _gather_allowed(mask, keys, values, key_pos)
     groups = q.shape[1] // keys.shape[1]

@@ -301,10 +301,12 @@ def _cached_attention(q, k, v, cache: KVCache, *, variant, backend, causal, key_
     check_qkv(q, k, v)
     if causal is not True:
         raise ValueError(f"a call with a cache must be causal (causal=True), got {causal!r}")
-    _resolve_call_pattern(variant, causal, params)  # a misspelt parameter gets its suggestion
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a zoo KVCache (zoo.new_cache), got {type(cache).__name__}")
-    cache.check_signature(cache_signature(variant, resolved_params(variant, params), k.shape[1]))
+    signature = cache_signature(variant, resolved_params(variant, params), k.shape[1])
+    if signature != cache.signature:
+        _resolve_call_pattern(variant, causal, params)  # a misspelt parameter: its suggestion
+        cache.check_signature(signature)
     if q.shape[0] != cache.batch_size:
         raise ValueError(f"cache holds {cache.batch_size} sequences, q has {q.shape[0]}")
     counts = counts_from_padding(key_padding_mask, q.shape[0], q.shape[2]).to(q.device)

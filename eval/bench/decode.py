@@ -1,0 +1,202 @@
+"""``python -m eval bench-decode [CONFIG.yaml] [key=value ...]``: one generation step against a
+cache of n tokens, time and memory, for each variant and context length, beside the peers.
+
+Each cell fills a cache to n tokens (``zoo.new_cache``; the keys are written as a prefill would
+write them, without computing its attention) and times one step of one new token per sequence with
+``zoo.attention(..., cache=cache)`` (the median of ``repeats`` steps after ``warmup``, each a
+token further on). Memory is the cache's ``nbytes``: what the variant keeps at that length.
+
+Peers, one query against all n cached keys and values of full attention:
+- ``sdpa_dense``: ``scaled_dot_product_attention`` without a mask (what a dense decoder runs);
+- ``flex_sliced``: compiled FlexAttention with the variant's block mask for the one query row
+  (``create_block_mask`` at Q_LEN=1, built outside the timing), on CUDA only: on the CPU a
+  compile per length costs minutes and the CPU kernel pads the query to a whole block.
+
+The step is checked against the reference decoding backend on the same cache (max abs error).
+Writes ``bench-decode.json`` and ``bench-decode.md`` in ``out``.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+import zoo
+
+from ..harness.config import load_config
+from ..harness.distributed import device_name, pick_device
+
+PEERS = ("sdpa_dense", "flex_sliced")
+
+
+@dataclass
+class DecodeConfig:
+    variants: list[str] = field(default_factory=lambda: ["causal", "sliding_window", "longformer"])
+    peers: list[str] = field(default_factory=lambda: ["sdpa_dense"])
+    lengths: list[int] = field(default_factory=lambda: [1024 * 2**i for i in range(7)])
+    batch: int = 1
+    heads: int = 8
+    kv_heads: int | None = None
+    head_dim: int = 64
+    dtype: str = "auto"  # bfloat16 on CUDA, float32 on CPU
+    warmup: int = 3
+    repeats: int = 20
+    threads: int = 0  # CPU threads for torch; 0 keeps torch's default
+    params: dict[str, dict] = field(default_factory=dict)
+    device: str = "auto"
+    out: str = "eval/results/bench-decode-{device}"
+
+
+def _timed(step, device: torch.device, warmup: int, repeats: int) -> float:
+    """Median milliseconds of ``step()`` (synchronised on CUDA)."""
+    times = []
+    for i in range(warmup + repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _fill(cache, n: int, generator: torch.Generator) -> None:
+    """Write n tokens of random keys and values, as a prefill would keep them."""
+    b, h, _, d = cache.keys.shape
+    for start in range(0, n, 8192):  # in pieces: a 64K prefill's keys need not exist at once
+        t = min(8192, n - start)
+        k, v = (torch.randn(b, h, t, d, generator=generator).to(cache.keys) for _ in range(2))
+        positions = cache.lengths[:, None] + torch.arange(t, device=k.device)
+        cache.write(k, v, positions, torch.ones_like(positions, dtype=torch.bool))
+        cache.lengths += t
+
+
+def measure(config: DecodeConfig, variant: str, n: int, device, dtype) -> list[dict]:
+    kv_heads = config.kv_heads or config.heads
+    params = dict(config.params.get(variant, {}))
+    gen = torch.Generator().manual_seed(0)
+    steps = config.warmup + config.repeats + 1
+    cache = zoo.new_cache(variant, batch_size=config.batch, max_len=n + steps, device=device,
+                          num_kv_heads=kv_heads, head_dim=config.head_dim, dtype=dtype,
+                          **params)  # fmt: skip
+    _fill(cache, n, gen)
+
+    def new(heads):
+        return torch.randn(config.batch, heads, 1, config.head_dim, generator=gen).to(device, dtype)
+
+    q, k, v = new(config.heads), new(kv_heads), new(kv_heads)
+    kw = dict(variant=variant, causal=True, **params)
+    # The check: sdpa and the reference decoding path on copies of one cache, one step each.
+    twin = _copy(cache)
+    out = zoo.attention(q, k, v, cache=cache, backend="sdpa", **kw)
+    ref = zoo.attention(q, k, v, cache=twin, backend="reference", **kw)
+    error = float((out.float() - ref.float()).abs().max())
+    ms = _timed(lambda: zoo.attention(q, k, v, cache=cache, **kw), device, config.warmup,
+                config.repeats)  # fmt: skip
+    cells = [dict(impl=f"zoo:{variant}", variant=variant, n=n, ms=ms, bytes=cache.nbytes,
+                  slots=cache.keys.shape[2], error=error)]  # fmt: skip
+    for peer in config.peers:
+        cells.append(_peer(peer, config, variant, params, n, device, dtype, gen, q))
+    return cells
+
+
+def _copy(cache):
+    twin = object.__new__(type(cache))
+    twin.__dict__.update(cache.__dict__)
+    for name in ("keys", "values", "slot_pos", "lengths"):
+        setattr(twin, name, getattr(cache, name).clone())
+    return twin
+
+
+def _peer(peer, config, variant, params, n, device, dtype, gen, q) -> dict:
+    kv_heads = config.kv_heads or config.heads
+    k, v = (torch.randn(config.batch, kv_heads, n + 1, config.head_dim, generator=gen).to(
+        device, dtype) for _ in range(2))  # fmt: skip
+    cell = dict(impl=peer, variant=variant, n=n, bytes=2 * k.numel() * k.element_size())
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if peer == "sdpa_dense":
+        groups = config.heads // kv_heads
+        cell["ms"] = _timed(lambda: sdpa(q, k, v, enable_gqa=groups > 1), device, config.warmup,
+                            config.repeats)  # fmt: skip
+        return cell
+    if device.type != "cuda":
+        return {**cell, "ms": None, "status": "skipped: compiled flex decoding is CUDA-only here"}
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from zoo.functional import resolve_pattern
+    from zoo.layout import specialized
+
+    pattern = specialized(resolve_pattern(variant, True, dict(params)), 1, n + 1, device)
+    mask = create_block_mask(pattern.mask_mod(1, n + 1), None, None, 1, n + 1, device=device)
+    flex = torch.compile(flex_attention, dynamic=False)
+    groups = config.heads // kv_heads
+    cell["ms"] = _timed(lambda: flex(q, k, v, block_mask=mask, enable_gqa=groups > 1), device,
+                        config.warmup, config.repeats)  # fmt: skip
+    return cell
+
+
+def markdown(header: dict, cells: list[dict]) -> str:
+    lengths = sorted({c["n"] for c in cells})
+    impls = list(dict.fromkeys((c["variant"], c["impl"]) for c in cells))
+    lines = [
+        f"# Decode step: one token against a cache of n tokens ({header['device']})",
+        "",
+        f"`{header['command']}`; {header['shape']}, median of {header['repeats']} steps. "
+        "Time in ms; memory of the cache (zoo) or of the full K and V (peers) in MiB.",
+        "",
+        "| variant | impl | " + " | ".join(f"{n // 1024}K ms" for n in lengths) + " | "
+        + " | ".join(f"{n // 1024}K MiB" for n in lengths) + " |",
+        "|" + "---|" * (2 + 2 * len(lengths)),
+    ]  # fmt: skip
+    for variant, impl in impls:
+        row = {c["n"]: c for c in cells if c["variant"] == variant and c["impl"] == impl}
+        ms = [f"{row[n]['ms']:.3f}" if row.get(n, {}).get("ms") else "-" for n in lengths]
+        mib = [f"{row[n]['bytes'] / 2**20:.2f}" if n in row else "-" for n in lengths]
+        lines.append(f"| {variant} | {impl} | " + " | ".join(ms + mib) + " |")
+    worst = max((c.get("error", 0.0) for c in cells), default=0.0)
+    lines += ["", f"Largest error of a zoo step against the reference decoding path: {worst:.1e}."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    path = argv[0] if argv and not argv[0].count("=") else None
+    config = load_config(DecodeConfig, path, argv[1:] if path else argv)
+    for peer in config.peers:
+        if peer not in PEERS:
+            raise SystemExit(f"{path}: peers: unknown peer {peer!r}; known: {', '.join(PEERS)}")
+    device = pick_device(config.device)
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
+             "float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]  # fmt: skip
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    out = Path(config.out.format(device=device.type))
+    out.mkdir(parents=True, exist_ok=True)
+    header = {
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "command": shlex.join(["python", "-m", "eval", "bench-decode", *argv]),
+        "shape": f"B={config.batch}, H={config.heads}, H_kv={config.kv_heads or config.heads}, "
+        f"D={config.head_dim}, {str(dtype).removeprefix('torch.')}",
+        "repeats": config.repeats,
+        "config": asdict(config),
+    }
+    cells: list[dict] = []
+    for variant in config.variants:
+        for n in config.lengths:
+            cells += measure(config, variant, n, device, dtype)
+            print(json.dumps(cells[-1 - len(config.peers)]), flush=True)
+            (out / "bench-decode.json").write_text(json.dumps({"header": header, "cells": cells}))
+    (out / "bench-decode.md").write_text(markdown(header, cells))
+    print(f"wrote {out / 'bench-decode.md'}")
+    return 0
