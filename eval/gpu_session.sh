@@ -10,6 +10,7 @@
 #   bash eval/gpu_session.sh standard NAME [key=value]  # a part of eval/configs/standard.yaml
 #   RUN_CONFIG=eval/configs/compile_gpu.yaml bash eval/gpu_session.sh standard compile-graph \
 #       train.compile=true                            # compiled training speed (and without)
+#   bash eval/gpu_session.sh decode NAME [key=value]    # eval/configs/bench_decode.yaml (generation)
 #
 # xFormers, where its wheel was carried in .whl/ (see the device tool's README), is installed
 # first into /tmp/site. Run from the repository root. The wheels for torch 2.11+cu130:
@@ -17,7 +18,7 @@
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
 #       xformers==0.0.35 "nvidia-cuda-runtime-cu12==12.8.*"
 set -uo pipefail
-stage=${1:?"stage: tests, bench or standard"}
+stage=${1:?"stage: tests, bench, standard or decode"}
 shift
 OUT=${OUT:?"set OUT to the folder whose files come back"}
 LIMIT=${LIMIT:-540}  # seconds; stopped with SIGINT after that, keeping what it finished
@@ -59,8 +60,15 @@ standard)
         save_checkpoints=false "$@" 2>&1 | tee "$OUT/standard-$name.log"
     cp "/tmp/standard-$name/results.jsonl" "$OUT/standard-$name.jsonl"
     ;;
+decode)
+    name=${1:?"decode NAME [key=value ...]"}
+    shift
+    timeout -s INT "$LIMIT" python3 -m eval bench-decode eval/configs/bench_decode.yaml \
+        "out=/tmp/decode-$name" "$@" 2>&1 | tee "$OUT/decode-$name.log"
+    cp "/tmp/decode-$name/bench-decode.json" "/tmp/decode-$name/bench-decode.md" "$OUT/"
+    ;;
 *)
-    echo "unknown stage $stage: tests, bench or standard" >&2
+    echo "unknown stage $stage: tests, bench, standard or decode" >&2
     exit 2
     ;;
 esac

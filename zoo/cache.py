@@ -26,6 +26,8 @@ not continue the row) raises before anything in the cache changes.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -65,7 +67,8 @@ class KVCache:
         device: torch.device,
     ) -> None:
         self.pattern, self.signature, self.max_len = pattern, dict(signature), max_len
-        self.plan = cache_plan(pattern, max_len)
+        plan = cache_plan(pattern, max_len)
+        self.plan = dataclasses.replace(plan, pinned=plan.pinned.to(device))
         slots = self.plan.slots
         self.keys = torch.zeros(
             batch_size, num_kv_heads, slots, head_dim, dtype=dtype, device=device
@@ -75,7 +78,6 @@ class KVCache:
         )
         self.slot_pos = torch.full((batch_size, slots), -1, dtype=torch.long, device=device)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
-        self.pinned = self.plan.pinned.to(device)
 
     @property
     def batch_size(self) -> int:
@@ -84,13 +86,14 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Bytes held by the cache's tensors (keys, values, slot positions, lengths, pins)."""
-        tensors = (self.keys, self.values, self.slot_pos, self.lengths, self.pinned)
+        tensors = (self.keys, self.values, self.slot_pos, self.lengths, self.plan.pinned)
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def reset(self) -> KVCache:
         """Forget every token (lengths back to 0), keeping the memory for the next sequences."""
         self.slot_pos.fill_(-1)
         self.lengths.zero_()
+        self.keys, self.values = self.keys.detach(), self.values.detach()  # no graph of old steps
         return self
 
     def __repr__(self) -> str:
