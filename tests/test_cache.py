@@ -202,3 +202,19 @@ def test_refused_steps_name_the_problem_and_change_nothing(call, message):
 def test_a_cache_needs_a_causal_module():
     with pytest.raises(ValueError, match="causal"):
         zoo.create_attention("sliding_window", dim=16, num_heads=2).new_cache(1, 8)
+
+
+@pytest.mark.parametrize("encoding", ["sinusoidal", "rope"])
+def test_harness_model_generates_what_it_computes_teacher_forced(encoding):
+    from eval.harness.model import SequenceModel
+
+    torch.manual_seed(0)
+    model = SequenceModel(
+        vocab_size=12, num_classes=12, head="token", dim=16, depth=2, heads=2, mlp_dim=32,
+        variant="longformer", encoding=encoding, causal=True,
+        variant_params={"window_size": 4, "global_tokens": 1},
+    )  # fmt: skip
+    model = model.double().eval()
+    tokens = torch.randint(0, 12, (3, 30))
+    with torch.no_grad():
+        assert torch.allclose(model.decode(tokens, 9), model(tokens), atol=1e-10, rtol=0)

@@ -117,6 +117,28 @@ class SequenceModel(nn.Module):
         return self.output(x)
 
     @torch.no_grad()
+    def decode(self, tokens: Tensor, prefill: int) -> Tensor:
+        """Token logits (B, L, classes) as generation computes them: ``tokens[:, :prefill]`` in
+        one call, then one token at a time, each layer attending its ``KVCache``. Equal to
+        ``forward(tokens)`` for a causal model (the harness checks accuracy both ways)."""
+        if self.head != "token" or not self.blocks[0].attention.causal:
+            raise ValueError("decode needs a causal model with a token head")
+        batch, length = tokens.shape
+        caches = [b.attention.new_cache(batch, length) for b in self.blocks]
+        logits, start = [], 0
+        for stop in [prefill, *range(prefill + 1, length + 1)]:
+            x = self.embedding(tokens[:, start:stop])
+            if self.pos.kind == "embed":  # every row is at the same position here
+                x = self.pos.embed(x, start)
+            for block, cache in zip(self.blocks, caches, strict=True):
+                x = x + block.attention(block.norm1(x), cache=cache)
+                if block.mlp is not None:
+                    x = x + block.mlp(block.norm2(x))
+            logits.append(self.output(self.norm(x)))
+            start = stop
+        return torch.cat(logits, 1)
+
+    @torch.no_grad()
     def attention_weights(self, tokens: Tensor, padding_mask: Tensor | None, layer: int) -> Tensor:
         """The (B, H, L, L) attention weights of block ``layer`` on these tokens."""
         if not 0 <= layer < len(self.blocks):

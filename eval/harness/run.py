@@ -58,6 +58,9 @@ class TrainConfig:
     # torch.compile(model, fullgraph=True) for training (one graph per sequence length; the first
     # steps include the compilation, steady_steps_per_second leaves them out).
     compile: bool = False
+    # Causal token tasks (copy, selective_copy): also evaluate by generation, the prompt in one
+    # call and then one token at a time with a KVCache per layer (generation_accuracy).
+    generation: bool = False
 
 
 @dataclass

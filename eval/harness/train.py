@@ -170,6 +170,11 @@ def train(
         "peak_memory_mb": None if peak is None else round(peak, 1),
         "final_loss": round(sum(losses[-10:]) / len(losses[-10:]), 5),
         "accuracy": {n: e["accuracy"] for n, e in evaluation.items()},
+        **(
+            {"generation_accuracy": {n: e["generation_accuracy"] for n, e in evaluation.items()}}
+            if settings.get("generation")
+            else {}
+        ),
         "slices": {n: e["slices"] for n, e in evaluation.items()},
         "eval_ms_per_sequence": {n: e["ms_per_sequence"] for n, e in evaluation.items()},
     }
@@ -184,7 +189,7 @@ def evaluate(
     task = get_task(cell["task"], seq_len=length, **cell["task_params"])
     model.eval()
     hits: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
-    correct = total = 0
+    correct = total = generated = 0
     start = time.perf_counter()
     remaining, index = settings["eval_samples"], 0
     while remaining > 0:
@@ -196,6 +201,11 @@ def evaluate(
         scored = targets != IGNORE
         right = (predictions == targets) & scored
         correct += int(right.sum())
+        if settings.get("generation"):  # the prompt up to the first answer, then token by token
+            prompt = int(scored.any(0).nonzero()[0])
+            with autocast(context.device):
+                decoded = model.decode(inputs, prompt).argmax(-1)
+            generated += int(((decoded == targets) & scored).sum())
         total += int(scored.sum())
         for name, keys in batch.slices.items():
             keys = keys.to(context.device)
@@ -212,6 +222,7 @@ def evaluate(
     }
     return {
         "accuracy": round(correct / max(total, 1), 4),
+        "generation_accuracy": round(generated / max(total, 1), 4),
         "slices": slices,
         "ms_per_sequence": round(1e3 * seconds / settings["eval_samples"], 3),
     }
