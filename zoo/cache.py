@@ -50,13 +50,15 @@ def cache_plan(pattern: Pattern, max_len: int) -> Retention:
 
 class KVCache:
     """Keys (B, H_kv, slots, D) and values (B, H_kv, slots, Dv) of one layer; see the module
-    docstring. ``signature`` names what the cache was built for (variant, parameters, heads),
-    so that a call for something else is refused."""
+    docstring. ``pattern`` is specialised to ``max_len`` on the cache's device, ``plan`` its
+    retention (``cache_plan``, computed on the CPU). ``signature`` names what the cache was
+    built for (variant, parameters, heads), so that a call for something else is refused."""
 
     def __init__(
         self,
         *,
         pattern: Pattern,
+        plan: Retention,
         signature: dict[str, object],
         batch_size: int,
         num_kv_heads: int,
@@ -67,7 +69,6 @@ class KVCache:
         device: torch.device,
     ) -> None:
         self.pattern, self.signature, self.max_len = pattern, dict(signature), max_len
-        plan = cache_plan(pattern, max_len)
         self.plan = dataclasses.replace(plan, pinned=plan.pinned.to(device))
         slots = self.plan.slots
         self.keys = torch.zeros(

@@ -11,7 +11,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from .cache import KVCache, cache_signature
+from .cache import KVCache, cache_plan, cache_signature
 from .checks import check_int
 from .decode import cache_attention, decode_backend
 from .functional import resolve_pattern, resolved_params
@@ -49,9 +49,11 @@ def new_cache(
             f"causal={causal!r}; build the model with causal=True"
         )
     device = torch.device("cpu") if device is None else torch.device(device)
-    pattern = specialized(resolve_pattern(variant, True, dict(params)), max_len, max_len, device)
+    resolved = resolve_pattern(variant, True, dict(params))
+    cpu = specialized(resolved, max_len, max_len, torch.device("cpu"))  # the same random draw
     return KVCache(
-        pattern=pattern,
+        pattern=specialized(resolved, max_len, max_len, device),
+        plan=cache_plan(cpu, max_len),
         signature=cache_signature(variant, resolved_params(variant, params), num_kv_heads),
         batch_size=batch_size,
         num_kv_heads=num_kv_heads,
