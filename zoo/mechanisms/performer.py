@@ -6,8 +6,9 @@ bias by m positive random features of x = sqrt(s)·x::
     φ(x) = exp(W x - |x|²/2) / sqrt(m),    W (m, D),   E_W[φ(q)·φ(k)] = exp(s·q·k)
 
 The rows of W are drawn in blocks of D mutually orthogonal directions (the QR of a Gaussian
-matrix) and each is scaled by the norm of an independent Gaussian D-vector, so that every row
-is marginally N(0, I) (the estimate stays unbiased) while the orthogonality lowers its variance.
+matrix, signs fixed so that it is Haar-distributed) and each is scaled by the norm of an
+independent Gaussian D-vector, so that every row is marginally N(0, I) (the estimate stays
+unbiased) while the orthogonality lowers its variance.
 Attention is then the feature-map form of ``zoo.mechanisms.kernel``: non-causal by
 associativity, causal by the chunked prefix form, O(n·m·Dv).
 
@@ -43,7 +44,10 @@ def orthogonal_features(num_features: int, dim: int, seed: int) -> Tensor:
     blocks = []
     for _ in range(math.ceil(num_features / dim)):
         gaussian = torch.randn(dim, dim, generator=generator, dtype=torch.float64)
-        q, _ = torch.linalg.qr(gaussian)
+        q, r = torch.linalg.qr(gaussian)
+        # Signs from R's diagonal make Q Haar-distributed (uniform directions); without them
+        # LAPACK's QR leans the rows, and the kernel estimate is biased (measured: 14%).
+        q = q * torch.sign(torch.diagonal(r))
         blocks.append(q.T)  # rows orthonormal
     directions = torch.cat(blocks)[:num_features]
     norms = torch.randn(num_features, dim, generator=generator, dtype=torch.float64).norm(dim=1)

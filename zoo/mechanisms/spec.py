@@ -38,15 +38,18 @@ class MechanismSpec:
     def mechanism_class(self) -> type[Mechanism]:
         return resolve_mechanism(self.mechanism)
 
-    def parameters(self) -> dict[str, object]:
-        """The parameters a caller may set, with their defaults."""
+    def class_parameters(self) -> dict[str, object]:
+        """The keyword parameters of the class, with its defaults."""
         signature = inspect.signature(self.mechanism_class().__init__).parameters.values()
-        own = {
+        return {
             p.name: p.default
             for p in signature
             if p.kind == p.KEYWORD_ONLY and p.name not in SHARED
         }
-        return {**own, **self.params}
+
+    def parameters(self) -> dict[str, object]:
+        """The parameters a caller may set, with the entry's defaults."""
+        return {**self.class_parameters(), **self.params}
 
     def build(
         self,
@@ -73,5 +76,8 @@ class MechanismSpec:
     def validate(self) -> None:
         """Build it once at a typical size, without moving torch's global random state, so that
         a bad parameter fails when the file loads."""
+        check_parameters(
+            f"mechanism class {self.mechanism!r}", self.params, self.class_parameters()
+        )
         with torch.random.fork_rng(devices=[]):
             self.build(num_heads=4, head_dim=16)
