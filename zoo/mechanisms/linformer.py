@@ -25,9 +25,16 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..backends.reference import safe_softmax
 from ..checks import check_int
 from .base import Mechanism, zero_padded
+
+
+def _project(e: Tensor, x: Tensor) -> Tensor:
+    """E (k, n) applied along the sequence of x (B, H, n, D) -> (B, H, k, D), as one matrix
+    product over all batches and heads."""
+    batch, heads, n, width = x.shape
+    flat = x.permute(2, 0, 1, 3).reshape(n, batch * heads * width)  # (n, B·H·D)
+    return (e @ flat).reshape(-1, batch, heads, width).permute(1, 2, 0, 3)
 
 
 class LinformerAttention(Mechanism):
@@ -71,11 +78,10 @@ class LinformerAttention(Mechanism):
         if key_padding_mask is not None:
             k, v = zero_padded(k, key_padding_mask), zero_padded(v, key_padding_mask)
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        e, f = self.key_proj[:, :n].to(dtype), self.value_proj[:, :n].to(dtype)
-        k_proj = torch.einsum("pn,bhnd->bhpd", e, k.to(dtype))  # (B, H, k, D)
-        v_proj = torch.einsum("pn,bhnd->bhpd", f, v.to(dtype))  # (B, H, k, Dv)
-        scores = (q.to(dtype) @ k_proj.transpose(-1, -2)) * scale  # (B, H, Lq, k)
-        out = safe_softmax(scores) @ v_proj
+        k_proj = _project(self.key_proj[:, :n].to(dtype), k.to(dtype))  # (B, H, k, D)
+        v_proj = _project(self.value_proj[:, :n].to(dtype), v.to(dtype))  # (B, H, k, Dv)
+        scores = (q.to(dtype) * scale) @ k_proj.transpose(-1, -2)  # (B, H, Lq, k)
+        out = torch.softmax(scores, dim=-1) @ v_proj  # no score is masked: a plain softmax
         if key_padding_mask is not None:  # every key padded: no key to attend, zeros
             out = torch.where(key_padding_mask.all(dim=1)[:, None, None, None], 0, out)
         return out.to(q.dtype)

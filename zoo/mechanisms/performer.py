@@ -13,7 +13,9 @@ Attention is then the feature-map form of ``zoo.mechanisms.kernel``: non-causal 
 associativity, causal by the chunked prefix form, O(n·m·Dv).
 
 For stability each query's features are divided by their largest exp, and every key's by the
-largest over the valid keys of a head: both factors cancel in the normalised weights.
+largest over the valid keys of a head: both factors cancel in the normalised weights. (The keys'
+factor is one number for the whole sequence, as in the paper's code: a key whose log-feature
+lies more than ~87 below the largest underflows to zero weight in float32.)
 
 Parameters (published defaults):
     num_features: m; None is int(D·ln D), the paper's choice (266 features for D = 64).
@@ -118,16 +120,19 @@ class PerformerAttention(Mechanism):
         if key_padding_mask is not None:
             k, v = zero_padded(k, key_padding_mask), zero_padded(v, key_padding_mask)
         x_q, x_k = q.to(dtype) * root, k.to(dtype) * root
-        # log φ without the 1/sqrt(m), then the stabilising factors (they cancel, see above)
-        log_q = x_q @ w.T - (x_q * x_q).sum(-1, keepdim=True) / 2  # (B, H, Lq, m)
-        log_k = x_k @ w.T - (x_k * x_k).sum(-1, keepdim=True) / 2  # (B, H, Lk, m)
-        log_q = log_q - log_q.amax(dim=-1, keepdim=True).detach()
+        # log φ without the 1/sqrt(m), then the stabilising factors (they cancel, see above).
+        # In place where autograd allows: the (L, m) passes are what bounds the time at long n.
+        log_q = x_q @ w.T  # (B, H, Lq, m)
+        log_q.sub_((x_q * x_q).sum(-1, keepdim=True) / 2)
+        log_q.sub_(log_q.amax(dim=-1, keepdim=True).detach())
+        log_k = x_k @ w.T  # (B, H, Lk, m)
+        log_k.sub_((x_k * x_k).sum(-1, keepdim=True) / 2)
         if key_padding_mask is not None:
-            log_k = torch.where(key_padding_mask[:, None, :, None], -torch.inf, log_k)
+            log_k = log_k.masked_fill(key_padding_mask[:, None, :, None], -torch.inf)
         peak = log_k.amax(dim=(2, 3), keepdim=True).detach()
-        phi_k = torch.exp(log_k - torch.where(torch.isfinite(peak), peak, 0))
+        log_k.sub_(torch.where(torch.isfinite(peak), peak, 0))
         out = feature_attention(
-            torch.exp(log_q), phi_k, v.to(dtype), causal=causal, chunk_size=self.chunk_size
+            log_q.exp_(), log_k.exp_(), v.to(dtype), causal=causal, chunk_size=self.chunk_size
         )
         return out.to(q.dtype)
 
