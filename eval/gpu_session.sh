@@ -7,6 +7,8 @@
 #   bash eval/gpu_session.sh tests                      # GPU tests, tiny GPU sweep and training
 #   bash eval/gpu_session.sh bench NAME [key=value...]  # one piece of eval/configs/bench.yaml
 #   BENCH_CONFIG=eval/configs/bench_gqa.yaml bash eval/gpu_session.sh bench gqa  # another config
+#   BENCH_CONFIG=eval/configs/bench_mechanisms.yaml bash eval/gpu_session.sh bench mech-1k-8k \
+#       'lengths=[1024,2048,4096,8192]'             # linear, performer, linformer, nystrom
 #   bash eval/gpu_session.sh standard NAME [key=value]  # a part of eval/configs/standard.yaml
 #   RUN_CONFIG=eval/configs/compile_gpu.yaml bash eval/gpu_session.sh standard compile-graph \
 #       train.compile=true                            # compiled training speed (and without)

@@ -3,7 +3,8 @@
 >>> import zoo
 >>> attn = zoo.create_attention("bigbird", dim=512, num_heads=8)   # (B, L, 512) -> (B, L, 512)
 >>> out = zoo.attention(q, k, v, variant="longformer", causal=True)  # (B, H, L, D), like SDPA
->>> zoo.list_variants("*local*")
+>>> out = zoo.attention(q, k, v, variant="performer", causal=True)  # a mechanism, same call
+>>> zoo.list_variants("*local*"), zoo.list_mechanisms()
 """
 
 from .backends import Backend, Capabilities, get_backend, list_backends, register_backend
@@ -12,14 +13,18 @@ from .check import PatternCheckError, check_pattern
 from .functional import attention, build_encoding, dense_mask, explain
 from .generation import new_cache
 from .layout import allowed_pairs
+from .mechanisms import Mechanism, register_mechanism
 from .module import MultiHeadAttention, create_attention
 from .patterns import Pattern, list_families, register_pattern
 from .positional import PositionalEncoding, register_encoding
 from .registry import (
     VariantSpec,
     get_encoding_spec,
+    get_mechanism_spec,
     get_spec,
+    list_attention,
     list_encodings,
+    list_mechanisms,
     list_variants,
     load_registry,
 )
@@ -32,6 +37,7 @@ __all__ = [
     "Backend",
     "Capabilities",
     "KVCache",
+    "Mechanism",
     "MultiHeadAttention",
     "Pattern",
     "PatternCheckError",
@@ -46,14 +52,18 @@ __all__ = [
     "explain",
     "get_backend",
     "get_encoding_spec",
+    "get_mechanism_spec",
     "get_spec",
+    "list_attention",
     "list_backends",
     "list_encodings",
+    "list_mechanisms",
     "list_pattern_families",
     "list_variants",
     "load_registry",
     "new_cache",
     "register_backend",
     "register_encoding",
+    "register_mechanism",
     "register_pattern",
 ]

@@ -1,6 +1,6 @@
 """``zoo`` / ``python -m zoo``: look at the registry from the command line.
 
-zoo list                           the variants and the positional encodings as tables
+zoo list                           the variants, mechanisms and positional encodings as tables
 zoo show NAME [--seq-len N] [--causal] [--out FILE.png] [key=value ...]
                                    the variant's allowed pairs as a heatmap
 zoo table [--seq-len N] [--layers L]
@@ -44,7 +44,7 @@ WITH_PARAMS = ("show", "attention-map", "check")  # commands that take key=value
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zoo", description="The attention zoo's registry.")
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("list", help="the variants and encodings as markdown tables")
+    commands.add_parser("list", help="the variants, mechanisms and encodings as tables")
     show = commands.add_parser("show", help="draw a variant's allowed pairs as a PNG heatmap")
     show.add_argument("name")
     show.add_argument("--seq-len", type=int, default=256)
@@ -94,7 +94,8 @@ def run(args: argparse.Namespace) -> bool | None:
     from . import describe
 
     if args.command == "list":
-        print(describe.variant_table(), describe.encoding_table(), sep="\n\n")
+        tables = describe.variant_table(), describe.mechanism_table(), describe.encoding_table()
+        print(*tables, sep="\n\n")
     elif args.command == "show":
         from .pictures import draw_pattern
 

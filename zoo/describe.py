@@ -6,8 +6,10 @@ from .comparison import comparison_table
 from .registry import (
     Unavailable,
     get_encoding_spec,
+    get_mechanism_spec,
     get_spec,
     list_encodings,
+    list_mechanisms,
     list_variants,
     unavailable,
 )
@@ -31,6 +33,30 @@ def variant_table() -> str:
     return markdown_table(["variant", "pattern", "parameters", "description", "complexity"], rows)
 
 
+def mechanism_table() -> str:
+    """The mechanisms with their parameters and what each supports (``zoo.mechanisms.base``)."""
+    rows = []
+    for name in list_mechanisms():
+        spec = get_mechanism_spec(name)
+        cls = spec.mechanism_class()
+        yes = {True: "yes", False: "no"}
+        rows.append(
+            [
+                f"`{name}`",
+                format_params(spec.parameters()),
+                spec.description,
+                spec.complexity,
+                yes[cls.causal],
+                yes[cls.key_padding],
+                yes[cls.cross],
+            ]
+        )
+    for name, entry in sorted(unavailable("mechanisms").items()):
+        rows.append([f"`{name}`", "-", unavailable_note(entry), "-", "-", "-", "-"])
+    headers = ["mechanism", "parameters", "description", "complexity", "causal", "key padding"]
+    return markdown_table([*headers, "Lq != Lk"], rows)
+
+
 def encoding_table() -> str:
     rows = []
     for name in list_encodings():
@@ -45,7 +71,12 @@ def comparison() -> str:
     return comparison_table(1024, 2)
 
 
-TABLES = {"variants": variant_table, "encodings": encoding_table, "comparison": comparison}
+TABLES = {
+    "variants": variant_table,
+    "mechanisms": mechanism_table,
+    "encodings": encoding_table,
+    "comparison": comparison,
+}
 
 
 def update_readme(path: str) -> bool:

@@ -14,6 +14,7 @@ from .call import AttentionCall, check_dropout, check_key_padding_mask, check_qk
 from .checks import check_parameters, close_matches, did_you_mean
 from .decode import cache_attention, counts_from_padding, decode_backend, explain_decode
 from .layout import allowed_pairs, specialized
+from .mechanisms.call import is_mechanism, mechanism_attention, mechanism_params
 from .patterns import Causal, Intersection, Pattern, made_causal, query_positions
 from .positional import PositionalEncoding
 from .registry import get_encoding_spec, get_spec
@@ -62,6 +63,8 @@ def resolved_params(variant: str | Pattern, params: dict[str, object]) -> dict[s
     """Every parameter of a registry variant as this call sets it (defaults and overrides)."""
     if isinstance(variant, Pattern):
         return {}
+    if is_mechanism(variant):
+        return mechanism_params(variant, params)
     return {**get_spec(variant).parameters(), **params}
 
 
@@ -239,7 +242,9 @@ def attention(
     """Attention of ``variant`` over q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv).
 
     Args:
-        variant: a registry name (``zoo.list_variants()``) or a ``zoo.patterns.Pattern``.
+        variant: a registry name (``zoo.list_variants()``) or a ``zoo.patterns.Pattern``; or a
+            mechanism (``zoo.list_mechanisms()``: linear, performer, nystrom) by name or as an
+            instance, which computes attention itself: ``zoo.mechanisms`` says what it takes.
         backend: a name from ``zoo.list_backends()``, a Backend instance, or "auto".
         causal: intersect the pattern with the causal mask. When Lq != Lk, queries align to the
             keys' end (bottom right, as FlashAttention); see ``zoo.patterns.base``.
@@ -269,6 +274,28 @@ def attention(
     and raise ``torch._dynamo.config.recompile_limit`` (8) above 8 lengths. A Pattern passed as
     ``variant`` must be made outside the compiled region (a module attribute, say).
     """
+    if is_mechanism(variant):  # computed differently, not masked: zoo/mechanisms
+        if cache is not None:
+            raise ValueError(
+                f"cache: variant {variant!r} is a mechanism (zoo/mechanisms), and decoding with "
+                "a KVCache runs the masked-softmax variants only"
+            )
+        check_qkv(q, k, v)
+        return mechanism_attention(
+            q,
+            k,
+            v,
+            variant,
+            encoding=attention_encoding(pos, q, k, causal),
+            backend=backend,
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            dropout_p=dropout_p,
+            scale=scale,
+            score=score,
+            return_weights=return_weights,
+            params=params,
+        )
     if cache is not None:
         if return_weights:
             raise ValueError("return_weights is not available with a cache")

@@ -13,9 +13,11 @@ from .cache import KVCache
 from .checks import check_int, check_probability
 from .functional import attention, build_encoding, resolve_pattern, resolved_params
 from .generation import module_step, new_cache
+from .mechanisms.call import check_encoding
+from .mechanisms.module import module_mechanism
 from .patterns import Pattern
 from .positional import PositionalEncoding
-from .registry import get_spec
+from .registry import get_spec, is_mechanism_name
 from .scores import AdditiveScore
 
 SCORES = ("dot", "additive")
@@ -50,6 +52,8 @@ class MultiHeadAttention(nn.Module):
     Args:
         dim: model width; ``num_heads`` must divide it (head_dim = dim // num_heads).
         variant: a registry name or a Pattern; ``**params`` override the variant's parameters.
+            A mechanism's name (``zoo.list_mechanisms()``) builds it as the submodule
+            ``mechanism`` (linformer's learned E and F live there); see ``zoo.mechanisms``.
         pos: a positional encoding, by name (``zoo.list_encodings()``) or instance, with
             ``pos_params`` overriding its parameters. Its kind says where it acts: "embed"
             encodings (sinusoidal, learned) are added to the module's inputs, x and context, each
@@ -115,13 +119,23 @@ class MultiHeadAttention(nn.Module):
         self.variant, self.backend, self.causal = variant, backend, causal
         self.dropout = check_probability("dropout", dropout)
         self.params = dict(params)
-        resolve_pattern(  # fail now, not at the first forward
+        self.mechanism = module_mechanism(  # a submodule for a mechanism, else None
             variant,
-            causal,
             self.params,
-            options=MODULE_OPTIONS,
-            options_of="the module (create_attention / zoo.MultiHeadAttention)",
+            num_heads=num_heads,
+            head_dim=self.head_dim,
+            causal=causal,
+            options={"backend": backend, "dropout": self.dropout, "score": score},
+            option_names=MODULE_OPTIONS,
         )
+        if self.mechanism is None:
+            resolve_pattern(  # fail now, not at the first forward
+                variant,
+                causal,
+                self.params,
+                options=MODULE_OPTIONS,
+                options_of="the module (create_attention / zoo.MultiHeadAttention)",
+            )
         kv_dim = dim if kv_dim is None else check_int("kv_dim", kv_dim)
         self.q_proj = nn.Linear(dim, dim, bias=bias)
         self.k_proj = nn.Linear(kv_dim, num_kv_heads * self.head_dim, bias=bias)
@@ -131,6 +145,8 @@ class MultiHeadAttention(nn.Module):
         self.pos = build_encoding(
             pos, dim=dim, num_heads=num_heads, causal=causal, **(pos_params or {})
         )
+        if self.mechanism is not None:
+            check_encoding(f"mechanism {self.mechanism.name!r}", self.pos)
         if self.pos.kind == "embed" and kv_dim != dim:
             raise ValueError(
                 f"pos={self.pos.name!r} adds a table of width {dim} to the inputs, but context has "
@@ -163,6 +179,11 @@ class MultiHeadAttention(nn.Module):
     ) -> KVCache:
         """A key-value cache for generating ``batch_size`` sequences of up to ``max_len`` tokens
         with this (causal) module, in its parameters' dtype and device unless given."""
+        if self.mechanism is not None:
+            raise ValueError(
+                f"new_cache: variant {self.variant!r} is a mechanism (zoo/mechanisms); decoding "
+                "with a KVCache runs the masked-softmax variants only"
+            )
         weight = self.k_proj.weight
         return new_cache(
             self.variant,
@@ -218,7 +239,7 @@ class MultiHeadAttention(nn.Module):
             q,
             k,
             v,
-            variant=self.variant,
+            variant=self.variant if self.mechanism is None else self.mechanism,
             backend="reference" if return_weights else self.backend,
             causal=self.causal,
             key_padding_mask=key_padding_mask,
@@ -226,7 +247,7 @@ class MultiHeadAttention(nn.Module):
             score=self.score,
             pos=self.pos if self.pos.kind in ("rotate", "bias") else None,
             return_weights=return_weights,
-            **self.params,
+            **(self.params if self.mechanism is None else {}),
         )
         out, weights = result if return_weights else (result, None)
         out = self.out_proj(rearrange(out, "b h l d -> b l (h d)"))  # (B, Lq, dim)
@@ -244,5 +265,6 @@ def create_attention(
     name: str, *, dim: int, num_heads: int, **overrides: object
 ) -> MultiHeadAttention:
     """A MultiHeadAttention for a registry variant; overrides set module options or parameters."""
-    get_spec(name)  # an unknown name fails here, with suggestions
+    if not is_mechanism_name(name):
+        get_spec(name)  # an unknown name fails here, with suggestions
     return MultiHeadAttention(dim, num_heads, variant=name, **overrides)

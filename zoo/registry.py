@@ -12,18 +12,26 @@ A file has up to two sections::
         description: One line.
         paper: Authors, title, year, link.
         complexity: O(n·(w + g)·d)
+    mechanisms:                       # attention computed differently, not masked
+      performer:
+        mechanism: performer          # a registered class name, or package.module:Class
+        params: {seed: 0}
+        description: One line.
+        complexity: O(n·m·d)
     positional:
       rope:
         encoding: rope                # a registered class name, or package.module:Class
         params: {base: 10000.0}
         description: One line.
 
-See ``zoo.variants`` and ``zoo.positional.spec`` for what the entries mean. The zoo's own file loads
-first, then the files named in ``ZOO_REGISTRY`` (a path list, ``os.pathsep``-separated), then any
-``zoo.load_registry(path)``. A name defined twice, an unknown key, family, class or parameter, or a
-wrong type is an error naming the file, the entry and the fix.
+See ``zoo.variants``, ``zoo.mechanisms.spec`` and ``zoo.positional.spec`` for what the entries
+mean. The zoo's own file loads first, then the files named in ``ZOO_REGISTRY`` (a path list,
+``os.pathsep``-separated), then any ``zoo.load_registry(path)``. A name defined twice, an unknown
+key, family, class or parameter, or a wrong type is an error naming the file, the entry and the
+fix.
 
-An entry whose ``package.module:name`` does not import (a package not installed, or not on
+Variants and mechanisms share one namespace (``variant=`` takes either), so a name may not be
+both. An entry whose ``package.module:name`` does not import (a package not installed, or not on
 sys.path) does not stop the rest of the file: the registry records it as unavailable, listings
 leave it out (``zoo list`` marks it), and only using it raises the error.
 """
@@ -38,6 +46,7 @@ from pathlib import Path
 import yaml
 
 from .checks import NotImportable, suggest
+from .mechanisms.spec import MechanismSpec
 from .positional.spec import EncodingSpec
 from .variants import VariantSpec
 
@@ -45,12 +54,16 @@ BUILTIN_REGISTRY = Path(__file__).with_name("registry.yaml")
 SECTION_KEYS = {
     "variants": ({"pattern", "params", "description", "paper", "complexity"}, "pattern"),
     "positional": ({"encoding", "params", "description", "paper"}, "encoding"),
+    "mechanisms": ({"mechanism", "params", "description", "paper", "complexity"}, "mechanism"),
 }
 REQUIRED_HELP = {
     "pattern": "a family name or a composition",
     "encoding": "an encoding class name, or package.module:Class",
+    "mechanism": "a mechanism class name (zoo.mechanisms.MECHANISMS), or package.module:Class",
 }
-SINGULAR = {"variants": "variant", "positional": "encoding"}
+SINGULAR = {"variants": "variant", "positional": "encoding", "mechanisms": "mechanism"}
+SPECS = {"variants": VariantSpec, "positional": EncodingSpec, "mechanisms": MechanismSpec}
+NAMESPACES = (("variants", "mechanisms"), ("positional",))  # sections whose names must differ
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -123,10 +136,12 @@ class Unavailable:
         return NotImportable(self.message, self.reference)
 
 
-def parse_entry(section: str, name: str, entry: object, source: str) -> VariantSpec | EncodingSpec:
+Spec = VariantSpec | EncodingSpec | MechanismSpec
+
+
+def parse_entry(section: str, name: str, entry: object, source: str) -> Spec:
     fields = check_entry(section, name, entry, source)
-    make = VariantSpec if section == "variants" else EncodingSpec
-    spec = make(name=name, source=source, **fields)
+    spec = SPECS[section](name=name, source=source, **fields)
     where = f"{source}: {SINGULAR[section]} {name!r}"
     try:
         spec.validate()
@@ -137,9 +152,7 @@ def parse_entry(section: str, name: str, entry: object, source: str) -> VariantS
     return spec
 
 
-def parse_or_record(
-    section: str, name: str, entry: object, source: str
-) -> VariantSpec | EncodingSpec | Unavailable:
+def parse_or_record(section: str, name: str, entry: object, source: str) -> Spec | Unavailable:
     """The parsed entry, or a record of why its code does not import."""
     try:
         return parse_entry(section, name, entry, source)
@@ -148,11 +161,12 @@ def parse_or_record(
 
 
 class Registry:
-    """The variants and encodings known in this process."""
+    """The variants, mechanisms and encodings known in this process."""
 
     def __init__(self) -> None:
         self.variants: dict[str, VariantSpec] = {}
         self.positional: dict[str, EncodingSpec] = {}
+        self.mechanisms: dict[str, MechanismSpec] = {}
         # entries whose code does not import, by section: using one raises its error
         self.unavailable: dict[str, dict[str, Unavailable]] = {s: {} for s in SECTION_KEYS}
         self.files: list[str] = []
@@ -167,20 +181,31 @@ class Registry:
             }
             for section in SECTION_KEYS
         }
-        for section, entries in parsed.items():
-            known = {**getattr(self, section), **self.unavailable[section]}
-            for name in entries:
-                if name in known:
-                    raise ValueError(
-                        f"{source}: {SINGULAR[section]} {name!r} is already defined in "
-                        f"{known[name].source}; give it another name"
-                    )
+        for sections in NAMESPACES:
+            known = {}
+            for section in sections:
+                for name in parsed[section]:
+                    earlier = self.entry(name, sections) or known.get(name)
+                    if earlier is not None:
+                        raise ValueError(
+                            f"{source}: {SINGULAR[section]} {name!r} is already defined in "
+                            f"{earlier.source}; give it another name"
+                        )
+                    known[name] = parsed[section][name]
         for section, entries in parsed.items():
             for name, entry in entries.items():
                 broken = isinstance(entry, Unavailable)
                 (self.unavailable[section] if broken else getattr(self, section))[name] = entry
         self.files.append(source)
         return [name for entries in parsed.values() for name in entries]
+
+    def entry(self, name: str, sections: tuple[str, ...]) -> Spec | Unavailable | None:
+        """The entry of that name in one of the sections, available or not."""
+        for section in sections:
+            found = getattr(self, section).get(name) or self.unavailable[section].get(name)
+            if found is not None:
+                return found
+        return None
 
 
 _registry: Registry | None = None
@@ -207,12 +232,39 @@ def load_registry(path: str | os.PathLike) -> list[str]:
 
 
 def list_variants(pattern: str = "*") -> list[str]:
-    """Variant names matching a glob, e.g. ``zoo.list_variants("*local*")``."""
+    """Variant names matching a glob, e.g. ``zoo.list_variants("*local*")``: the patterns, each
+    a set of pairs that softmax attention may use. ``list_mechanisms`` lists the mechanisms,
+    ``list_attention`` both: every name that ``variant=`` takes."""
     return sorted(fnmatch.filter(registry().variants, pattern))
 
 
+def list_mechanisms(pattern: str = "*") -> list[str]:
+    """Mechanism names matching a glob: attention computed differently (``zoo.mechanisms``)."""
+    return sorted(fnmatch.filter(registry().mechanisms, pattern))
+
+
+def list_attention(pattern: str = "*") -> list[str]:
+    """Every name ``variant=`` takes, variants and mechanisms, matching a glob."""
+    return sorted(list_variants(pattern) + list_mechanisms(pattern))
+
+
+def is_mechanism_name(name: object) -> bool:
+    """Whether a name is a registry mechanism (importable or not)."""
+    return isinstance(name, str) and registry().entry(name, ("mechanisms",)) is not None
+
+
+def get_mechanism_spec(name: str) -> MechanismSpec:
+    mechanisms = registry().mechanisms
+    if isinstance(name, str) and name in registry().unavailable["mechanisms"]:
+        raise registry().unavailable["mechanisms"][name].error()
+    if not isinstance(name, str) or name not in mechanisms:
+        raise ValueError(suggest("mechanism", str(name), mechanisms, "zoo.list_mechanisms()"))
+    return mechanisms[name]
+
+
 def unavailable(section: str = "variants") -> dict[str, Unavailable]:
-    """Entries of a section ("variants" or "positional") whose code does not import, by name."""
+    """Entries of a section ("variants", "mechanisms" or "positional") whose code does not
+    import, by name."""
     return dict(registry().unavailable[section])
 
 
@@ -220,8 +272,14 @@ def get_spec(name: str) -> VariantSpec:
     variants = registry().variants
     if isinstance(name, str) and name in registry().unavailable["variants"]:
         raise registry().unavailable["variants"][name].error()
+    if is_mechanism_name(name):
+        raise ValueError(
+            f"{name!r} is a mechanism (zoo.list_mechanisms()), computed differently rather than "
+            "masked: it has no pattern, mask or backend; zoo.get_mechanism_spec gives its entry"
+        )
     if not isinstance(name, str) or name not in variants:
-        raise ValueError(suggest("variant", str(name), variants, "zoo.list_variants()"))
+        known = [*variants, *registry().mechanisms]  # a misspelt mechanism gets its suggestion
+        raise ValueError(suggest("variant", str(name), known, "zoo.list_attention()"))
     return variants[name]
 
 

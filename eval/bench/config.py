@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 import zoo
-from zoo.checks import suggest
+from zoo.checks import check_parameters, suggest
 
 from ..harness.config import ConfigError
 from .impls import PEERS
@@ -54,16 +54,17 @@ def _unknown(source: str, key: str, index: int, kind: str, name: str, known, lis
 
 
 def expand_variants(config: BenchConfig, source: str) -> list[str]:
-    """Variant names, globs expanded (``*`` is every registered variant), in config order."""
+    """Variant and mechanism names, globs expanded (``*`` is every registered one), in config
+    order."""
     out: list[str] = []
-    known = zoo.list_variants()
+    known = zoo.list_attention()
     for i, name in enumerate(config.variants):
-        matched = zoo.list_variants(name) if any(ch in name for ch in "*?[") else [name]
+        matched = zoo.list_attention(name) if any(ch in name for ch in "*?[") else [name]
         if not matched:
             raise ConfigError(f"{source}: variants[{i}]: the glob {name!r} matches no variant")
         for variant in matched:
             if variant not in known:
-                listing = "zoo.list_variants()"
+                listing = "zoo.list_attention()"
                 message = _unknown(source, "variants", i, "variant", variant, known, listing)
                 raise ConfigError(message)
             if variant not in out:
@@ -117,13 +118,17 @@ def check_config(config: BenchConfig, source: str, extra_backends: dict | None =
     if config.device not in DEVICES:
         raise ConfigError(f"{source}: device must be auto, cpu or cuda, got {config.device!r}")
     for name, params in config.params.items():
-        if name not in zoo.list_variants():
-            unknown = suggest("variant", str(name), zoo.list_variants(), "zoo.list_variants()")
+        if name not in zoo.list_attention():
+            unknown = suggest("variant", str(name), zoo.list_attention(), "zoo.list_attention()")
             raise ConfigError(f"{source}: params: {unknown}")
         if not isinstance(params, dict):
             raise ConfigError(f"{source}: params: {name} must map parameter names to values")
         try:
-            zoo.get_spec(name).build(**params)
+            if name in zoo.list_mechanisms():
+                spec = zoo.get_mechanism_spec(name)
+                check_parameters(f"mechanism {name!r}", params, spec.parameters())
+            else:
+                zoo.get_spec(name).build(**params)
         except (TypeError, ValueError) as error:
             raise ConfigError(f"{source}: params: {name}: {error}") from error
     return variants

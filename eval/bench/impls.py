@@ -39,6 +39,8 @@ from zoo.backends import Backend, BlockedBackend, FlexBackend, resolve_backend
 from zoo.backends.base import repeat_kv
 from zoo.backends.xformers import grouped_layout
 from zoo.functional import prepare_call, resolve_pattern
+from zoo.mechanisms.call import is_mechanism
+from zoo.shape_cache import per_shape
 
 from .measure import CellSkip, timed_once
 
@@ -90,6 +92,9 @@ class Point:
             twin = Point(self.n, self.causal, self.backward, *leaves, self.grad_out.float(), False)
 
             def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+                if is_mechanism(variant):  # the same mechanism (same weights) in float32
+                    mechanism = bench_mechanism(variant, *_shape_key(params, q), q.device)
+                    return zoo.attention(q, k, v, variant=mechanism, causal=self.causal)
                 return zoo.attention(
                     q, k, v, variant=variant, backend="reference", causal=self.causal, **params
                 )
@@ -135,6 +140,41 @@ def block_density(backend: Backend, call) -> tuple[int | None, float]:
     return block, backend.scored_pairs(call) / (padded_q * padded_k)
 
 
+def _shape_key(params: dict, q: Tensor) -> tuple:
+    return tuple(sorted(params.items())), q.shape[1], q.shape[-1]
+
+
+@per_shape(16)
+def bench_mechanism(
+    name: str, params: tuple, heads: int, head_dim: int, device: torch.device
+) -> zoo.Mechanism:
+    """A mechanism as a module would hold it, its learned parameters (linformer's E and F) drawn
+    from a fixed seed: the timed cell and its reference check run the same weights."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        spec = zoo.get_mechanism_spec(name)
+        return spec.build(num_heads=heads, head_dim=head_dim, **dict(params)).to(device).eval()
+
+
+def mechanism_setup(impl: ZooImpl, point: Point) -> Prepared:
+    """A mechanism computes attention itself: only the "auto" backend runs it."""
+    if impl.backend != "auto":
+        reason = f"mechanism {impl.variant!r} has no backend; only backend auto runs it"
+        raise CellSkip("unsupported", reason)
+    try:
+        mechanism = bench_mechanism(impl.variant, *_shape_key(impl.params, point.q), point.device)
+        mechanism.check_call(
+            causal=point.causal, q_len=point.n, kv_len=point.n, padded=False, scaled=False
+        )
+    except (TypeError, ValueError) as error:
+        raise CellSkip("unsupported", str(error)) from error
+
+    def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return zoo.attention(q, k, v, variant=mechanism, causal=point.causal)
+
+    return Prepared(run, "mechanism", False, None, None, 1.0)
+
+
 @dataclass
 class ZooImpl:
     """A zoo backend by name ("auto" included) or instance, run through ``zoo.attention``."""
@@ -147,6 +187,8 @@ class ZooImpl:
 
     def setup(self, point: Point) -> Prepared:
         clear_zoo_caches()
+        if is_mechanism(self.variant):
+            return mechanism_setup(self, point)
 
         def build():
             try:

@@ -83,6 +83,8 @@ def backend_label(cells: Sequence[Cell]) -> str:
 
 def stated_complexity(variant: str) -> str:
     try:
+        if variant in zoo.list_mechanisms():
+            return zoo.get_mechanism_spec(variant).complexity or "-"
         return zoo.get_spec(variant).complexity or "-"
     except ValueError:
         return "-"

@@ -71,7 +71,7 @@ class RunConfig:
     # task name -> {model: {...}, train: {...}, train_lengths: [...], test_lengths: [...]}:
     # settings that differ by task (ListOps' learning rate and its 2000-token sequences)
     task_settings: dict[str, dict] = field(default_factory=dict)
-    variants: list[str] = field(default_factory=lambda: ["full"])
+    variants: list[str] = field(default_factory=lambda: ["full"])  # or mechanisms, by name
     variant_params: dict[str, dict] = field(default_factory=dict)  # variant -> overrides
     encodings: list[str] = field(default_factory=lambda: ["learned"])
     encoding_params: dict[str, dict] = field(default_factory=dict)  # encoding -> overrides
@@ -80,6 +80,9 @@ class RunConfig:
     seeds: list[int] = field(default_factory=lambda: [0])
     causal: bool = False
     backend: str = "auto"
+    # cells left out of the product, each a mapping of task / variant / encoding that a cell
+    # must all match: {variant: linear, encoding: alibi} (a mechanism takes no score bias)
+    exclude: list[dict] = field(default_factory=list)
     device: str = "auto"
     out: str = "eval/results/{name}"
     save_checkpoints: bool = False  # <out>/checkpoints/<cell key>.pt, for attention maps
@@ -91,7 +94,7 @@ def check_names(config: RunConfig, source: str) -> None:
     """Every task, variant and encoding named in the config exists; errors name the key."""
     for key, names, known in (
         ("tasks", config.tasks, list_tasks()),
-        ("variants", config.variants, zoo.list_variants()),
+        ("variants", config.variants, zoo.list_attention()),
         ("encodings", config.encodings, zoo.list_encodings()),
     ):
         for i, name in enumerate(names):
@@ -99,7 +102,7 @@ def check_names(config: RunConfig, source: str) -> None:
                 raise ConfigError(f"{source}: {key}[{i}]: {suggest(key[:-1], name, known, key)}")
     for key, table, known in (
         ("task_params", config.task_params, list_tasks()),
-        ("variant_params", config.variant_params, zoo.list_variants()),
+        ("variant_params", config.variant_params, zoo.list_attention()),
         ("encoding_params", config.encoding_params, zoo.list_encodings()),
     ):
         for name in table:
@@ -123,6 +126,18 @@ def check_names(config: RunConfig, source: str) -> None:
         for section in set(settings) - {"model", "train", "train_lengths", "test_lengths"}:
             known = "model, train, train_lengths, test_lengths"
             raise ConfigError(f"{where}: unknown key {section!r} (known keys: {known})")
+    known_by_key = {"task": list_tasks(), "variant": zoo.list_attention()}
+    known_by_key["encoding"] = zoo.list_encodings()
+    for i, rule in enumerate(config.exclude):
+        if not isinstance(rule, dict) or not rule or set(rule) - set(known_by_key):
+            raise ConfigError(
+                f"{source}: exclude[{i}]: a mapping of task, variant and/or encoding names, "
+                f"got {rule!r}"
+            )
+        for key, name in rule.items():
+            if name not in known_by_key[key]:
+                message = suggest(key, str(name), known_by_key[key], f"{key}s")
+                raise ConfigError(f"{source}: exclude[{i}]: {message}")
     if config.train.batch_size < 1 or config.train.steps < 1:
         raise ConfigError(f"{source}: train.steps and train.batch_size must be positive")
 
@@ -137,6 +152,9 @@ def cells(config: RunConfig) -> list[dict[str, Any]]:
         for train_len, variant, encoding, seed in itertools.product(
             train_lengths, config.variants, config.encodings, config.seeds
         ):
+            names = {"task": task, "variant": variant, "encoding": encoding}
+            if any(all(names[k] == v for k, v in rule.items()) for rule in config.exclude):
+                continue
             out.append(
                 make_cell(config, task, settings, train_len, test_lengths, variant, encoding, seed)
             )

@@ -1,0 +1,187 @@
+"""Properties of the mechanisms that their papers state (zoo/mechanisms/), and the module path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import random_qkv
+from test_mechanisms import MECHANISMS, build
+
+import zoo
+from zoo.mechanisms.kernel import feature_attention
+from zoo.mechanisms.nystrom import newton_schulz_pinv, nystrom_attention
+from zoo.mechanisms.performer import orthogonal_features, positive_features
+
+
+def recurrent(phi_q, phi_k, v):
+    """The causal recurrent form (Lq = Lk): running S = Σ φ(k_j) v_jᵀ and z = Σ φ(k_j)."""
+    state = torch.zeros(*phi_k.shape[:2], phi_k.shape[-1], v.shape[-1], dtype=v.dtype)
+    norm = torch.zeros(*phi_k.shape[:2], phi_k.shape[-1], dtype=v.dtype)
+    out = []
+    for i in range(phi_q.shape[2]):
+        state = state + phi_k[:, :, i, :, None] * v[:, :, i, None, :]
+        norm = norm + phi_k[:, :, i]
+        num = torch.einsum("bhm,bhmd->bhd", phi_q[:, :, i], state)
+        out.append(num / torch.einsum("bhm,bhm->bh", phi_q[:, :, i], norm)[..., None])
+    return torch.stack(out, dim=2)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 16, 64])
+def test_chunked_causal_equals_recurrent(chunk_size):
+    """The chunked form (any chunk, lengths not multiples of it) is the recurrent form, to
+    float32 precision: within a few ulps of the float64 recurrence, as the fp32 recurrence is."""
+    q, k, v = (t.detach() for t in random_qkv(2, 2, 45, 45, seed=3))
+    for phi in (
+        lambda x: F.elu(x) + 1,
+        lambda x: positive_features(x, orthogonal_features(24, 16, 0).float(), 0.25),
+    ):
+        phi_q, phi_k = phi(q), phi(k)
+        exact = recurrent(phi_q.double(), phi_k.double(), v.double())
+        fp32 = recurrent(phi_q, phi_k, v)
+        chunked = feature_attention(phi_q, phi_k, v, causal=True, chunk_size=chunk_size)
+        budget = 2 * (fp32.double() - exact).abs().max().item() + 1e-6
+        assert (chunked.double() - exact).abs().max().item() <= budget
+
+
+def test_causal_lq_longer_than_lk_gives_zeros_before_the_first_key():
+    q, k, v = (t.detach() for t in random_qkv(1, 2, 20, 12, seed=4))
+    out = zoo.attention(q, k, v, variant="linear", causal=True)
+    assert torch.equal(out[:, :, :8], torch.zeros_like(out[:, :, :8]))
+    assert out[:, :, 8:].abs().amax() > 0
+
+
+def test_performer_kernel_estimate_is_unbiased():
+    """The mean of φ(q)·φ(k) over 2000 draws of W is exp(s·q·k) within 3%, while one draw is off
+    by far more: the average, not luck, makes it right (Q's signs unfixed gave 14%)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 8, generator=generator, dtype=torch.float64) * 0.3
+    exact = torch.exp(x @ x.T / 8**0.5)
+    draws = []
+    for seed in range(2000):
+        phi = positive_features(x, orthogonal_features(8, 8, seed), 8**-0.5)
+        draws.append(phi @ phi.T)
+    draws = torch.stack(draws)
+    mean_error = ((draws.mean(0) - exact).abs() / exact).max().item()
+    one_draw_error = ((draws - exact).abs() / exact).amax(dim=(1, 2)).median().item()
+    assert mean_error < 0.03 and one_draw_error > 0.3
+
+
+def test_performer_error_against_softmax_falls_with_more_features():
+    q, k, v = (t.detach().double() * 0.5 for t in random_qkv(1, 2, 64, 64, head_dim=8, seed=5))
+    exact = torch.softmax(q @ k.transpose(-1, -2) / 8**0.5, -1) @ v
+    errors = []
+    for m in (8, 64, 2048):
+        per_seed = [
+            (zoo.attention(q, k, v, variant="performer", num_features=m, seed=s) - exact)
+            .abs()
+            .mean()
+            for s in range(4)
+        ]
+        errors.append(torch.stack(per_seed).mean().item())
+    assert errors[0] > errors[1] > errors[2]
+    assert errors[2] < errors[0] / 5  # about 1/sqrt(m): 16x fewer from 8 to 2048 features
+
+
+def test_nystrom_with_a_landmark_per_token_and_an_exact_inverse_is_softmax_attention():
+    q, k, v = (t.detach().double() for t in random_qkv(2, 2, 24, 24, seed=6))
+    exact = torch.softmax(q @ k.transpose(-1, -2) / 4, -1) @ v
+    out = nystrom_attention(q, k, v, num_landmarks=24, scale=1 / 4, inverse=torch.linalg.pinv)
+    assert (out - exact).abs().max() < 1e-9
+    # the iterative inverse converges to the same: with enough iterations, the same output
+    many = zoo.attention(q, k, v, variant="nystrom", num_landmarks=24, pinv_iterations=40)
+    assert (many - exact).abs().max() < 1e-8
+
+
+def test_newton_schulz_converges_to_the_pseudo_inverse():
+    generator = torch.Generator().manual_seed(7)
+    a = torch.softmax(torch.randn(3, 8, 8, generator=generator, dtype=torch.float64) * 2, -1)
+    exact = torch.linalg.pinv(a)
+    errors = [(newton_schulz_pinv(a, n) - exact).abs().max().item() for n in (2, 6, 12, 30)]
+    assert errors == sorted(errors, reverse=True) and errors[-1] < 1e-9
+
+
+def test_linformer_with_identity_projections_is_full_attention():
+    q, k, v = random_qkv(2, 2, 32, 32, seed=8)
+    mech = build("linformer", proj_len=32, max_len=32).float()
+    with torch.no_grad():
+        mech.key_proj.copy_(torch.eye(32))
+        mech.value_proj.copy_(torch.eye(32))
+    out = zoo.attention(q, k, v, variant=mech)
+    exact = zoo.attention(q, k, v, variant="full", backend="reference")
+    torch.testing.assert_close(out, exact, atol=1e-6, rtol=1e-5)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    exact_grads = torch.autograd.grad(exact.sum(), (q, k, v))
+    for got, want in zip(grads, exact_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", MECHANISMS)
+def test_padded_keys_contribute_nothing(name):
+    """Other values at padded keys change no output, and get zero gradient; a sequence with
+    every key padded gets zeros (not NaN)."""
+    mech = build(name).float()
+    q, k, v = (t.detach() for t in random_qkv(2, 2, 24, 24, seed=9))
+    mask = torch.zeros(2, 24, dtype=torch.bool)
+    mask[0, 10:] = True
+    mask[1] = True
+    noisy_k, noisy_v = k.clone(), v.clone()
+    noisy_k[:, :, 10:] = 50 * torch.randn_like(k[:, :, 10:])
+    noisy_v[:, :, 10:] = float("nan")
+    noisy_k, noisy_v = noisy_k.requires_grad_(), noisy_v.requires_grad_()
+    out = zoo.attention(q, k, v, variant=mech, key_padding_mask=mask)
+    noisy = zoo.attention(q, noisy_k, noisy_v, variant=mech, key_padding_mask=mask)
+    torch.testing.assert_close(noisy, out)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    grads = torch.autograd.grad(noisy.sum(), (noisy_k, noisy_v))
+    for grad in grads:
+        assert torch.equal(grad[0, :, 10:], torch.zeros_like(grad[0, :, 10:]))
+        assert torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("name", MECHANISMS)
+def test_rope_turns_q_and_k_before_the_mechanism(name):
+    mech = build(name).float()
+    q, k, v = (t.detach() for t in random_qkv(1, 2, 20, 20, seed=10))
+    rope = zoo.build_encoding("rope", dim=32, num_heads=2)
+    positions = torch.arange(20)
+    q_rot, k_rot = rope.rotate(q, k, positions, positions)
+    torch.testing.assert_close(
+        zoo.attention(q, k, v, variant=mech, pos="rope"),
+        zoo.attention(q_rot, k_rot, v, variant=mech),
+    )
+
+
+@pytest.mark.parametrize("name", MECHANISMS)
+def test_module_trains_with_each_mechanism(name):
+    """create_attention by name: forward with valid_lens, finite gradients for every parameter
+    (linformer's E and F included), the mechanism's parameters in the state dict."""
+    params = {"max_len": 64} if name == "linformer" else {}
+    causal = zoo.get_mechanism_spec(name).mechanism_class().causal
+    torch.manual_seed(0)
+    module = zoo.create_attention(name, dim=32, num_heads=2, causal=causal, pos="rope", **params)
+    x = torch.randn(2, 40, 32)
+    out = module(x, valid_lens=torch.tensor([40, 25]))
+    out.square().mean().backward()
+    for pname, p in module.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), pname
+    learned = {n for n, _ in module.mechanism.named_parameters()}
+    assert {f"mechanism.{n}" for n in learned} <= set(module.state_dict())
+    assert bool(learned) == (name == "linformer")
+
+
+def test_performer_redraws_its_features_every_interval_in_training_only():
+    module = zoo.create_attention("performer", dim=32, num_heads=2, redraw_interval=2)
+    x = torch.randn(1, 8, 32)
+    first = module.mechanism.projection.clone()
+    module.eval()
+    for _ in range(5):
+        module(x)
+    assert torch.equal(module.mechanism.projection, first)
+    module.train()
+    module(x), module(x)
+    assert torch.equal(module.mechanism.projection, first)
+    module(x)  # the third training call starts a new interval with a new draw
+    assert not torch.equal(module.mechanism.projection, first)
+    again = zoo.create_attention("performer", dim=32, num_heads=2, seed=0).mechanism.projection
+    assert torch.equal(again, first)  # one seed, one draw
