@@ -204,6 +204,17 @@ def test_a_cache_needs_a_causal_module():
         zoo.create_attention("sliding_window", dim=16, num_heads=2).new_cache(1, 8)
 
 
+def test_a_mechanism_gets_no_cache_by_either_door():
+    """Linear and low-rank mechanisms form no masked scores to cache: refused, by name."""
+    module = zoo.create_attention("linear", dim=16, num_heads=2, causal=True)
+    with pytest.raises(ValueError, match="'linear' is a mechanism"):
+        module.new_cache(1, 8)
+    q = torch.randn(1, 2, 4, 8)
+    cache = zoo.new_cache("causal", batch_size=1, max_len=8, num_kv_heads=2, head_dim=8)
+    with pytest.raises(ValueError, match="'linear' is a mechanism"):
+        zoo.attention(q, q, q, variant="linear", causal=True, cache=cache)
+
+
 @pytest.mark.parametrize("encoding", ["sinusoidal", "rope"])
 def test_harness_model_generates_what_it_computes_teacher_forced(encoding):
     from eval.harness.model import SequenceModel
