@@ -8,7 +8,9 @@ from .block_local import BlockLocal
 from .compose import Difference, Intersection, Union
 from .full import Causal, Full
 from .global_tokens import Global
+from .grid import Tiles
 from .local import Local
+from .neighborhood import Neighborhood2D, neighborhood_2d
 from .random_blocks import Random, RandomBlocks
 from .registry import build_family, list_families, register_pattern, resolve_family
 from .strided import Residue, dilated, strided
@@ -24,15 +26,18 @@ __all__ = [
     "Global",
     "Intersection",
     "Local",
+    "Neighborhood2D",
     "Pattern",
     "Random",
     "RandomBlocks",
     "Residue",
     "Spans",
+    "Tiles",
     "Union",
     "build_family",
     "dilated",
     "list_families",
+    "neighborhood_2d",
     "query_positions",
     "register_pattern",
     "resolve_family",
