@@ -3,8 +3,10 @@
 Importing this package registers the built-in families; ``register_pattern`` adds a user's own.
 """
 
+from .axial import Axial2D, axial_2d
 from .base import EMPTY, FULL, PARTIAL, Pattern, Spans, query_positions
 from .block_local import BlockLocal
+from .block_local_2d import BlockLocal2D, block_local_2d
 from .compose import Difference, Intersection, Union
 from .full import Causal, Full
 from .global_tokens import Global
@@ -19,7 +21,9 @@ __all__ = [
     "EMPTY",
     "FULL",
     "PARTIAL",
+    "Axial2D",
     "BlockLocal",
+    "BlockLocal2D",
     "Causal",
     "Difference",
     "Full",
@@ -34,6 +38,8 @@ __all__ = [
     "Spans",
     "Tiles",
     "Union",
+    "axial_2d",
+    "block_local_2d",
     "build_family",
     "dilated",
     "list_families",

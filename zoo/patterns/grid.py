@@ -124,6 +124,16 @@ class GridPattern(Pattern):
         return box_of(q, width), box_of(k, width)
 
 
+def crop_queries(rows: Tensor, cols: Tensor, q_len: int) -> Tensor:
+    """The [q_len, H * W] mask of ``rows`` [H, H] and ``cols`` [W, W] (a key allowed on both
+    axes), for q_len bottom-right aligned queries; rows of off-grid queries allow nothing."""
+    h, w = rows.shape[0], cols.shape[0]
+    mask = (rows[:, None, :, None] & cols[None, :, None, :]).reshape(h * w, h * w)
+    if q_len <= h * w:
+        return mask[h * w - q_len :]
+    return torch.cat([mask.new_zeros(q_len - h * w, h * w), mask])
+
+
 def check_grid(grid: object) -> tuple[int, int] | None:
     """``grid`` as an (H, W) pair of positive ints, or None (a square grid from the length)."""
     if grid is None:

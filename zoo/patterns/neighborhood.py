@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from .base import Spans, state_from
-from .grid import GridPattern, int_pair, on_grid, single_class
+from .grid import GridPattern, crop_queries, int_pair, on_grid, single_class
 from .registry import register_pattern
 
 
@@ -144,17 +144,7 @@ class Neighborhood2D(GridPattern):
     def dense(self, q_len: int, kv_len: int) -> Tensor:
         (h, kh, dh, ch), (w, kw, dw, cw) = self._axes()
         rows, cols = axis_dense(h, kh, dh, ch), axis_dense(w, kw, dw, cw)
-        grid = (rows[:, None, :, None] & cols[None, :, None, :]).reshape(kv_len, kv_len)
-        return crop_queries(grid, q_len)
-
-
-def crop_queries(mask: Tensor, q_len: int) -> Tensor:
-    """The rows of a [kv_len, kv_len] grid mask for q_len bottom-right aligned queries (rows of
-    off-grid queries, at negative positions, allow nothing)."""
-    kv_len = mask.shape[0]
-    if q_len <= kv_len:
-        return mask[kv_len - q_len :]
-    return torch.cat([mask.new_zeros(q_len - kv_len, kv_len), mask])
+        return crop_queries(rows, cols, q_len)
 
 
 @register_pattern("neighborhood_2d")
