@@ -104,9 +104,11 @@ class Intersection(Pattern):
 
     @property
     def stride(self) -> int:  # type: ignore[override]
-        # Sparse in any member's order; the last by ``order_key`` (the largest stride, or a grid's
-        # tiles, where a 2-D window meets the call's causal mask).
-        return max((child.stride for child in self.children), key=order_key)
+        # Sparse in any member's order: a grid's tiles (where a 2-D window meets the call's
+        # causal mask), else the largest stride. No max(key=): traced code reads this too.
+        orders = [child.stride for child in self.children]
+        tiles = [order for order in orders if not isinstance(order, int)]
+        return tiles[0] if tiles else max(orders)
 
     def allowed(self, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
         return reduce(torch.logical_and, (c.allowed(q_pos, kv_pos) for c in self.children))
