@@ -19,6 +19,7 @@ FLOOR = 1e-6
 # Small values for the registry's parameters, chosen by parameter name so that tests generated from
 # the registry see sparse patterns at lengths of ~100 (the defaults are sized for thousands).
 SMALL = {"window_size": 7, "block_size": 16, "stride": 9, "dilation": 3}
+GRID_SMALL = {"kernel_size": 3, "dilation": 1, "window_size": 3}
 
 HAS_CUDA = torch.cuda.is_available()
 _NO_GPU = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU; this machine has none")
@@ -34,6 +35,10 @@ def small_params(variant: str) -> dict[str, object]:
     small = {k: v for k, v in SMALL.items() if k in params}
     if "dilation" in small and "window_size" in small:
         small["window_size"] = 4  # a dilated window of 4 keys, 3 apart, spans 12 on each side
+    if "grid" in params:
+        # 2-D patterns: grid=None takes the most nearly square grid of each test's length (70:
+        # 7 x 10), which a kernel of 3 fits; a prime length (1 x 37) fits no 2-D kernel.
+        small.update({k: v for k, v in GRID_SMALL.items() if k in params})
     return small
 
 

@@ -233,7 +233,7 @@ def test_unknown_key_in_the_file_names_the_file(tmp_path, capsys):
 
 
 def test_shipped_configs_load_and_check():
-    for name in ("bench.yaml", "bench_cpu.yaml"):
+    for name in ("bench.yaml", "bench_cpu.yaml", "bench_grid.yaml", "bench_grid_cpu.yaml"):
         path = str(bench.CONFIGS / name)
         config = load_config(BenchConfig, path, [])
         assert bench.check_config(config, path)

@@ -27,6 +27,8 @@ from torch import Tensor
 
 from .frames import Axis, Frame, build_frame
 from .patterns.base import EMPTY, FULL, PARTIAL, Pattern, query_positions
+from .patterns.compose import order_key
+from .patterns.grid import Tiles
 
 CPU = torch.device("cpu")
 LENGTHS = (37, 100, 300, 600)
@@ -246,16 +248,19 @@ def _check_shape(p: Pattern, q_len: int, kv_len: int, blocks, fail) -> None:
     pieces = [(p, truth, 1, "")] if len(parts) > 1 or parts[0] is not p else []
     for n, (part, part_truth) in enumerate(zip(parts, part_truths, strict=True), start=1):
         stride = part.stride
-        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
-            raise fail(f"stride must be a positive int, got {stride!r}", disagree=False)
+        if not isinstance(stride, Tiles) and (
+            isinstance(stride, bool) or not isinstance(stride, int) or stride < 1
+        ):
+            raise fail(f"stride must be a positive int or Tiles, got {stride!r}", disagree=False)
         name = "" if part is p else f"part {n} of {len(parts)} ({_short(part, 60)}) "
-        for s in sorted({1, stride, OTHER_STRIDE}):
+        for s in sorted({1, stride, OTHER_STRIDE}, key=order_key):
             pieces.append((part, part_truth, s, name))
-    sums: dict[tuple[int, int], Tensor] = {}  # prefix sums per (piece, stride), see below
+    sums: dict[tuple, Tensor] = {}  # prefix sums per (piece, stride), see below
     for bq, bk in blocks:
         for part, part_truth, stride, name in pieces:
             frame = build_frame(stride, q_len, kv_len, bq, bk, CPU)
-            key = (id(part_truth), stride)
+            # A tiled order depends on the block size too (each block is a tile).
+            key = (id(part_truth), stride, (bq, bk) if isinstance(stride, Tiles) else None)
             if key not in sums:
                 sums[key] = _prefix_sums(part_truth, frame)
             _check_blocks(part, part_truth, sums[key], frame, name, fail)
@@ -327,6 +332,8 @@ def _check_blocks(part, truth, sums: Tensor, frame: Frame, name: str, fail) -> N
     qb, kb = torch.nonzero(wrong)[0].tolist()
     claim = STATES[int(state[qb, kb])]
     order = "" if frame.stride == 1 else f", in the stride-{frame.stride} token order"
+    if isinstance(frame.stride, Tiles):
+        order = f", in the tiled token order {frame.stride}"
     if frame.stride not in (1, part.stride):
         order += f" (where a union or intersection with a stride-{frame.stride} pattern runs it)"
     block = f"block {q.block}" if q.block == k.block else f"blocks {q.block}x{k.block}"

@@ -7,7 +7,8 @@ padded to whole blocks), which turns strided and dilated patterns into dense or 
 
     positions 0..7, stride 2, blocks of 2:   slots [0 2 | 4 6 | 1 3 | 5 7]
 
-Padding slots are marked invalid; masks exclude them and outputs drop them.
+Padding slots are marked invalid; masks exclude them and outputs drop them. A frame's order is an
+int stride, or a ``Tiles`` order of a grid (``zoo.tiles``), in which 2-D patterns are sparse.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import torch
 from torch import Tensor
 
 from .patterns.base import Spans
+from .patterns.grid import Tiles
 from .shape_cache import per_shape
+from .tiles import block_boxes, tiled_slots
 
 _FAR = 2**62  # larger than any position; marks the bounds of blocks with no valid slot
 
@@ -34,6 +37,7 @@ class Axis:
     slot_of: Tensor  # [length] the slot of each original token
     block: int
     step: int
+    tiles: Tiles | None = None  # the grid order whose tiles the blocks are, if any
 
     @property
     def slots(self) -> int:
@@ -46,7 +50,7 @@ class Axis:
     @property
     def identity(self) -> bool:
         """Slot t holds token t (only padding added at the end)."""
-        return self.step == 1
+        return self.step == 1 and self.tiles is None
 
     def spans(self) -> Spans:
         """The progression of valid positions in each block."""
@@ -54,7 +58,8 @@ class Axis:
         valid = self.valid.view(-1, self.block)
         lo = torch.where(valid, pos, _FAR).amin(dim=1)
         hi = torch.where(valid, pos, -_FAR).amax(dim=1)
-        return Spans(lo, hi, self.step, valid.all(dim=1))
+        box = None if self.tiles is None else block_boxes(self.tiles, pos, valid, self.block)
+        return Spans(lo, hi, self.step, valid.all(dim=1), box)
 
     def gather(self, x: Tensor, dim: int = -2) -> Tensor:
         """Tokens of ``x`` (original order along ``dim``) placed into this frame's slots."""
@@ -74,8 +79,10 @@ class Axis:
         return x.index_select(dim, self.slot_of)
 
 
-def _axis(length: int, start: int, stride: int, block: int, device: torch.device) -> Axis:
-    """Positions start .. start + length - 1 regrouped by position mod ``stride``."""
+def _axis(length: int, start: int, stride: int | Tiles, block: int, device: torch.device) -> Axis:
+    """Positions start .. start + length - 1 regrouped by position mod ``stride``, or in tiles."""
+    if isinstance(stride, Tiles):
+        return Axis(length, *tiled_slots(stride, length, start, block, device), block, 1, stride)
     if stride == 1:
         slots = -(-length // block) * block
         t = torch.arange(slots, device=device)
@@ -100,12 +107,12 @@ class Frame:
 
     q: Axis
     k: Axis
-    stride: int
+    stride: int | Tiles
 
 
 @per_shape(maxsize=256)
 def build_frame(
-    stride: int, q_len: int, kv_len: int, block_q: int, block_k: int, device: torch.device
+    stride: int | Tiles, q_len: int, kv_len: int, block_q: int, block_k: int, device: torch.device
 ) -> Frame:
     """The frame of ``stride`` for these lengths, with queries aligned to the keys' end."""
     return Frame(

@@ -79,9 +79,13 @@ def draw_pattern(
 
     figure = Figure(figsize=FIGSIZE)
     axes = figure.add_subplot()
-    axes.imshow(mask.numpy(), cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
-    axes.set_xlabel("key position j")
-    axes.set_ylabel("query position i")
+    grid = _grid_of(spec.build(**params), seq_len)
+    if grid is None:
+        axes.imshow(mask.numpy(), cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
+        axes.set_xlabel("key position j")
+        axes.set_ylabel("query position i")
+    else:
+        _draw_on_grid(axes, mask, grid)
     shape = f"n={seq_len}" + (", causal" if causal else "")
     title = [
         f"{name} ({shape}): density {density:.1%}",
@@ -90,6 +94,28 @@ def draw_pattern(
     axes.set_title(_title(title), fontsize=10)
     figure.tight_layout()  # lays out within the fixed canvas; the pixel size does not change
     return _save(figure, path)
+
+
+def _grid_of(pattern, seq_len: int) -> tuple[int, int] | None:
+    """The (H, W) of a 2-D pattern at this length, or None for a sequence pattern."""
+    from .patterns.grid import GridPattern
+
+    if not isinstance(pattern, GridPattern):
+        return None
+    return pattern.specialize(seq_len, seq_len).grid
+
+
+def _draw_on_grid(axes, mask: Tensor, grid: tuple[int, int]) -> None:
+    """The keys of two queries drawn on the image, not the n x n matrix: the centre token (grey)
+    and the top-left corner (black; a window there shifts inward), each query marked by a dot."""
+    h, w = grid
+    centre, corner = (h // 2) * w + w // 2, 0
+    image = mask[centre].float().view(h, w) + 2 * mask[corner].float().view(h, w)
+    axes.imshow(image.clamp(max=2).numpy(), cmap="Greys", vmin=0, vmax=2, interpolation="nearest")
+    for query, colour in ((centre, "tab:red"), (corner, "tab:blue")):
+        axes.plot(query % w, query // w, "o", color=colour, markersize=4)
+    axes.set_xlabel(f"column (grid {h} x {w}; keys of the red and the blue query)")
+    axes.set_ylabel("row")
 
 
 def draw_attention(

@@ -8,7 +8,9 @@ Block masks are cached per pattern and shape; a key padding mask makes the layou
 (wholly padded key blocks are skipped, partly padded ones masked).
 
 Strided and dilated patterns run here in the natural token order, where their blocks are dense;
-the ``blocked`` backend runs them in their regrouped order.
+the ``blocked`` backend runs them in their regrouped order. A 2-D pattern of one part runs in its
+grid's tiled order (``zoo.tiles``): q, k and v are gathered into tiles, the mask_mod reads each
+slot's position, and the output is scattered back to the caller's order.
 
 Whole blocks on CPU. Compiled FlexAttention on CPU (torch 2.13) returned wrong values or NaN at
 lengths that are not a multiple of 16, differently from one process to the next (see
@@ -28,7 +30,7 @@ from ..call import AttentionCall
 from ..checks import check_int
 from ..frames import Frame, build_frame
 from ..layout import build_layout, used_first
-from ..patterns import EMPTY, FULL, PARTIAL, Pattern
+from ..patterns import EMPTY, FULL, PARTIAL, Pattern, Tiles
 from ..shape_cache import per_shape
 from .base import FLOATS, Backend, Capabilities
 
@@ -74,8 +76,27 @@ def flex_block_tensors(state: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return (*ordered(state == PARTIAL), *ordered(state == FULL))
 
 
+def flex_frame(pattern: Pattern, q_len: int, kv_len: int, block: int, device) -> Frame:
+    """The natural order, or the tiled order of a 2-D pattern of one part (blocks are tiles)."""
+    order = pattern.stride if isinstance(pattern.stride, Tiles) and len(pattern.parts()) == 1 else 1
+    return build_frame(order, q_len, kv_len, block, block, device)
+
+
+def _slot_mask(pattern: Pattern, frame: Frame, q_len: int, kv_len: int):
+    """The mask_mod on the frame's slots: the pattern's own in the natural order; in a tiled
+    order, the pattern at each slot's position, padding slots left out."""
+    if frame.q.identity and frame.k.identity:
+        return pattern.mask_mod(q_len, kv_len)
+    q_pos, k_pos, k_valid = frame.q.position, frame.k.position, frame.k.valid
+
+    def tiled_mask(b, h, q_idx, kv_idx):
+        return pattern.allowed(q_pos[q_idx], k_pos[kv_idx]) & k_valid[kv_idx]
+
+    return tiled_mask
+
+
 def _seq_lengths(frame: Frame, whole_blocks: bool) -> tuple[int, int]:
-    if whole_blocks:
+    if whole_blocks or not frame.q.identity:
         return frame.q.slots, frame.k.slots
     return frame.q.length, frame.k.length
 
@@ -91,10 +112,10 @@ def _pattern_block_mask(
 ):
     """The block mask of a pattern; with ``whole_blocks`` for q, k and v padded to whole blocks
     (the frame's slots), whose padded keys the mask_mod leaves out."""
-    frame = build_frame(1, q_len, kv_len, block, block, device)
+    frame = flex_frame(pattern, q_len, kv_len, block, device)
     state = build_layout(pattern, frame).state[None]
-    mask_mod = pattern.mask_mod(q_len, kv_len)
-    if whole_blocks and frame.k.slots != kv_len:
+    mask_mod = _slot_mask(pattern, frame, q_len, kv_len)
+    if whole_blocks and frame.k.identity and frame.k.slots != kv_len:
         pattern_mask = mask_mod
         # A tensor, not an int: dynamo would specialize on an int and recompile for every length.
         length = torch.tensor(kv_len, device=device)
@@ -114,14 +135,14 @@ def _padded_block_mask(call: AttentionCall, block: int, whole_blocks: bool = Fal
     """A per-sequence block mask: key blocks all padding are skipped, partly padded ones masked.
     Keys past the sequence are padding slots of the frame, so ``whole_blocks`` needs nothing more.
     """
-    frame = build_frame(1, call.q_len, call.kv_len, block, block, call.device)
+    frame = flex_frame(call.pattern, call.q_len, call.kv_len, block, call.device)
     state = build_layout(call.pattern, frame).state
     keep = frame.k.gather(~call.key_padding_mask[:, :, None])[..., 0]  # (B, slots); False: padding
     by_block = keep.view(keep.shape[0], -1, block)
     any_kept, all_kept = by_block.any(-1)[:, None, :], by_block.all(-1)[:, None, :]
     state = torch.where(all_kept, state, torch.clamp(state, max=PARTIAL))
     state = torch.where(any_kept, state, EMPTY)
-    pattern_mask = call.pattern.mask_mod(call.q_len, call.kv_len)
+    pattern_mask = _slot_mask(call.pattern, frame, call.q_len, call.kv_len)
 
     def padded_mask(b, h, q_idx, kv_idx):
         return pattern_mask(b, h, q_idx, kv_idx) & keep[b, kv_idx]
@@ -174,24 +195,25 @@ class FlexBackend(Backend):
         return _padded_block_mask(call, self.block_size, whole)
 
     def scored_pairs(self, call: AttentionCall) -> int:
-        frame = build_frame(
-            1, call.q_len, call.kv_len, self.block_size, self.block_size, call.device
-        )
+        frame = flex_frame(call.pattern, call.q_len, call.kv_len, self.block_size, call.device)
         return build_layout(call.pattern, frame).computed_blocks * self.block_size**2
 
     def forward(self, call: AttentionCall) -> tuple[Tensor, None]:
         score_mod = None
+        frame = flex_frame(call.pattern, call.q_len, call.kv_len, self.block_size, call.device)
         if call.bias is not None:
             bias, offset = call.bias, call.kv_len - call.q_len
+            q_pos, k_pos = frame.q.position, frame.k.position
 
             def positional_bias(score, b, h, q_idx, kv_idx):
                 return score + bias(h, q_idx + offset, kv_idx).to(score.dtype)
 
-            score_mod = positional_bias
+            def tiled_bias(score, b, h, q_idx, kv_idx):
+                return score + bias(h, q_pos[q_idx], k_pos[kv_idx]).to(score.dtype)
+
+            score_mod = positional_bias if frame.q.identity else tiled_bias
         q, k, v = call.q, call.k, call.v
-        if self.whole_blocks(call):
-            frame = build_frame(1, call.q_len, call.kv_len, self.block_size, self.block_size,
-                                call.device)  # fmt: skip
+        if self.whole_blocks(call) or not frame.q.identity:
             q, k, v = frame.q.gather(q), frame.k.gather(k), frame.k.gather(v)
             if torch.compiler.is_compiling():
                 # Inductor's CPU lowering of the kernel reads q's layout as that of a stored
@@ -202,4 +224,6 @@ class FlexBackend(Backend):
             q, k, v, score_mod=score_mod, block_mask=self.block_mask(call), scale=call.scale,
             enable_gqa=call.groups > 1,  # k and v shared by each group of query heads, not copied
         )  # fmt: skip
+        if not frame.q.identity:
+            return frame.q.scatter(out), None
         return out[..., : call.q_len, :], None

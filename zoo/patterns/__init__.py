@@ -3,12 +3,16 @@
 Importing this package registers the built-in families; ``register_pattern`` adds a user's own.
 """
 
+from .axial import Axial2D, axial_2d
 from .base import EMPTY, FULL, PARTIAL, Pattern, Spans, query_positions
 from .block_local import BlockLocal
+from .block_local_2d import BlockLocal2D, block_local_2d
 from .compose import Difference, Intersection, Union
 from .full import Causal, Full, made_causal
 from .global_tokens import Global
+from .grid import Tiles
 from .local import Local
+from .neighborhood import Neighborhood2D, neighborhood_2d
 from .random_blocks import Random, RandomBlocks
 from .registry import build_family, list_families, register_pattern, resolve_family
 from .strided import Residue, dilated, strided
@@ -17,23 +21,30 @@ __all__ = [
     "EMPTY",
     "FULL",
     "PARTIAL",
+    "Axial2D",
     "BlockLocal",
+    "BlockLocal2D",
     "Causal",
     "Difference",
     "Full",
     "Global",
     "Intersection",
     "Local",
+    "Neighborhood2D",
     "Pattern",
     "Random",
     "RandomBlocks",
     "Residue",
     "Spans",
+    "Tiles",
     "Union",
+    "axial_2d",
+    "block_local_2d",
     "build_family",
     "dilated",
     "list_families",
     "made_causal",
+    "neighborhood_2d",
     "query_positions",
     "register_pattern",
     "resolve_family",

@@ -43,22 +43,47 @@ class Spans:
     Tensors have one entry per block and broadcast against each other (queries as a column, keys as
     a row). A block with no valid position has lo > hi. ``complete`` is False where a block holds
     padding slots; such a block is never FULL, so the mask sees the padding.
+
+    A frame over a 2-D grid (``zoo.tiles``) also gives each block's ``box``; its positions are then
+    only known to lie in [lo, hi] (step 1), which every 1-D family's formulas treat conservatively.
     """
 
     lo: Tensor
     hi: Tensor
     step: int
     complete: Tensor
+    box: Box | None = None
 
     @property
     def nonempty(self) -> Tensor:
         return self.lo <= self.hi
 
     def column(self) -> Spans:
-        return Spans(self.lo[:, None], self.hi[:, None], self.step, self.complete[:, None])
+        box = None if self.box is None else self.box.map(lambda t: t[:, None])
+        return Spans(self.lo[:, None], self.hi[:, None], self.step, self.complete[:, None], box)
 
     def row(self) -> Spans:
-        return Spans(self.lo[None, :], self.hi[None, :], self.step, self.complete[None, :])
+        box = None if self.box is None else self.box.map(lambda t: t[None, :])
+        return Spans(self.lo[None, :], self.hi[None, :], self.step, self.complete[None, :], box)
+
+
+@dataclass(frozen=True)
+class Box:
+    """Each block's rows row_lo, row_lo + row_step, ..., row_hi and columns likewise, on a grid
+    ``width`` tokens wide (token t at row t // width, column t % width): a box that holds every
+    valid position of the block, as frames over a grid (``zoo.tiles``) know it."""
+
+    row_lo: Tensor
+    row_hi: Tensor
+    col_lo: Tensor
+    col_hi: Tensor
+    row_step: int
+    col_step: int
+    width: int
+
+    def map(self, f: Callable[[Tensor], Tensor]) -> Box:
+        corners = (f(self.row_lo), f(self.row_hi), f(self.col_lo), f(self.col_hi))
+        return Box(*corners, self.row_step, self.col_step, self.width)
 
 
 def state_from(any_allowed: Tensor, all_allowed: Tensor, q: Spans, k: Spans) -> Tensor:

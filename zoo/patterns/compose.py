@@ -34,6 +34,11 @@ def memo_parts(pattern: Pattern, split: Callable[[], tuple[Pattern, ...]]) -> tu
     return parts
 
 
+def order_key(order: object) -> tuple[bool, str]:
+    """Sorts token orders: int strides first, by value; then other orders (a grid's ``Tiles``)."""
+    return (not isinstance(order, int), f"{order:020d}" if isinstance(order, int) else repr(order))
+
+
 def _flatten(kind: type, children: tuple[Pattern, ...]) -> tuple[Pattern, ...]:
     flat: list[Pattern] = []
     for child in children:
@@ -82,7 +87,8 @@ class Union(Pattern):
         by_stride: dict[int, list[Pattern]] = {}
         for piece in itertools.chain.from_iterable(c.parts() for c in self.children):
             by_stride.setdefault(piece.stride, []).append(piece)
-        groups = [g[0] if len(g) == 1 else Union(tuple(g)) for _, g in sorted(by_stride.items())]
+        ordered = sorted(by_stride.items(), key=lambda item: order_key(item[0]))
+        groups = [g[0] if len(g) == 1 else Union(tuple(g)) for _, g in ordered]
         parts = [groups[0]]
         for i, group in enumerate(groups[1:], start=1):
             earlier = groups[0] if i == 1 else Union(tuple(groups[:i]))
@@ -101,7 +107,11 @@ class Intersection(Pattern):
 
     @property
     def stride(self) -> int:  # type: ignore[override]
-        return max(child.stride for child in self.children)
+        # Sparse in any member's order: a grid's tiles (where a 2-D window meets the call's
+        # causal mask), else the largest stride. No max(key=): traced code reads this too.
+        orders = [child.stride for child in self.children]
+        tiles = [order for order in orders if not isinstance(order, int)]
+        return tiles[0] if tiles else max(orders)
 
     def allowed(self, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
         return reduce(torch.logical_and, (c.allowed(q_pos, kv_pos) for c in self.children))
