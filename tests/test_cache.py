@@ -19,12 +19,21 @@ ENCODINGS = ["none", "sinusoidal", "learned", "rope", "alibi", "t5"]
 CPU = torch.device("cpu")
 
 
-def small(variant):
+def small(variant, length=64):
+    """Small parameters; a 2-D pattern gets a grid of ``length`` tokens, 8 per row: its
+    pattern depends on the whole grid, so a cache for it decodes that grid (max_len = H·W)."""
     params = zoo.get_spec(variant).parameters()
     out = {k: v for k, v in SMALL.items() if k in params}
     if variant == "dilated":
         out["window_size"] = 2
+    if "grid" in params:
+        grid = {"grid": (length // 8, 8), "kernel_size": 3, "dilation": 2, "window_size": 4}
+        out.update({k: v for k, v in grid.items() if k in params})
     return out
+
+
+def grid_variant(variant):
+    return "grid" in zoo.get_spec(variant).parameters()
 
 
 def module(variant, pos="none", backend="auto", kv_heads=1, **extra):
@@ -48,11 +57,12 @@ def decode(attn, x, cuts, max_len=64):
 @pytest.mark.parametrize("variant", zoo.list_variants())
 def test_prefill_and_steps_equal_the_causal_forward(variant, pos):
     attn = module(variant, pos)
-    x = torch.randn(2, 43, 16, dtype=torch.float64)
+    # A 2-D pattern is decoded over its whole grid, 64 tokens; the others stop at any length.
+    x = torch.randn(2, 64 if grid_variant(variant) else 43, 16, dtype=torch.float64)
     with torch.no_grad():
         got, cache = decode(attn, x, [11, 14])  # prefill 11, a step of 3, then 1 at a time
         assert torch.allclose(got, attn(x), atol=1e-10, rtol=0), (variant, pos)
-    assert cache.lengths.tolist() == [43, 43]
+    assert cache.lengths.tolist() == [x.shape[1]] * 2
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "reference"])
@@ -123,13 +133,18 @@ def test_windowed_memory_does_not_grow_with_the_length(variant, slots):
 @pytest.mark.parametrize("variant", zoo.list_variants())
 def test_the_cache_keeps_every_key_a_later_query_reads(variant):
     """The last reader found from block states is never before the true one (dense oracle), and
-    is exact for the built-in families."""
+    is exact for the 1-D families. A 2-D pattern's block state over a span of grid rows in
+    row-major order is conservative (PARTIAL where rows mix), so its cache keeps a few keys
+    longer than needed, never fewer."""
     n = 96
-    pattern = specialized(resolve_pattern(variant, True, small(variant)), n, n, CPU)
+    pattern = specialized(resolve_pattern(variant, True, small(variant, n)), n, n, CPU)
     dense = pattern.dense(n, n)
     rows = torch.arange(n)[:, None].expand(n, n)
     truth = torch.maximum(torch.where(dense, rows, -1).amax(0), torch.arange(n) - 1)
-    assert torch.equal(last_needed(pattern, n), truth)
+    found = last_needed(pattern, n)
+    assert (found >= truth).all()
+    if not grid_variant(variant):
+        assert torch.equal(found, truth)
 
 
 def test_causal_random_blocks_of_a_prefix_are_the_blocks_it_had_alone():
