@@ -43,7 +43,7 @@ def test_builtin_entries_are_complete(name):
 
 
 def test_glob_listing():
-    assert zoo.list_variants("*local*") == ["block_local", "local"]
+    assert zoo.list_variants("*local*") == ["block_local", "block_local_2d", "local"]
     assert set(zoo.list_variants()) >= {
         "full",
         "local",
