@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import FIXED_VARIANTS
 
 import zoo
 import zoo.patterns.registry
@@ -111,9 +112,14 @@ def message(pattern, **kwargs) -> str:
     return str(error.value)
 
 
-@pytest.mark.parametrize("variant", zoo.list_variants())
+@pytest.mark.parametrize("variant", FIXED_VARIANTS)
 def test_every_registry_variant_passes(variant):
     assert zoo.check_pattern(variant) == 16  # 4 default lengths x 4 q/k length pairs
+
+
+def test_a_pattern_chosen_by_content_is_refused_with_the_reason():
+    with pytest.raises(TypeError, match="'moba' is chosen by content"):
+        zoo.check_pattern("moba")
 
 
 def test_a_correct_user_pattern_passes_at_the_shapes_asked():

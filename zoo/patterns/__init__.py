@@ -9,8 +9,10 @@ from .compose import Difference, Intersection, Union
 from .full import Causal, Full
 from .global_tokens import Global
 from .local import Local
+from .moba import Moba
 from .random_blocks import Random, RandomBlocks
 from .registry import build_family, list_families, register_pattern, resolve_family
+from .routed import ChosenBlocks, RouteInputs
 from .strided import Residue, dilated, strided
 
 __all__ = [
@@ -19,15 +21,18 @@ __all__ = [
     "PARTIAL",
     "BlockLocal",
     "Causal",
+    "ChosenBlocks",
     "Difference",
     "Full",
     "Global",
     "Intersection",
     "Local",
+    "Moba",
     "Pattern",
     "Random",
     "RandomBlocks",
     "Residue",
+    "RouteInputs",
     "Spans",
     "Union",
     "build_family",
