@@ -36,7 +36,7 @@ from torch import Tensor
 from ..checks import check_int
 from .base import Pattern
 from .registry import register_pattern
-from .routed import ChosenBlocks, RouteInputs
+from .routed import ChosenBlocks, RouteInputs, top_blocks
 
 
 @torch.no_grad()
@@ -76,12 +76,7 @@ def moba_choice(
     available = (counts > 0)[:, None, None, :]  # (B, 1, 1, blocks)
     if causal:
         available = available & (block <= own)
-    scores = torch.where(block == own, float("inf"), scores)
-    scores = torch.where(available, scores, float("-inf"))
-    # A stable descending sort puts the lower index first among equal scores.
-    best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :top_k]
-    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, best, True)
-    return chosen & available
+    return top_blocks(scores, top_k, available, block == own)
 
 
 @register_pattern("moba")

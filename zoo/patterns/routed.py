@@ -46,6 +46,20 @@ class RouteInputs:
         return self if self.causal else replace(self, causal=True)
 
 
+def top_blocks(scores: Tensor, top_k: int, available: Tensor, forced: Tensor) -> Tensor:
+    """(..., blocks) bool: the ``forced`` blocks, then the best by ``scores`` up to ``top_k`` in
+    all, among the ``available`` ones only (forced ones too); ties go to the lower index.
+
+    Forced blocks rank first (+inf) and count toward ``top_k``; with fewer available blocks than
+    ``top_k`` every available one is chosen. Masks broadcast against ``scores``."""
+    scores = torch.where(forced, float("inf"), scores.float())
+    scores = torch.where(available, scores, float("-inf"))
+    # A stable descending sort puts the lower index first among equal scores.
+    best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :top_k]
+    chosen = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    return chosen.scatter_(-1, best, True) & available
+
+
 @dataclass(frozen=True, eq=False)
 class ChosenBlocks(Pattern):
     """Key blocks of ``block_size`` chosen per query, for one call (compared by identity).
