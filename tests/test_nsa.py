@@ -173,4 +173,8 @@ def test_bad_options_name_the_value(option, value, match):
 def test_nsa_is_a_registry_entry():
     module = zoo.create_attention("nsa", dim=DIM, num_heads=HEADS, **SETTINGS)
     assert isinstance(module, NativeSparseAttention)
-    assert "nsa" in zoo.list_variants()
+    assert module.window == SETTINGS["window"]
+    assert zoo.list_modules() == ["nsa"]
+    assert zoo.get_module_spec("nsa").parameters()["select_count"] == 16  # the published n
+    with pytest.raises(TypeError, match="did you mean 'select_count'"):
+        zoo.create_attention("nsa", dim=DIM, num_heads=HEADS, select_cuont=3)

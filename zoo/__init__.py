@@ -16,8 +16,10 @@ from .positional import PositionalEncoding, register_encoding
 from .registry import (
     VariantSpec,
     get_encoding_spec,
+    get_module_spec,
     get_spec,
     list_encodings,
+    list_modules,
     list_variants,
     load_registry,
 )
@@ -43,9 +45,11 @@ __all__ = [
     "explain",
     "get_backend",
     "get_encoding_spec",
+    "get_module_spec",
     "get_spec",
     "list_backends",
     "list_encodings",
+    "list_modules",
     "list_pattern_families",
     "list_variants",
     "load_registry",

@@ -13,7 +13,7 @@ from .checks import check_int, check_probability
 from .functional import attention, build_encoding, resolve_pattern, resolved_params
 from .patterns import Pattern
 from .positional import PositionalEncoding
-from .registry import get_spec
+from .registry import get_module_spec, get_spec, list_modules
 from .scores import AdditiveScore
 
 SCORES = ("dot", "additive")
@@ -206,7 +206,10 @@ MODULE_OPTIONS = tuple(
 
 def create_attention(
     name: str, *, dim: int, num_heads: int, **overrides: object
-) -> MultiHeadAttention:
-    """A MultiHeadAttention for a registry variant; overrides set module options or parameters."""
+) -> MultiHeadAttention | nn.Module:
+    """A MultiHeadAttention for a registry variant, or the module of a ``modules:`` entry (NSA);
+    overrides set module options or parameters."""
+    if isinstance(name, str) and name in list_modules():
+        return get_module_spec(name).build(dim=dim, num_heads=num_heads, **overrides)
     get_spec(name)  # an unknown name fails here, with suggestions
     return MultiHeadAttention(dim, num_heads, variant=name, **overrides)

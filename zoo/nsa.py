@@ -134,6 +134,11 @@ class NativeSparseAttention(nn.Module):
         self.select_count = check_int("select_count", select_count)
         self.num_local = check_int("num_local", num_local, minimum=0)
         self.window = check_int("window", window)
+        if self.select_count < self.num_local + 1:
+            raise ValueError(
+                f"select_count ({select_count}) must leave room for the first block and the "
+                f"num_local ({num_local}) local blocks it always chooses: at least {num_local + 1}"
+            )
         self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
         self.backend = backend
         kv_width = self.num_kv_heads * self.head_dim

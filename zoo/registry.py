@@ -38,6 +38,7 @@ from pathlib import Path
 import yaml
 
 from .checks import NotImportable, suggest
+from .module_spec import ModuleSpec
 from .positional.spec import EncodingSpec
 from .variants import VariantSpec
 
@@ -45,12 +46,15 @@ BUILTIN_REGISTRY = Path(__file__).with_name("registry.yaml")
 SECTION_KEYS = {
     "variants": ({"pattern", "params", "description", "paper", "complexity"}, "pattern"),
     "positional": ({"encoding", "params", "description", "paper"}, "encoding"),
+    "modules": ({"module", "params", "description", "paper", "complexity"}, "module"),
 }
 REQUIRED_HELP = {
     "pattern": "a family name or a composition",
     "encoding": "an encoding class name, or package.module:Class",
+    "module": "package.module:Class of an attention module",
 }
-SINGULAR = {"variants": "variant", "positional": "encoding"}
+SINGULAR = {"variants": "variant", "positional": "encoding", "modules": "module"}
+SPECS = {"variants": VariantSpec, "positional": EncodingSpec, "modules": ModuleSpec}
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -125,8 +129,7 @@ class Unavailable:
 
 def parse_entry(section: str, name: str, entry: object, source: str) -> VariantSpec | EncodingSpec:
     fields = check_entry(section, name, entry, source)
-    make = VariantSpec if section == "variants" else EncodingSpec
-    spec = make(name=name, source=source, **fields)
+    spec = SPECS[section](name=name, source=source, **fields)
     where = f"{source}: {SINGULAR[section]} {name!r}"
     try:
         spec.validate()
@@ -153,6 +156,7 @@ class Registry:
     def __init__(self) -> None:
         self.variants: dict[str, VariantSpec] = {}
         self.positional: dict[str, EncodingSpec] = {}
+        self.modules: dict[str, ModuleSpec] = {}  # mechanisms with parameters (NSA)
         # entries whose code does not import, by section: using one raises its error
         self.unavailable: dict[str, dict[str, Unavailable]] = {s: {} for s in SECTION_KEYS}
         self.files: list[str] = []
@@ -223,6 +227,20 @@ def get_spec(name: str) -> VariantSpec:
     if not isinstance(name, str) or name not in variants:
         raise ValueError(suggest("variant", str(name), variants, "zoo.list_variants()"))
     return variants[name]
+
+
+def list_modules(pattern: str = "*") -> list[str]:
+    """Attention modules with their own parameters (``modules:`` section), e.g. ``nsa``."""
+    return sorted(fnmatch.filter(registry().modules, pattern))
+
+
+def get_module_spec(name: str) -> ModuleSpec:
+    modules = registry().modules
+    if isinstance(name, str) and name in registry().unavailable["modules"]:
+        raise registry().unavailable["modules"][name].error()
+    if not isinstance(name, str) or name not in modules:
+        raise ValueError(suggest("module", str(name), modules, "zoo.list_modules()"))
+    return modules[name]
 
 
 def list_encodings(pattern: str = "*") -> list[str]:
