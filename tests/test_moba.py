@@ -197,3 +197,18 @@ def test_bad_parameters_name_the_value(params, match):
 def test_unbound_moba_has_no_fixed_mask():
     with pytest.raises(TypeError, match="chooses its blocks by content"):
         zoo.dense_mask("moba", 16)
+
+
+def test_union_with_a_strided_pattern_runs_in_two_token_orders():
+    """``moba | strided`` splits into parts in two token orders; the strided part excludes the
+    chosen blocks (a difference with a routed member), and the parts merge exactly."""
+    pattern = Moba(block_size=8, top_k=2) | zoo.patterns.strided(stride=9, window_size=0)
+    q, k, v = random_qkv(2, 2, 70, 70, dtype=torch.float64)
+    for causal in (False, True):
+        ref = zoo.attention(q, k, v, variant=pattern, causal=causal, backend="reference")
+        out = zoo.attention(q, k, v, variant=pattern, causal=causal, backend="blocked")
+        assert (out - ref).abs().max() < 1e-12
+        got = torch.autograd.grad(out.sum(), (q, k, v))
+        want = torch.autograd.grad(ref.sum(), (q, k, v))
+        for a, b in zip(got, want, strict=True):
+            assert (a - b).abs().max() < 1e-12

