@@ -171,7 +171,7 @@ class BlockedBackend(Backend):
     def scored_pairs(self, call: AttentionCall) -> int:
         B, H = call.q.shape[:2]
         return sum(
-            routed_pairs(part, self._frame(call, part), B, H)
+            routed_pairs(part, self._frame(call, part), B, H, self.waste)
             if part.routed
             else sum(g.masked.numel() for g in self._plan(call, part)[1])
             for part in call.pattern.parts()
@@ -293,7 +293,7 @@ class BlockedBackend(Backend):
             q, k = call.score.prepare(q, k)
         inputs = self._inputs(call, frame, q, k, dtype)
         result = routed_attention(
-            call, part, frame, (inputs.q, inputs.k, inputs.v, inputs.padded), fused
+            call, part, frame, (inputs.q, inputs.k, inputs.v, inputs.padded), fused, self.waste
         )
         return no_pairs_partial(call, dtype) if result is None else Partial(*result)
 
