@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import zoo
+from zoo.functional import prepare_call
 
 FLOOR = 1e-6
 
@@ -20,6 +21,10 @@ FLOOR = 1e-6
 # the registry see sparse patterns at lengths of ~100 (the defaults are sized for thousands).
 SMALL = {"window_size": 7, "block_size": 16, "stride": 9, "dilation": 3}
 GRID_SMALL = {"kernel_size": 3, "dilation": 1, "window_size": 3}
+
+# Variants with a fixed mask; those chosen by content (moba) have none and are tested against their
+# definition in test_moba.py.
+FIXED_VARIANTS = [name for name in zoo.list_variants() if not zoo.get_spec(name).build().routed]
 
 HAS_CUDA = torch.cuda.is_available()
 _NO_GPU = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU; this machine has none")
@@ -123,9 +128,23 @@ def assert_within_convention(results, baseline, oracle, names=("out", "dq", "dk"
         )
 
 
-def allowed_mask(variant, causal, q_len, kv_len, key_padding, params, device="cpu"):
-    """(B or 1, 1, Lq, Lk) pairs that may attend: the pattern's dense view and the padding."""
-    mask = zoo.dense_mask(variant, q_len, kv_len, causal=causal, **params).to(device)[None, None]
+def allowed_mask(
+    variant, causal, q_len, kv_len, key_padding, params, device="cpu", qk=None, pos=None
+):
+    """(B or 1, 1 or H, Lq, Lk) pairs that may attend: the pattern's dense view and the padding.
+    A variant chosen by content has no fixed mask: its blocks are chosen from ``qk`` = (q, k)
+    (turned by ``pos`` first, as attention does)."""
+    pattern = variant if isinstance(variant, zoo.Pattern) else zoo.get_spec(variant).build()
+    if pattern.routed:
+        q, k = qk
+        call = prepare_call(
+            q, k, k, variant=variant, causal=causal, key_padding_mask=key_padding, pos=pos,
+            **params,
+        )  # fmt: skip
+        mask = call.pattern.dense(q_len, kv_len).to(device)
+    else:
+        mask = zoo.dense_mask(variant, q_len, kv_len, causal=causal, **params)[None, None]
+    mask = mask.to(device)
     return mask if key_padding is None else mask & ~key_padding[:, None, None, :]
 
 
@@ -175,7 +194,7 @@ def check_against_reference(
     def naive(q, k, v, *_weights):
         return naive_attention(q, k, v, mask, pos=pos)
 
-    mask = allowed_mask(variant, causal, q_len, kv_len, key_padding, params, device)
+    mask = allowed_mask(variant, causal, q_len, kv_len, key_padding, params, device, (q, k), pos)
     oracle_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
     oracle = outputs_and_grads(run("reference"), [*oracle_inputs, *weights], grad_out.double())
     baseline = outputs_and_grads(naive, [q, k, v, *weights], grad_out)

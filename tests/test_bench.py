@@ -272,3 +272,21 @@ def test_goals_are_computed_from_the_cells():
     cpu = [synthetic_cell("local", "blocked", 8192, 10.0, sparsity_realization=0.6)]
     cpu[0]["pass"] = "fwd"
     assert "0.6 (goal >= 0.5): met by 0.1" in goals(cpu, [], "cpu")[0]
+
+
+def test_a_variant_chosen_by_content_reports_its_pairs_and_its_choice(tmp_path):
+    """moba's allowed pairs come from the point's own inputs, its choice has its own column, and
+    the peer that needs a fixed mask_mod says why it cannot run."""
+    path = write_config(
+        tmp_path, variants=["moba"], backends=["blocked"], peers=["sdpa_dense", "flex_standard"],
+        lengths=[128], causal=[True], params={"moba": {"block_size": 16, "top_k": 2}},
+    )  # fmt: skip
+    assert bench.main([path]) == 0
+    _, cells = read_cells(tmp_path)
+    moba = next(c for c in cells if c["backend"] == "blocked")
+    assert moba["status"] == "ok" and moba["checked"] and moba["select_ms"] > 0
+    # At most 2 blocks of 16 per query, causal: fewer pairs than 32 per query.
+    assert 0 < moba["allowed_pairs"] <= 32 * 128
+    peer = next(c for c in cells if c["backend"] == "flex_standard")
+    assert peer["status"] == "unsupported" and "chosen by content" in peer["reason"]
+    assert "select ms" in (tmp_path / "out" / "bench.md").read_text()

@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 import torch
+from helpers import FIXED_VARIANTS
 
 import zoo
 from zoo.functional import resolve_pattern
@@ -54,7 +55,7 @@ def decode(attn, x, cuts, max_len=64):
 
 
 @pytest.mark.parametrize("pos", ENCODINGS)
-@pytest.mark.parametrize("variant", zoo.list_variants())
+@pytest.mark.parametrize("variant", FIXED_VARIANTS)
 def test_prefill_and_steps_equal_the_causal_forward(variant, pos):
     attn = module(variant, pos)
     # A 2-D pattern is decoded over its whole grid, 64 tokens; the others stop at any length.
@@ -130,7 +131,7 @@ def test_windowed_memory_does_not_grow_with_the_length(variant, slots):
     assert full.new_cache(2, 4096).nbytes > 60 * full.new_cache(2, 64).nbytes
 
 
-@pytest.mark.parametrize("variant", zoo.list_variants())
+@pytest.mark.parametrize("variant", FIXED_VARIANTS)
 def test_the_cache_keeps_every_key_a_later_query_reads(variant):
     """The last reader found from block states is never before the true one (dense oracle), and
     is exact for the 1-D families. A 2-D pattern's block state over a span of grid rows in
@@ -217,6 +218,11 @@ def test_refused_steps_name_the_problem_and_change_nothing(call, message):
 def test_a_cache_needs_a_causal_module():
     with pytest.raises(ValueError, match="causal"):
         zoo.create_attention("sliding_window", dim=16, num_heads=2).new_cache(1, 8)
+
+
+def test_a_pattern_chosen_by_content_gets_no_cache():
+    with pytest.raises(ValueError, match="'moba' chooses its key blocks by content"):
+        zoo.create_attention("moba", dim=16, num_heads=2, causal=True, block_size=4).new_cache(1, 8)
 
 
 def test_a_mechanism_gets_no_cache_by_either_door():

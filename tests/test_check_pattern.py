@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import FIXED_VARIANTS
 
 import zoo
 import zoo.patterns.registry
@@ -111,13 +112,18 @@ def message(pattern, **kwargs) -> str:
     return str(error.value)
 
 
-@pytest.mark.parametrize("variant", zoo.list_variants())
+@pytest.mark.parametrize("variant", FIXED_VARIANTS)
 def test_every_registry_variant_passes(variant):
     # 2-D variants need grids that their default 7 x 7 kernel fits at n and 2n/3 (196: 14 x 14,
     # 130: 10 x 13); the default lengths have 37 = 1 x 37 and 66 = 6 x 11.
     grid = "grid" in zoo.get_spec(variant).parameters()
     lengths = (144, 196, 300, 600) if grid else zoo.check.LENGTHS
     assert zoo.check_pattern(variant, lengths=lengths) == 16  # 4 lengths x 4 q/k length pairs
+
+
+def test_a_pattern_chosen_by_content_is_refused_with_the_reason():
+    with pytest.raises(TypeError, match="'moba' is chosen by content"):
+        zoo.check_pattern("moba")
 
 
 def test_a_correct_user_pattern_passes_at_the_shapes_asked():

@@ -75,6 +75,27 @@ def test_records_hold_what_the_report_needs(tmp_path):
         assert r["cell"]["variant_params"] and r["cell"]["key"]
 
 
+def test_routed_variants_train_and_the_report_tables_gaps(tmp_path):
+    """moba (a pattern chosen by content) and nsa (a module entry) run as any variant, and the
+    report puts MQAR's accuracy per gap bucket side by side."""
+    config = tiny(
+        tmp_path,
+        "variants=[moba, nsa]",
+        "causal=true",
+        "variant_params={moba: {block_size: 8, top_k: 2}, nsa: {block_length: 8, "
+        "block_stride: 8, select_block: 8, select_count: 2, num_local: 1, window: 8}}",
+    )
+    records = read(run(config, "test", CPU, show_progress=False))
+    assert [r["status"] for r in records] == ["ok", "ok"], [r.get("reason") for r in records]
+    text = write_report(tmp_path / "results.jsonl")
+    assert "## Accuracy per gap bucket" in text
+    gap_row = next(
+        line for line in text.splitlines() if line.startswith("| mqar | 64 ") and "nsa" in line
+    )
+    buckets = sorted(records[1]["slices"]["64"]["gap"], key=float)
+    assert gap_row.count("|") == 4 + len(buckets) + 1
+
+
 def test_a_compiled_model_trains_to_the_eager_loss(tmp_path):
     """train.compile=true compiles the model with fullgraph=True (a graph break would fail the
     cell) and trains to the loss of eager mode."""

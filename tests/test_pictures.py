@@ -32,6 +32,13 @@ def test_every_variant_draws_a_600_pixel_square(name, tmp_path):
     assert_picture(path)
 
 
+def test_a_variant_chosen_by_content_draws_the_blocks_one_input_chose(tmp_path):
+    few = pixels(draw_pattern("moba", N, tmp_path / "a.png", block_size=8, top_k=2))
+    every = pixels(draw_pattern("moba", N, tmp_path / "b.png", block_size=8, top_k=8))
+    assert every[..., 0].mean() < few[..., 0].mean()  # more chosen blocks, more dark cells
+    assert_picture(attention_map_of_random_model("moba", 32, tmp_path / "c.png", block_size=8))
+
+
 def test_overrides_and_causal_change_the_picture(tmp_path):
     narrow = pixels(draw_pattern("local", N, tmp_path / "a.png", window_size=2))
     wide = pixels(draw_pattern("local", N, tmp_path / "b.png", window_size=20))

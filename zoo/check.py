@@ -125,6 +125,11 @@ def check_pattern(
         return PatternCheckError(f"pattern {label}{verb}: {message}")
 
     _check_hashable(pattern, "it", fail)
+    if pattern.routed:
+        raise TypeError(
+            f"pattern {label} is chosen by content: it has no fixed views to hold to each other; "
+            "its chosen blocks are tested against their definition (tests/test_moba.py)"
+        )
     checked, skipped = 0, []
     for q_len, kv_len in shapes:
         try:

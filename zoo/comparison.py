@@ -41,6 +41,9 @@ def comparison_row(name: str, seq_len: int, layers: int) -> list[str]:
     """One variant's row, with its registry defaults (see ``comparison_rows`` for the columns)."""
     spec = get_spec(name)  # an unknown name fails here, with close names suggested
     n = seq_len
+    if spec.build().routed:  # no fixed mask: its pairs depend on the input
+        by_content = "chosen by content"
+        return [f"`{name}`", by_content, spec.complexity or "-", "O(1)", "by content", by_content]
     try:
         pairs = allowed_pairs(spec.build(), n, n)
         mask = dense_mask(name, n)
@@ -70,7 +73,8 @@ def comparison_rows(
     layer is one parallel step); the maximum path length in layers (``zoo.paths``; "never" where
     some required pair is never connected); and the receptive field after ``layers`` layers: the
     smallest share, over queries, of the keys it must reach (all, or j <= i when causal) that it
-    has heard from.
+    has heard from. A variant whose pairs are chosen by content (``moba``) says so in the columns
+    that a fixed mask would fill.
     """
     _check_positive("seq_len", seq_len)
     _check_positive("layers", layers)

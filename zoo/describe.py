@@ -7,9 +7,11 @@ from .registry import (
     Unavailable,
     get_encoding_spec,
     get_mechanism_spec,
+    get_module_spec,
     get_spec,
     list_encodings,
     list_mechanisms,
+    list_modules,
     list_variants,
     unavailable,
 )
@@ -27,6 +29,11 @@ def variant_table() -> str:
         pattern = spec.pattern if isinstance(spec.pattern, str) else "composition"
         rows.append(
             [f"`{name}`", pattern, format_params(spec.params), spec.description, spec.complexity]
+        )
+    for name in list_modules():  # mechanisms with parameters of their own (NSA)
+        spec = get_module_spec(name)
+        rows.append(
+            [f"`{name}`", "module", format_params(spec.params), spec.description, spec.complexity]
         )
     for name, entry in sorted(unavailable("variants").items()):
         rows.append([f"`{name}`", "-", "-", unavailable_note(entry), "-"])

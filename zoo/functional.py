@@ -15,7 +15,7 @@ from .checks import check_parameters, close_matches, did_you_mean
 from .decode import cache_attention, counts_from_padding, decode_backend, explain_decode
 from .layout import allowed_pairs, specialized
 from .mechanisms.call import is_mechanism, mechanism_attention, mechanism_params
-from .patterns import Causal, Intersection, Pattern, made_causal, query_positions
+from .patterns import Causal, Intersection, Pattern, RouteInputs, made_causal, query_positions
 from .positional import PositionalEncoding
 from .registry import get_encoding_spec, get_spec
 from .scores import AdditiveScore, DotProduct
@@ -205,13 +205,16 @@ def prepare_call(
     if encoding is not None and encoding.kind == "rotate":
         q_pos = query_positions(q.shape[2], k.shape[2], q.device)
         q, k = encoding.rotate(q, k, q_pos, torch.arange(k.shape[2], device=k.device))
+    key_padding_mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
+    if pattern.routed:  # blocks chosen by content: chosen here, from q and k as attention sees them
+        pattern = pattern.bind(RouteInputs(q, k, key_padding_mask, causal))
     return AttentionCall(
         q=q,
         k=k,
         v=v,
         pattern=pattern,
         variant=variant if isinstance(variant, str) else type(variant).__name__,
-        key_padding_mask=check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device),
+        key_padding_mask=key_padding_mask,
         score=score if score is not None else DotProduct(resolve_scale(scale, q.shape[-1])),
         dropout_p=check_dropout(dropout_p),
         bias=encoding.bias if encoding is not None and encoding.kind == "bias" else None,
@@ -393,7 +396,7 @@ ALLOWS = {"full": "of queries and keys", "causal": "that causal attention allows
 def dense_at_length(pattern: Pattern, q_len: int, kv_len: int) -> str | None:
     """'full' or 'causal' where a sparse pattern allows exactly the pairs of full or causal
     attention at these lengths (a window wider than the sequence, say), else None."""
-    if pattern.kind != "sparse":
+    if pattern.kind != "sparse" or pattern.routed:
         return None
     pairs = allowed_pairs(pattern, q_len, kv_len)
     if pairs == q_len * kv_len:

@@ -50,6 +50,12 @@ def new_cache(
         )
     device = torch.device("cpu") if device is None else torch.device(device)
     resolved = resolve_pattern(variant, True, dict(params))
+    if resolved.routed:
+        raise ValueError(
+            f"variant {variant!r} chooses its key blocks by content (from q and k), which a "
+            "cache would have to re-score at every step; decoding with a KVCache runs the fixed "
+            "patterns only (zoo.list_variants() minus moba)"
+        )
     cpu = specialized(resolved, max_len, max_len, torch.device("cpu"))  # the same random draw
     return KVCache(
         pattern=specialized(resolved, max_len, max_len, device),

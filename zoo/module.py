@@ -17,7 +17,7 @@ from .mechanisms.call import check_encoding
 from .mechanisms.module import module_mechanism
 from .patterns import Pattern
 from .positional import PositionalEncoding
-from .registry import get_spec, is_mechanism_name
+from .registry import get_module_spec, get_spec, is_mechanism_name, list_modules
 from .scores import AdditiveScore
 
 SCORES = ("dot", "additive")
@@ -263,8 +263,11 @@ MODULE_OPTIONS = tuple(
 
 def create_attention(
     name: str, *, dim: int, num_heads: int, **overrides: object
-) -> MultiHeadAttention:
-    """A MultiHeadAttention for a registry variant; overrides set module options or parameters."""
+) -> MultiHeadAttention | nn.Module:
+    """A MultiHeadAttention for a registry variant or mechanism, or the module of a ``modules:``
+    entry (NSA); overrides set module options or parameters."""
+    if isinstance(name, str) and name in list_modules():
+        return get_module_spec(name).build(dim=dim, num_heads=num_heads, **overrides)
     if not is_mechanism_name(name):
         get_spec(name)  # an unknown name fails here, with suggestions
     return MultiHeadAttention(dim, num_heads, variant=name, **overrides)

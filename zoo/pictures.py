@@ -17,7 +17,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from torch import Tensor
 
-from .functional import dense_mask
+from .functional import dense_mask, prepare_call
 from .module import create_attention
 from .registry import get_spec
 from .tables import format_params
@@ -67,14 +67,19 @@ def draw_pattern(
 ) -> Path:
     """Draw a variant's allowed pairs at length ``seq_len`` as a heatmap, saved as a PNG.
 
-    Rows are queries, columns are keys, dark cells are allowed pairs. The title names the variant,
-    its parameters (registry defaults merged with ``params``) and its density (allowed pairs /
-    n^2). The PNG is 600 x 600 pixels. Returns the path written.
+    Rows are queries, columns are keys, dark cells are allowed pairs. A variant chosen by content
+    (``moba``) has no fixed picture: it draws the pairs chosen for one random input, and says so.
+    The title names the variant, its parameters (registry defaults merged with ``params``) and its
+    density (allowed pairs / n^2). The PNG is 600 x 600 pixels. Returns the path written.
     """
     spec = get_spec(name)  # an unknown name fails here, with close names suggested
     _check_length(seq_len)
     path = _check_path(path)
-    mask = dense_mask(name, seq_len, causal=causal, **params)
+    routed = spec.build(**params).routed
+    if routed:
+        mask = chosen_mask(name, seq_len, causal, params)
+    else:
+        mask = dense_mask(name, seq_len, causal=causal, **params)
     density = mask.sum().item() / mask.numel()
 
     figure = Figure(figsize=FIGSIZE)
@@ -89,6 +94,7 @@ def draw_pattern(
     shape = f"n={seq_len}" + (", causal" if causal else "")
     title = [
         f"{name} ({shape}): density {density:.1%}",
+        "chosen by content: the pairs one random input chose (seed 0)" if routed else "",
         format_params({**spec.parameters(), **params}),
     ]
     axes.set_title(_title(title), fontsize=10)
@@ -116,6 +122,15 @@ def _draw_on_grid(axes, mask: Tensor, grid: tuple[int, int]) -> None:
         axes.plot(query % w, query // w, "o", color=colour, markersize=4)
     axes.set_xlabel(f"column (grid {h} x {w}; keys of the red and the blue query)")
     axes.set_ylabel("row")
+
+
+def chosen_mask(name: str, seq_len: int, causal: bool, params: dict[str, object]) -> Tensor:
+    """[seq_len, seq_len]: the pairs a variant chosen by content picks for one random input
+    (q = k, head 0, drawn from seed 0; the caller's random stream is untouched)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 1, seq_len, 16, generator=generator)
+    call = prepare_call(x, x, x, variant=name, causal=causal, **params)
+    return call.pattern.dense(seq_len, seq_len)[0, 0]
 
 
 def draw_attention(

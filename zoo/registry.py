@@ -47,6 +47,7 @@ import yaml
 
 from .checks import NotImportable, suggest
 from .mechanisms.spec import MechanismSpec
+from .module_spec import ModuleSpec
 from .positional.spec import EncodingSpec
 from .variants import VariantSpec
 
@@ -55,15 +56,28 @@ SECTION_KEYS = {
     "variants": ({"pattern", "params", "description", "paper", "complexity"}, "pattern"),
     "positional": ({"encoding", "params", "description", "paper"}, "encoding"),
     "mechanisms": ({"mechanism", "params", "description", "paper", "complexity"}, "mechanism"),
+    "modules": ({"module", "params", "description", "paper", "complexity"}, "module"),
 }
 REQUIRED_HELP = {
     "pattern": "a family name or a composition",
     "encoding": "an encoding class name, or package.module:Class",
     "mechanism": "a mechanism class name (zoo.mechanisms.MECHANISMS), or package.module:Class",
+    "module": "package.module:Class of an attention module",
 }
-SINGULAR = {"variants": "variant", "positional": "encoding", "mechanisms": "mechanism"}
-SPECS = {"variants": VariantSpec, "positional": EncodingSpec, "mechanisms": MechanismSpec}
-NAMESPACES = (("variants", "mechanisms"), ("positional",))  # sections whose names must differ
+SINGULAR = {
+    "variants": "variant",
+    "positional": "encoding",
+    "mechanisms": "mechanism",
+    "modules": "module",
+}
+SPECS = {
+    "variants": VariantSpec,
+    "positional": EncodingSpec,
+    "mechanisms": MechanismSpec,
+    "modules": ModuleSpec,
+}
+# sections whose names must differ (one name, one meaning in create_attention)
+NAMESPACES = (("variants", "mechanisms", "modules"), ("positional",))
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -167,6 +181,7 @@ class Registry:
         self.variants: dict[str, VariantSpec] = {}
         self.positional: dict[str, EncodingSpec] = {}
         self.mechanisms: dict[str, MechanismSpec] = {}
+        self.modules: dict[str, ModuleSpec] = {}  # attention modules with parameters (NSA)
         # entries whose code does not import, by section: using one raises its error
         self.unavailable: dict[str, dict[str, Unavailable]] = {s: {} for s in SECTION_KEYS}
         self.files: list[str] = []
@@ -281,6 +296,20 @@ def get_spec(name: str) -> VariantSpec:
         known = [*variants, *registry().mechanisms]  # a misspelt mechanism gets its suggestion
         raise ValueError(suggest("variant", str(name), known, "zoo.list_attention()"))
     return variants[name]
+
+
+def list_modules(pattern: str = "*") -> list[str]:
+    """Attention modules with their own parameters (``modules:`` section), e.g. ``nsa``."""
+    return sorted(fnmatch.filter(registry().modules, pattern))
+
+
+def get_module_spec(name: str) -> ModuleSpec:
+    modules = registry().modules
+    if isinstance(name, str) and name in registry().unavailable["modules"]:
+        raise registry().unavailable["modules"][name].error()
+    if not isinstance(name, str) or name not in modules:
+        raise ValueError(suggest("module", str(name), modules, "zoo.list_modules()"))
+    return modules[name]
 
 
 def list_encodings(pattern: str = "*") -> list[str]:

@@ -21,6 +21,8 @@ A cell is (variant, backend or peer, n, causal, pass). Its record (one entry of 
     useful_tflops                   4·B·H·allowed_pairs·D (x 3.5 for fwd+bwd) / time / 1e12
     block_size, block_density       the kernel's block and computed blocks / all blocks
     mask_build_ms, compile_ms       the mask build, and the first call after it (compilation)
+    select_ms                       for blocks chosen by content (moba), the choice alone, made
+                                    in every call and so inside time_ms too
     dense_time_ms                   the sdpa_dense cell's time at the same point
     sparsity_realization            (dense_time_ms / time_ms) / (all_pairs / allowed_pairs)
 """
@@ -69,7 +71,7 @@ CELL_FIELDS = (
     "head_dim", "dtype", "params", "status", "reason", "checked", "max_error", "errors",
     "tolerance", "time_ms", "times_ms", "repeats", "warmup", "peak_memory_mb", "allowed_pairs",
     "all_pairs", "useful_tflops", "block_size", "block_density", "mask_build_ms", "compile_ms",
-    "dense_time_ms", "sparsity_realization",
+    "dense_time_ms", "sparsity_realization", "select_ms",
 )  # fmt: skip
 
 
@@ -113,6 +115,7 @@ def _measure(impl: Any, point: Point, settings: Settings, record: dict[str, Any]
         mask_build_ms=prepared.mask_build_ms,
         block_size=prepared.block_size,
         block_density=prepared.block_density,
+        select_ms=prepared.select_ms,
     )
     outputs, record["compile_ms"] = timed_once(lambda: point.step(prepared.run), point.device)
     if point.check:

@@ -43,6 +43,7 @@ from zoo.mechanisms.call import is_mechanism
 from zoo.shape_cache import per_shape
 
 from .measure import CellSkip, timed_once
+from .routed import selection_ms
 
 Run = Callable[[Tensor, Tensor, Tensor], Tensor]
 
@@ -113,6 +114,7 @@ class Prepared:
     mask_build_ms: float | None  # None: it builds nothing
     block_size: int | None
     block_density: float
+    select_ms: float | None = None  # a choice by content, made on every call (moba)
 
 
 def clear_zoo_caches() -> None:
@@ -210,7 +212,12 @@ class ZooImpl:
                 q, k, v, variant=self.variant, backend=backend, causal=point.causal, **self.params
             )
 
-        return Prepared(run, backend.name, backend.capabilities.sparse, build_ms, block, density)
+        select = None
+        if call.pattern.routed:
+            select = selection_ms(self.variant, self.params, point.causal, point.q, point.k)
+        return Prepared(
+            run, backend.name, backend.capabilities.sparse, build_ms, block, density, select
+        )
 
 
 @dataclass
@@ -258,6 +265,12 @@ class FlexStandard:
         from torch.nn.attention.flex_attention import create_block_mask
 
         n, device = point.n, point.device
+        if resolve_pattern(self.variant, False, dict(self.params)).routed:
+            raise CellSkip(
+                "unsupported",
+                f"{self.variant!r} is chosen by content: there is no fixed mask_mod for "
+                "create_block_mask (the zoo's flex backend builds one per call)",
+            )
         try:
             pattern = resolve_pattern(self.variant, point.causal, dict(self.params))
             pattern = pattern.specialize(n, n, device)

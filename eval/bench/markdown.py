@@ -64,6 +64,7 @@ def _detail_row(c: Cell) -> list[object]:
     error = _num(c["max_error"], 2) if c["checked"] else "unchecked"
     figures = [c["time_ms"], c["useful_tflops"], c["peak_memory_mb"], fraction]
     figures += [c["block_density"], c["sparsity_realization"], c["mask_build_ms"], c["compile_ms"]]
+    figures.append(c.get("select_ms"))  # absent from results recorded before the column
     return [c["variant"], backend_label([c]), c["n"], *(_num(x) for x in figures), error]
 
 
@@ -71,7 +72,7 @@ def detail_tables(cells: Sequence[Cell]) -> str:
     """Per pass and causal: every successful cell with all its figures."""
     headers = [
         "variant", "backend", "n", "ms", "TFLOP/s", "peak MiB", "allowed/all", "density",
-        "realization", "mask ms", "compile ms", "max err",
+        "realization", "mask ms", "compile ms", "select ms", "max err",
     ]  # fmt: skip
     parts = []
     for pass_, causal in _groups(cells):

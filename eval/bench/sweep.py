@@ -22,6 +22,7 @@ from .cell import Settings, measure_cell, new_record
 from .config import BenchConfig
 from .impls import Point, SdpaDense, ZooImpl, clear_zoo_caches, variant_peer
 from .measure import free_memory
+from .routed import chosen_pairs, is_routed
 
 
 @dataclass
@@ -109,7 +110,14 @@ class Runner:
         """One cell, or its 'skipped' record after an out-of-memory at a shorter length."""
         key = (impl.variant, repr(sorted(impl.params.items())), point.causal, point.n)
         if key not in self.pairs:
-            self.pairs[key] = allowed_pairs_for(impl.variant, impl.params, point.causal, point.n)
+            if is_routed(impl.variant, impl.params):  # chosen by content: from these inputs
+                self.pairs[key] = chosen_pairs(
+                    impl.variant, impl.params, point.causal, point.q.detach(), point.k.detach()
+                )
+            else:
+                self.pairs[key] = allowed_pairs_for(
+                    impl.variant, impl.params, point.causal, point.n
+                )
         pairs, total = self.pairs[key], report.all_pairs(point.n, point.causal)
         series = (impl.variant, impl.name, point.pass_name, point.causal)
         if series in self.oom_at:

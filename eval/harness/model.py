@@ -77,25 +77,27 @@ class SequenceModel(nn.Module):
             encoding, dim=dim, num_heads=heads, causal=causal, **(encoding_params or {})
         )
         in_attention = self.pos if self.pos.kind in ("rotate", "bias") else "none"
-        self.blocks = nn.ModuleList(
-            Block(
-                dim,
-                zoo.MultiHeadAttention(
-                    dim,
-                    heads,
-                    num_kv_heads=kv_heads,
-                    variant=variant,
-                    pos=in_attention,
-                    backend=backend,
-                    dropout=dropout,
+
+        def attention() -> nn.Module:
+            if variant in zoo.list_modules():  # a mechanism with parameters of its own (nsa)
+                return zoo.create_attention(
+                    variant, dim=dim, num_heads=heads, num_kv_heads=kv_heads, backend=backend,
                     causal=causal,
                     **(variant_params or {}),
-                ),
-                mlp_dim,
-                dropout,
+                )  # fmt: skip
+            return zoo.MultiHeadAttention(
+                dim,
+                heads,
+                num_kv_heads=kv_heads,
+                variant=variant,
+                pos=in_attention,
+                backend=backend,
+                dropout=dropout,
+                causal=causal,
+                **(variant_params or {}),
             )
-            for _ in range(depth)
-        )
+
+        self.blocks = nn.ModuleList(Block(dim, attention(), mlp_dim, dropout) for _ in range(depth))
         self.norm = nn.LayerNorm(dim)
         self.output = nn.Linear(dim, num_classes)
 

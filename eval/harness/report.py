@@ -1,7 +1,8 @@
 """``python -m eval report RESULTS.jsonl [--out DIR]``: tables and plots from a sweep's results.
 
 Writes ``report.md`` (accuracy per task, variant, encoding and test length, averaged over seeds,
-with time and memory), ``results.csv`` (one row per cell and test length) and two PNG plots:
+with time and memory; accuracy per gap bucket where the task records gaps, as MQAR does),
+``results.csv`` (one row per cell and test length) and two PNG plots:
 accuracy against test length per variant, and accuracy against cost (the Pareto view: training
 time per 1000 steps against accuracy at the train length).
 """
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from zoo.tables import markdown_table
+
+from .slices import slice_table
 
 CSV_FIELDS = [
     "task", "train_len", "test_len", "variant", "encoding", "setting", "seed", "key", "status",
@@ -315,7 +318,11 @@ def write_report(results: str | Path, out: str | Path | None = None) -> str:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(flat)
+    records = read_results(results)
     text = f"# Results: {results}\n\n{summary_table(flat)}\n"
+    gaps = slice_table(records, "gap")
+    if gaps is not None:  # MQAR: recall by distance from key to query
+        text += f"\n## Accuracy per gap bucket (key to query distance)\n\n{gaps}\n"
     if any(r["status"] == "ok" for r in flat):
         plot_accuracy_vs_length(flat, out / "accuracy_vs_length.png")
         plot_accuracy_vs_cost(flat, out / "accuracy_vs_cost.png")

@@ -94,7 +94,7 @@ def check_names(config: RunConfig, source: str) -> None:
     """Every task, variant and encoding named in the config exists; errors name the key."""
     for key, names, known in (
         ("tasks", config.tasks, list_tasks()),
-        ("variants", config.variants, zoo.list_attention()),
+        ("variants", config.variants, zoo.list_attention() + zoo.list_modules()),
         ("encodings", config.encodings, zoo.list_encodings()),
     ):
         for i, name in enumerate(names):
@@ -102,7 +102,7 @@ def check_names(config: RunConfig, source: str) -> None:
                 raise ConfigError(f"{source}: {key}[{i}]: {suggest(key[:-1], name, known, key)}")
     for key, table, known in (
         ("task_params", config.task_params, list_tasks()),
-        ("variant_params", config.variant_params, zoo.list_attention()),
+        ("variant_params", config.variant_params, zoo.list_attention() + zoo.list_modules()),
         ("encoding_params", config.encoding_params, zoo.list_encodings()),
     ):
         for name in table:

@@ -23,6 +23,7 @@ class Capabilities:
     dropout: bool = False
     return_weights: bool = False
     sparse: bool = False  # its cost grows with the computed blocks, not with n^2
+    routed: bool = False  # runs layouts chosen by content, per sequence and head (MoBA)
 
     def reason_against(self, call: AttentionCall) -> str | None:
         """Why these capabilities do not cover the call, or None."""
@@ -36,6 +37,8 @@ class Capabilities:
             return f"it has no backward pass on {device}"
         if self.patterns == "dense" and call.pattern.kind == "sparse":
             return f"it runs full and causal attention only, not the pattern of {call.variant!r}"
+        if call.pattern.routed and not self.routed:
+            return f"it cannot run blocks chosen by content ({call.variant!r})"
         if call.score.kind not in self.scores:
             return f"it computes {', '.join(self.scores)} scores, not {call.score.kind}"
         if call.bias is not None and not self.score_bias:

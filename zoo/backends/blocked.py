@@ -38,6 +38,7 @@ from ..frames import Frame, build_frame
 from ..patterns import Pattern
 from .base import FLOATS, Backend, Capabilities, head_index, repeat_kv
 from .block_plan import GroupPlan, key_windows, plan
+from .blocked_routed import routed_attention, routed_pairs
 
 
 @dataclass
@@ -114,6 +115,12 @@ def no_pairs(call: AttentionCall, dtype: torch.dtype) -> Tensor:
     return zeros + sum(anchors).to(dtype) if anchors else zeros
 
 
+def no_pairs_partial(call: AttentionCall, dtype: torch.dtype) -> Partial:
+    """``no_pairs`` as a part's partial result: no mass, a peak of -inf."""
+    zeros = no_pairs(call, dtype)
+    return Partial(zeros, zeros[..., 0], torch.full_like(zeros[..., 0], float("-inf")).detach())
+
+
 class BlockedBackend(Backend):
     """Block-sparse attention in plain PyTorch.
 
@@ -139,6 +146,7 @@ class BlockedBackend(Backend):
         score_bias=True,
         dropout=True,
         sparse=True,
+        routed=True,
     )
 
     def __init__(
@@ -161,8 +169,12 @@ class BlockedBackend(Backend):
         return frame, plan(part, frame, self.waste)
 
     def scored_pairs(self, call: AttentionCall) -> int:
+        B, H = call.q.shape[:2]
         return sum(
-            g.masked.numel() for part in call.pattern.parts() for g in self._plan(call, part)[1]
+            routed_pairs(part, self._frame(call, part), B, H, self.waste)
+            if part.routed
+            else sum(g.masked.numel() for g in self._plan(call, part)[1])
+            for part in call.pattern.parts()
         )
 
     def forward(self, call: AttentionCall) -> tuple[Tensor, None]:
@@ -172,7 +184,13 @@ class BlockedBackend(Backend):
                 torch.float32 if call.q.dtype in (torch.bfloat16, torch.float16) else call.q.dtype
             )
         parts = call.pattern.parts()
-        if len(parts) == 1 and call.score.kind == "dot":
+        if call.pattern.routed:  # a layout chosen by content, per sequence and head
+            fused = len(parts) == 1 and call.score.kind == "dot" and call.bias is None
+            out = merge(
+                [self._routed(call, p, dtype, fused) if p.routed else self._explicit(call, p, dtype)
+                 for p in parts]
+            )  # fmt: skip
+        elif len(parts) == 1 and call.score.kind == "dot":
             out = self._fused(call, parts[0], dtype)
         else:
             out = merge([self._explicit(call, part, dtype) for part in parts])
@@ -264,15 +282,27 @@ class BlockedBackend(Backend):
             enable_gqa=call.groups > 1,
         )  # fmt: skip
 
+    # Layouts chosen by content (zoo.patterns.routed), gathered per sequence and head.
+
+    def _routed(
+        self, call: AttentionCall, part: Pattern, dtype: torch.dtype, fused: bool
+    ) -> Partial:
+        frame = self._frame(call, part)
+        q, k = call.q.to(dtype), call.k.to(dtype)
+        if not fused:
+            q, k = call.score.prepare(q, k)
+        inputs = self._inputs(call, frame, q, k, dtype)
+        result = routed_attention(
+            call, part, frame, (inputs.q, inputs.k, inputs.v, inputs.padded), fused, self.waste
+        )
+        return no_pairs_partial(call, dtype) if result is None else Partial(*result)
+
     # The explicit path.
 
     def _explicit(self, call: AttentionCall, part: Pattern, dtype: torch.dtype) -> Partial:
         frame, groups = self._plan(call, part)
         if not groups:
-            zeros = no_pairs(call, dtype)
-            return Partial(
-                zeros, zeros[..., 0], torch.full_like(zeros[..., 0], float("-inf")).detach()
-            )
+            return no_pairs_partial(call, dtype)
         q, k = call.score.prepare(call.q.to(dtype), call.k.to(dtype))
         inputs = self._inputs(call, frame, q, k, dtype)
         sums = [self._explicit_group(call, frame, g, inputs) for g in groups]

@@ -66,12 +66,14 @@ def _compiled_kernel():
 
 def flex_block_tensors(state: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) from a [B, Qb, Kb] state,
-    shaped [B, 1, Qb, ...] (one layout for all heads)."""
+    shaped [B, 1, Qb, ...] (one layout for all heads), or from a [B, H, Qb, Kb] state (a layout
+    chosen by content, per head)."""
 
     def ordered(which: Tensor) -> tuple[Tensor, Tensor]:
-        count = which.sum(dim=-1).to(torch.int32)
-        index = used_first(which)
-        return count[:, None].contiguous(), index.to(torch.int32)[:, None].contiguous()
+        count, index = which.sum(dim=-1).to(torch.int32), used_first(which).to(torch.int32)
+        if which.dim() == 3:
+            count, index = count[:, None], index[:, None]
+        return count.contiguous(), index.contiguous()
 
     return (*ordered(state == PARTIAL), *ordered(state == FULL))
 
@@ -155,6 +157,33 @@ def _padded_block_mask(call: AttentionCall, block: int, whole_blocks: bool = Fal
     )
 
 
+def _routed_block_mask(call: AttentionCall, block: int, whole_blocks: bool = False):
+    """A per-sequence, per-head block mask of a layout chosen by content (made per call): the
+    union of each query block's chosen key blocks, the per-query choice in the mask_mod."""
+    frame = build_frame(1, call.q_len, call.kv_len, block, block, call.device)
+    B, H = call.q.shape[:2]
+    keep = torch.ones(B, frame.k.slots, dtype=torch.bool, device=call.device)
+    if call.key_padding_mask is not None:
+        keep = frame.k.gather(~call.key_padding_mask[:, :, None])[..., 0]
+    keep = keep & frame.k.valid  # whole blocks: the keys past the sequence are padding too
+    state = call.pattern.block_state(frame.q.spans().column(), frame.k.spans().row())
+    by_block = keep.view(B, -1, block)
+    any_kept, all_kept = by_block.any(-1)[:, None, None, :], by_block.all(-1)[:, None, None, :]
+    state = torch.where(all_kept, state, torch.clamp(state, max=PARTIAL))
+    state = torch.where(any_kept, state, EMPTY).expand(B, H, -1, -1)
+    pattern, offset = call.pattern, call.kv_len - call.q_len
+
+    def routed_mask(b, h, q_idx, kv_idx):
+        return pattern.allowed_at(b, h, q_idx + offset, kv_idx) & keep[b, kv_idx]
+
+    return _flex_module().BlockMask.from_kv_blocks(
+        *flex_block_tensors(state),
+        BLOCK_SIZE=block,
+        mask_mod=routed_mask,
+        seq_lengths=_seq_lengths(frame, whole_blocks),
+    )
+
+
 class FlexBackend(Backend):
     """FlexAttention; ``compile=False`` runs its eager (dense, unfused) path, for tests only."""
 
@@ -166,6 +195,7 @@ class FlexBackend(Backend):
         patterns="any",
         score_bias=True,
         sparse=True,
+        routed=True,
     )
 
     def __init__(self, block_size: int = 128, compile: bool = True) -> None:
@@ -188,6 +218,8 @@ class FlexBackend(Backend):
 
     def block_mask(self, call: AttentionCall):
         whole = self.whole_blocks(call)
+        if call.pattern.routed:
+            return _routed_block_mask(call, self.block_size, whole)
         if call.key_padding_mask is None:
             return _pattern_block_mask(
                 call.pattern, call.q_len, call.kv_len, self.block_size, call.device, whole
@@ -196,6 +228,10 @@ class FlexBackend(Backend):
 
     def scored_pairs(self, call: AttentionCall) -> int:
         frame = flex_frame(call.pattern, call.q_len, call.kv_len, self.block_size, call.device)
+        if call.pattern.routed:  # per sequence and head: their mean
+            state = call.pattern.block_state(frame.q.spans().column(), frame.k.spans().row())
+            blocks = float((state != EMPTY).sum(dim=(-1, -2)).float().mean())
+            return round(blocks * self.block_size**2)
         return build_layout(call.pattern, frame).computed_blocks * self.block_size**2
 
     def forward(self, call: AttentionCall) -> tuple[Tensor, None]:

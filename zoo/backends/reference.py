@@ -28,8 +28,11 @@ def safe_softmax(scores: Tensor) -> Tensor:
 
 
 def attention_mask(call: AttentionCall) -> Tensor:
-    """(B or 1, 1, Lq, Lk) bool: the pattern and the key padding."""
-    mask = dense_mask(call.pattern, call.q_len, call.kv_len, call.device)[None, None]
+    """(B or 1, H or 1, Lq, Lk) bool: the pattern and the key padding."""
+    if call.pattern.routed:  # chosen by content: (B, H, Lq, Lk), made for this call only
+        mask = call.pattern.dense(call.q_len, call.kv_len)
+    else:
+        mask = dense_mask(call.pattern, call.q_len, call.kv_len, call.device)[None, None]
     keep = key_keep(call)
     return mask if keep is None else mask & keep[:, None, None, :]
 
@@ -53,6 +56,7 @@ class ReferenceBackend(Backend):
         score_bias=True,
         dropout=True,
         return_weights=True,
+        routed=True,
     )
 
     def forward(self, call: AttentionCall) -> tuple[Tensor, Tensor]:

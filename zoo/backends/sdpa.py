@@ -25,6 +25,7 @@ class SdpaBackend(Backend):
         patterns="any",
         score_bias=True,
         dropout=True,
+        routed=True,
     )
 
     def scored_pairs(self, call: AttentionCall) -> int:

@@ -12,9 +12,11 @@ from .full import Causal, Full, made_causal
 from .global_tokens import Global
 from .grid import Tiles
 from .local import Local
+from .moba import Moba
 from .neighborhood import Neighborhood2D, neighborhood_2d
 from .random_blocks import Random, RandomBlocks
 from .registry import build_family, list_families, register_pattern, resolve_family
+from .routed import ChosenBlocks, RouteInputs
 from .strided import Residue, dilated, strided
 
 __all__ = [
@@ -25,16 +27,19 @@ __all__ = [
     "BlockLocal",
     "BlockLocal2D",
     "Causal",
+    "ChosenBlocks",
     "Difference",
     "Full",
     "Global",
     "Intersection",
     "Local",
+    "Moba",
     "Neighborhood2D",
     "Pattern",
     "Random",
     "RandomBlocks",
     "Residue",
+    "RouteInputs",
     "Spans",
     "Tiles",
     "Union",

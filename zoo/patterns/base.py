@@ -22,6 +22,11 @@ The three views, held equal by the tests:
    (the mask then decides), never the reverse.
 3. ``dense(q_len, kv_len)``: a [q_len, kv_len] bool tensor, built independently where that is
    natural; the oracle for tests and pictures.
+
+Patterns chosen by content (``routed``, see ``zoo.patterns.routed``) are bound to a call's q and k
+first (``bind``); the bound pattern's views then carry leading (batch, heads) dimensions, which
+broadcast against a fixed pattern's in unions and intersections. A fixed pattern is the special
+case: ``bind`` returns it unchanged and ``allowed_at`` ignores the batch and head.
 """
 
 from __future__ import annotations
@@ -121,6 +126,21 @@ class Pattern:
     def allowed(self, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
         raise NotImplementedError
 
+    def allowed_at(self, b: Tensor, h: Tensor, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
+        """``allowed`` for sequence ``b`` and query head ``h`` (broadcastable index tensors); a
+        pattern chosen by content answers per sequence and head, a fixed one ignores them."""
+        return self.allowed(q_pos, kv_pos)
+
+    @property
+    def routed(self) -> bool:
+        """Whether its pairs are chosen by content (from q and k), not by position alone."""
+        return False
+
+    def bind(self, inputs: object) -> Pattern:
+        """The pattern for one call's inputs (a ``zoo.patterns.routed.RouteInputs``): a routed
+        pattern chooses its blocks here; a fixed pattern is its own layout for any input."""
+        return self
+
     def block_state(self, q: Spans, k: Spans) -> Tensor:
         raise NotImplementedError
 
@@ -156,7 +176,7 @@ class Pattern:
         offset = kv_len - q_len
 
         def pattern_mask(b, h, q_idx, kv_idx):
-            return self.allowed(q_idx + offset, kv_idx)
+            return self.allowed_at(b, h, q_idx + offset, kv_idx)
 
         return pattern_mask
 

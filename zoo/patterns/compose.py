@@ -63,6 +63,17 @@ class Union(Pattern):
     def allowed(self, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
         return reduce(torch.logical_or, (c.allowed(q_pos, kv_pos) for c in self.children))
 
+    def allowed_at(self, b: Tensor, h: Tensor, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
+        hits = (c.allowed_at(b, h, q_pos, kv_pos) for c in self.children)
+        return reduce(torch.logical_or, hits)
+
+    @property
+    def routed(self) -> bool:
+        return any(c.routed for c in self.children)
+
+    def bind(self, inputs: object) -> Pattern:
+        return Union(tuple(c.bind(inputs) for c in self.children)) if self.routed else self
+
     def block_state(self, q: Spans, k: Spans) -> Tensor:
         return reduce(torch.maximum, (c.block_state(q, k) for c in self.children))
 
@@ -116,6 +127,23 @@ class Intersection(Pattern):
     def allowed(self, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
         return reduce(torch.logical_and, (c.allowed(q_pos, kv_pos) for c in self.children))
 
+    def allowed_at(self, b: Tensor, h: Tensor, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
+        hits = (c.allowed_at(b, h, q_pos, kv_pos) for c in self.children)
+        return reduce(torch.logical_and, hits)
+
+    @property
+    def routed(self) -> bool:
+        return any(c.routed for c in self.children)
+
+    def bind(self, inputs: object) -> Pattern:
+        """Members chosen by content choose under causal rules when a causal member bounds them
+        (MoBA then ranks only the blocks up to the query's own)."""
+        if not self.routed:
+            return self
+        if any(c.kind == "causal" for c in self.children):
+            inputs = inputs.made_causal()  # type: ignore[attr-defined]
+        return Intersection(tuple(c.bind(inputs) for c in self.children))
+
     def block_state(self, q: Spans, k: Spans) -> Tensor:
         return reduce(torch.minimum, (c.block_state(q, k) for c in self.children))
 
@@ -157,6 +185,19 @@ class Difference(Pattern):
 
     def allowed(self, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
         return self.include.allowed(q_pos, kv_pos) & ~self.exclude.allowed(q_pos, kv_pos)
+
+    def allowed_at(self, b: Tensor, h: Tensor, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
+        include = self.include.allowed_at(b, h, q_pos, kv_pos)
+        return include & ~self.exclude.allowed_at(b, h, q_pos, kv_pos)
+
+    @property
+    def routed(self) -> bool:
+        return self.include.routed or self.exclude.routed
+
+    def bind(self, inputs: object) -> Pattern:
+        if not self.routed:
+            return self
+        return Difference(self.include.bind(inputs), self.exclude.bind(inputs))
 
     def block_state(self, q: Spans, k: Spans) -> Tensor:
         kept = torch.clamp(self.include.block_state(q, k), max=PARTIAL)

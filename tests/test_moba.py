@@ -1,0 +1,214 @@
+"""MoBA (``moba``): the chosen blocks against the definition computed query by query, and every
+backend that runs layouts chosen by content against the reference, forward and backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import check_against_reference, padding_mask, random_qkv
+
+import zoo
+from zoo.backends import FlexBackend
+from zoo.backends.base import FLOATS, Capabilities
+from zoo.functional import prepare_call
+from zoo.patterns import Causal, Local, Moba, RouteInputs, Spans
+from zoo.patterns.base import EMPTY, FULL
+from zoo.patterns.moba import moba_choice
+
+
+def definition(q, k, block_size, top_k, causal, key_padding=None):
+    """MoBA's choice (B, H, Lq, blocks), one query at a time in plain Python from the issue's
+    definition: q . mean of the unpadded keys of each block in float32, own block first, no block
+    after the own one when causal, ties to the lower index, all-padding blocks never."""
+    B, H, q_len, _ = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    blocks = -(-kv_len // block_size)
+    chosen = torch.zeros(B, H, q_len, blocks, dtype=torch.bool)
+    for b in range(B):
+        for h in range(H):
+            keys = k[b, h * kv_heads // H].float()
+            for i in range(q_len):
+                position = i + kv_len - q_len
+                own = position // block_size
+                ranked = []
+                for j in range(blocks):
+                    keep = [
+                        t
+                        for t in range(j * block_size, min((j + 1) * block_size, kv_len))
+                        if key_padding is None or not key_padding[b, t]
+                    ]
+                    if not keep or (causal and j > own):
+                        continue
+                    mean = keys[keep].sum(0) / len(keep)
+                    score = float("inf") if j == own else float(q[b, h, i].float() @ mean)
+                    ranked.append((-score, j))
+                for _, j in sorted(ranked)[:top_k]:
+                    chosen[b, h, i, j] = True
+    return chosen
+
+
+CASES = [  # (q_len, kv_len, block_size, top_k)
+    (37, 37, 8, 3),
+    (20, 37, 8, 2),
+    (37, 20, 6, 2),
+    (16, 16, 8, 5),  # fewer blocks than top_k: all chosen
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("q_len,kv_len,block_size,top_k", CASES)
+def test_choice_matches_the_definition(q_len, kv_len, block_size, top_k, causal):
+    q, k, _ = random_qkv(3, 4, q_len, kv_len, kv_heads=2)
+    key_padding = padding_mask(3, kv_len)
+    expected = definition(q.detach(), k.detach(), block_size, top_k, causal, key_padding)
+    got = moba_choice(
+        q, k, block_size=block_size, top_k=top_k, causal=causal, key_padding_mask=key_padding
+    )
+    assert torch.equal(got, expected)
+    assert not got.requires_grad  # the choice gets no gradient
+    # The attention call chooses the same blocks: its dense view is the chosen blocks' keys,
+    # within causal limits.
+    call = prepare_call(
+        q, k, k, variant="moba", causal=causal, key_padding_mask=key_padding,
+        block_size=block_size, top_k=top_k,
+    )  # fmt: skip
+    dense = expected.repeat_interleave(block_size, dim=-1)[..., :kv_len]
+    if causal:
+        dense = dense & zoo.dense_mask("causal", q_len, kv_len)
+    assert torch.equal(call.pattern.dense(q_len, kv_len), dense)
+
+
+def test_ties_go_to_the_lower_block_and_padding_never_wins():
+    block = 4
+    k = torch.zeros(1, 1, 16, 2)
+    k[..., 4:8, 0] = 1.0  # blocks 1 and 2 tie; block 3 scores highest but is all padding
+    k[..., 8:12, 0] = 1.0
+    k[..., 12:16, 0] = 5.0
+    q = torch.zeros(1, 1, 16, 2)
+    q[..., 0] = 1.0
+    key_padding = torch.zeros(1, 16, dtype=torch.bool)
+    key_padding[0, 12:] = True
+    chosen = moba_choice(
+        q, k, block_size=block, top_k=2, causal=False, key_padding_mask=key_padding
+    )
+    assert chosen[0, 0, 0].tolist() == [True, True, False, False]  # own block 0, then block 1
+    assert not chosen[..., 3].any()  # padding never chosen, not even by its own queries
+    assert chosen[0, 0, 12].tolist() == [False, True, True, False]
+
+
+def test_bound_block_state_holds_the_dense_view():
+    """The routed layout's EMPTY/FULL claims are true of its dense view, per sequence and head."""
+    q, k, _ = random_qkv(2, 2, 30, 30)
+    pattern = (Moba(block_size=6, top_k=2) & Causal()).bind(RouteInputs(q, k))
+    block = 4
+    pos = torch.arange(32).view(-1, block)
+    valid = pos < 30
+    spans = Spans(pos[:, 0], torch.where(valid, pos, -1).amax(1), 1, valid.all(1))
+    state = pattern.block_state(spans.column(), spans.row())  # (B, H, 8, 8)
+    dense = torch.nn.functional.pad(pattern.dense(30, 30), (0, 2, 0, 2))
+    blocks = dense.unflatten(2, (-1, block)).unflatten(4, (-1, block))  # (B,H,8,4,8,4)
+    some, every = blocks.any(5).any(3), blocks.all(5).all(3)
+    assert not (some & (state == EMPTY)).any()
+    assert not ((state == FULL) & ~every).any()
+    assert (state == FULL).any() and (state == EMPTY).any()
+
+
+BACKENDS = ["blocked", "sdpa"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("shape", [(37, 37), (21, 37), (37, 21)])
+def test_backends_match_the_reference(backend, causal, padded, shape):
+    q_len, kv_len = shape
+    check_against_reference(
+        "moba", backend, q_len=q_len, kv_len=kv_len, causal=causal, padded=padded,
+        params={"block_size": 6, "top_k": 3}, heads=4, kv_heads=2,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["blocked", "sdpa"])
+def test_union_with_a_sliding_window(backend):
+    """``moba | local`` composes as any union: the window's keys or the chosen blocks."""
+    pattern = Moba(block_size=8, top_k=2) | Local((5, 0))
+    q, k, v = random_qkv(2, 2, 40, 40)
+    call = prepare_call(q, k, v, variant=pattern, causal=True)
+    chosen = moba_choice(q, k, block_size=8, top_k=2, causal=True)
+    window = zoo.dense_mask("sliding_window", 40, window_size=5)
+    expected = (chosen.repeat_interleave(8, dim=-1) | window) & zoo.dense_mask("causal", 40)
+    assert torch.equal(call.pattern.dense(40, 40), expected)
+    ref = zoo.attention(q, k, v, variant=pattern, causal=True, backend="reference")
+    out = zoo.attention(q, k, v, variant=pattern, causal=True, backend=backend)
+    assert (out - ref).abs().max() < 1e-5
+    blocked_grad = torch.autograd.grad(out.sum(), (q, k, v))
+    ref_grad = torch.autograd.grad(ref.sum(), (q, k, v))
+    for got, want in zip(blocked_grad, ref_grad, strict=True):
+        assert (got - want).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_flex_forward_matches_the_reference(compile, causal):
+    """Per sequence and head block masks (from_kv_blocks) with the per-query choice in the
+    mask_mod; forward only on CPU, where compiled FlexAttention has no backward."""
+    check_against_reference(
+        "moba", FlexBackend(block_size=16, compile=compile), q_len=37, kv_len=50, causal=causal,
+        padded=True, params={"block_size": 8, "top_k": 2}, heads=4, kv_heads=2, grads=False,
+    )  # fmt: skip
+
+
+def test_flex_block_mask_is_per_sequence_and_head():
+    q, k, v = random_qkv(2, 4, 64, 64, kv_heads=2)
+    call = prepare_call(q, k, v, variant="moba", block_size=16, top_k=2)
+    mask = FlexBackend(block_size=16, compile=False).block_mask(call)
+    assert mask.kv_num_blocks.shape == (2, 4, 4)
+    dense = mask.to_dense().bool()  # (B, H, Qb, Kb)
+    chosen_blocks = call.pattern.chosen.unflatten(2, (4, 16)).any(3)
+    assert torch.equal(dense, chosen_blocks)
+
+
+def test_auto_runs_moba_and_xformers_refuses_it():
+    q, k, v = random_qkv(1, 2, 40, 40)
+    call = prepare_call(q, k, v, variant="moba", block_size=8, top_k=2)
+    assert not zoo.backends.get_backend("xformers").capabilities.routed
+    fixed_only = Capabilities(devices=("cpu",), backward=("cpu",), dtypes=FLOATS, patterns="any")
+    assert "cannot run blocks chosen by content" in fixed_only.reason_against(call)
+    out = zoo.attention(q, k, v, variant="moba", block_size=8, top_k=2)
+    ref = zoo.attention(q, k, v, variant="moba", block_size=8, top_k=2, backend="reference")
+    assert (out - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize(
+    "params,match",
+    [
+        ({"top_k": 0}, "top_k must be positive, got 0"),
+        ({"block_size": 0}, "block_size must be positive, got 0"),
+        ({"top_k": 2.5}, r"top_k must be an int, got 2.5"),
+        ({"block_size": "64"}, r"block_size must be an int, got '64'"),
+    ],
+)
+def test_bad_parameters_name_the_value(params, match):
+    q, k, v = random_qkv(1, 1, 16, 16)
+    with pytest.raises((TypeError, ValueError), match=match):
+        zoo.attention(q, k, v, variant="moba", **params)
+
+
+def test_unbound_moba_has_no_fixed_mask():
+    with pytest.raises(TypeError, match="chooses its blocks by content"):
+        zoo.dense_mask("moba", 16)
+
+
+def test_union_with_a_strided_pattern_runs_in_two_token_orders():
+    """``moba | strided`` splits into parts in two token orders; the strided part excludes the
+    chosen blocks (a difference with a routed member), and the parts merge exactly."""
+    pattern = Moba(block_size=8, top_k=2) | zoo.patterns.strided(stride=9, window_size=0)
+    q, k, v = random_qkv(2, 2, 70, 70, dtype=torch.float64)
+    for causal in (False, True):
+        ref = zoo.attention(q, k, v, variant=pattern, causal=causal, backend="reference")
+        out = zoo.attention(q, k, v, variant=pattern, causal=causal, backend="blocked")
+        assert (out - ref).abs().max() < 1e-12
+        got = torch.autograd.grad(out.sum(), (q, k, v))
+        want = torch.autograd.grad(ref.sum(), (q, k, v))
+        for a, b in zip(got, want, strict=True):
+            assert (a - b).abs().max() < 1e-12

@@ -1,0 +1,118 @@
+"""``moba``: Mixture of Block Attention (Lu et al., Moonshot AI, 2025), keys chosen by content.
+
+Keys are cut into blocks of ``block_size`` (the last one shorter when the length is not a
+multiple). Each query scores each block by the dot product of the query with the mean of the
+block's keys, computed in float32 with padded keys left out of the mean, and attends every key of
+the ``top_k`` best blocks. The choice is per query and per head (a grouped key/value head's means
+serve each of its query heads), made without gradient.
+
+- Its own block (the block holding the query's position, queries aligned bottom-right as in
+  ``zoo.patterns.base``) is always chosen and counts toward ``top_k``.
+- Causal (``causal=True``): blocks after the query's own are never ranked, its own block is
+  attended causally (the intersection with ``causal`` does that), so ``top_k - 1`` earlier
+  blocks are chosen by score and attended fully.
+- Not causal: the ``top_k`` blocks of all blocks by score, its own among them.
+- A block whose keys are all padding is never chosen, not even as the query's own; padded keys
+  are never attended (the key padding mask sees to that in every backend).
+- Ties go to the lower block index. With fewer available blocks than ``top_k``, all are chosen
+  (the first queries of a causal sequence), so short inputs run.
+
+::
+
+    block_size=2, top_k=2, causal (8x8): query 6 (block 3) chose block 1
+    keys   0 1 | 2 3 | 4 5 | 6 7
+    q6     . . | x x | . . | x .
+
+Published settings: block_size 512, top_k 3; 4096 and 12 at 1M tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..checks import check_int
+from .base import Pattern
+from .registry import register_pattern
+from .routed import ChosenBlocks, RouteInputs, top_blocks
+
+
+@torch.no_grad()
+def moba_choice(
+    q: Tensor,
+    k: Tensor,
+    *,
+    block_size: int,
+    top_k: int,
+    causal: bool,
+    key_padding_mask: Tensor | None = None,
+) -> Tensor:
+    """(B, H, Lq, key blocks) bool: the blocks each query chooses (see the module docstring).
+
+    q (B, H, Lq, D), k (B, H_kv, Lk, D) with H_kv dividing H; key_padding_mask (B, Lk), True
+    where a key is padding.
+    """
+    B, H, q_len, _ = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    blocks = -(-kv_len // block_size)
+    tail = blocks * block_size - kv_len
+    keep = torch.ones(B, kv_len, dtype=torch.bool, device=k.device)
+    if key_padding_mask is not None:
+        keep = ~key_padding_mask
+    keep = torch.nn.functional.pad(keep, (0, tail)).view(B, blocks, block_size)
+    keys = torch.nn.functional.pad(k.float(), (0, 0, 0, tail)).unflatten(2, (blocks, block_size))
+    keys = keys * keep[:, None, :, :, None]  # (B, H_kv, blocks, bs, D), padded keys zero
+    counts = keep.sum(-1)  # (B, blocks)
+    means = keys.sum(3) / counts.clamp(min=1)[:, None, :, None]  # (B, H_kv, blocks, D)
+    means = means.repeat_interleave(H // kv_heads, dim=1)
+    scores = q.float() @ means.transpose(-1, -2)  # (B, H, Lq, blocks)
+
+    own = (torch.arange(q_len, device=q.device) + kv_len - q_len).div(
+        block_size, rounding_mode="floor"
+    )[:, None]  # (Lq, 1); negative for queries before the first key
+    block = torch.arange(blocks, device=q.device)[None, :]
+    available = (counts > 0)[:, None, None, :]  # (B, 1, 1, blocks)
+    if causal:
+        available = available & (block <= own)
+    return top_blocks(scores, top_k, available, block == own)
+
+
+@register_pattern("moba")
+@dataclass(frozen=True)
+class Moba(Pattern):
+    """The top ``top_k`` key blocks of ``block_size`` per query by q . mean(block keys)."""
+
+    block_size: int = 512
+    top_k: int = 3
+
+    def __post_init__(self) -> None:
+        check_int("block_size", self.block_size)
+        check_int("top_k", self.top_k)
+
+    @property
+    def routed(self) -> bool:
+        return True
+
+    def bind(self, inputs: object) -> Pattern:
+        if not isinstance(inputs, RouteInputs):
+            raise TypeError(f"moba binds to RouteInputs, got {type(inputs).__name__}")
+        chosen = moba_choice(
+            inputs.q,
+            inputs.k,
+            block_size=self.block_size,
+            top_k=self.top_k,
+            causal=inputs.causal,
+            key_padding_mask=inputs.key_padding_mask,
+        )
+        offset = inputs.k.shape[2] - inputs.q.shape[2]
+        return ChosenBlocks(self.block_size, chosen, offset)
+
+    def _needs_inputs(self, *args: object) -> Tensor:
+        raise TypeError(
+            "moba chooses its blocks by content: there is no fixed mask; bind it to a call's "
+            "inputs (pattern.bind(RouteInputs(q, k)) or zoo.attention(q, k, v, variant='moba'))"
+        )
+
+    allowed = block_state = dense = _needs_inputs  # type: ignore[assignment]

@@ -1,0 +1,122 @@
+"""Patterns chosen by content: a layout computed from a call's q and k, per sequence and head.
+
+A fixed pattern's pairs depend on positions alone. A *routed* pattern (MoBA, NSA's selected
+branch) chooses key blocks for each query from q and k, so its layout exists only for one call's
+inputs. The protocol extends ``Pattern`` in one step:
+
+- ``routed`` is True, and ``bind(RouteInputs)`` makes the choice, returning a ``ChosenBlocks``.
+- A ``ChosenBlocks`` answers the three views with leading (batch, heads) dimensions:
+  ``allowed_at(b, h, q_pos, kv_pos)``, ``block_state -> [B, H, q blocks, k blocks]`` and
+  ``dense -> [B, H, q_len, kv_len]``. These broadcast against a fixed pattern's views
+  (``[q blocks, k blocks]``, ``[q_len, kv_len]``), so ``moba | sliding_window`` and
+  ``moba & causal`` compose with no new code, and a fixed pattern is the special case of a
+  layout that is the same for every sequence and head.
+
+Backends see only bound patterns (``zoo.attention`` binds after the rotary encoding turns q and k)
+and treat ``pattern.routed`` as "the layout has (batch, heads) dimensions": the reference builds
+the dense (B, H, Lq, Lk) mask, ``blocked`` gathers each sequence and head's key blocks, ``flex``
+builds a per-sequence, per-head ``BlockMask``.
+
+The choice gets no gradient (it is made under ``torch.no_grad``); the attention over the chosen
+keys does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from .base import Pattern, Spans, state_from
+
+
+@dataclass(frozen=True)
+class RouteInputs:
+    """What a routed pattern chooses from: q (B, H, Lq, D) and k (B, H_kv, Lk, D) as attention
+    sees them, the key padding (B, Lk) bool or None (True = padding), and whether the choice is
+    made under causal rules (a causal member of an intersection sets it)."""
+
+    q: Tensor
+    k: Tensor
+    key_padding_mask: Tensor | None = None
+    causal: bool = False
+
+    def made_causal(self) -> RouteInputs:
+        return self if self.causal else replace(self, causal=True)
+
+
+def top_blocks(scores: Tensor, top_k: int, available: Tensor, forced: Tensor) -> Tensor:
+    """(..., blocks) bool: the ``forced`` blocks, then the best by ``scores`` up to ``top_k`` in
+    all, among the ``available`` ones only (forced ones too); ties go to the lower index.
+
+    Forced blocks rank first (+inf) and count toward ``top_k``; with fewer available blocks than
+    ``top_k`` every available one is chosen. Masks broadcast against ``scores``."""
+    scores = torch.where(forced, float("inf"), scores.float())
+    scores = torch.where(available, scores, float("-inf"))
+    # A stable descending sort puts the lower index first among equal scores.
+    best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :top_k]
+    chosen = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    return chosen.scatter_(-1, best, True) & available
+
+
+@dataclass(frozen=True, eq=False)
+class ChosenBlocks(Pattern):
+    """Key blocks of ``block_size`` chosen per query, for one call (compared by identity).
+
+    ``chosen[b, h, i, j]`` is True when query i (index, not position) of sequence b, head h attends
+    to every key of block j (keys j * block_size .. (j + 1) * block_size - 1). ``offset`` is
+    kv_len - q_len, the bottom-right alignment of ``zoo.patterns.base``.
+    """
+
+    block_size: int
+    chosen: Tensor  # (B, H, Lq, key blocks) bool
+    offset: int
+
+    @property
+    def routed(self) -> bool:
+        return True
+
+    def allowed(self, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
+        raise TypeError(
+            "blocks chosen by content differ per sequence and head: use allowed_at(b, h, ...)"
+        )
+
+    def allowed_at(self, b: Tensor, h: Tensor, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
+        _, heads, q_len, blocks = self.chosen.shape
+        index = q_pos - self.offset
+        # Clamps keep padding slots' indices in range; the result there is ignored.
+        row = index.clamp(0, q_len - 1)
+        column = (kv_pos // self.block_size).clamp(0, blocks - 1)
+        if torch.compiler.is_compiling():  # flex's mask_mod: scalar indices
+            return self.chosen[b, h, row, column] & (index >= 0) & (index < q_len)
+        # One flat gather: 3x faster on CPU than four broadcast index tensors.
+        flat = ((b * heads + h) * q_len + row) * blocks + column
+        return self.chosen.flatten().take(flat) & (index >= 0) & (index < q_len)
+
+    def _prefix_sums(self) -> Tensor:
+        """(B, H, Lq + 1, blocks + 1) int32: chosen (query, block) pairs in each rectangle."""
+        if "_sums" not in self.__dict__:
+            sums = torch.nn.functional.pad(self.chosen.to(torch.int32), (1, 0, 1, 0))
+            self.__dict__["_sums"] = sums.cumsum(2).cumsum(3)
+        return self.__dict__["_sums"]
+
+    def block_state(self, q: Spans, k: Spans) -> Tensor:
+        """[B, H, q blocks, k blocks]: FULL where every query of the kernel block chose every
+        pattern block that the kernel key block touches. Counted over the whole position range
+        of each span, a superset of a regrouped span's positions (strided frames), so EMPTY and
+        FULL stay true claims in any token order."""
+        _, _, q_len, blocks = self.chosen.shape
+        sums = self._prefix_sums()
+        q0, q1 = (q.lo - self.offset).clamp(0, q_len - 1), (q.hi - self.offset).clamp(0, q_len - 1)
+        k0 = (k.lo // self.block_size).clamp(0, blocks - 1)
+        k1 = (k.hi // self.block_size).clamp(0, blocks - 1)
+        count = (
+            sums[:, :, q1 + 1, k1 + 1] - sums[:, :, q0, k1 + 1] - sums[:, :, q1 + 1, k0]
+        ) + sums[:, :, q0, k0]
+        area = (q1 - q0 + 1) * (k1 - k0 + 1)
+        return state_from(count > 0, count == area, q, k)
+
+    def dense(self, q_len: int, kv_len: int) -> Tensor:
+        """(B, H, q_len, kv_len): each chosen block widened to its keys."""
+        return self.chosen.repeat_interleave(self.block_size, dim=-1)[..., :kv_len]
