@@ -7,13 +7,15 @@ import torch
 from torch import Tensor
 
 from zoo.functional import resolve_pattern
+from zoo.mechanisms.call import is_mechanism
 from zoo.patterns import RouteInputs
 
 from .measure import median, time_runs
 
 
 def is_routed(variant: str, params: dict) -> bool:
-    return resolve_pattern(variant, False, dict(params)).routed
+    """Whether a variant's pairs are chosen by content (a mechanism has no pairs to choose)."""
+    return not is_mechanism(variant) and resolve_pattern(variant, False, dict(params)).routed
 
 
 def chosen_pairs(variant: str, params: dict, causal: bool, q: Tensor, k: Tensor) -> int:
