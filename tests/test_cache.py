@@ -56,7 +56,7 @@ def decode(attn, x, cuts, max_len=64):
 
 
 @pytest.mark.parametrize("pos", ENCODINGS)
-@pytest.mark.parametrize("variant", FIXED_VARIANTS)
+@pytest.mark.parametrize("variant", [*FIXED_VARIANTS, "moba"])
 def test_prefill_and_steps_equal_the_causal_forward(variant, pos):
     attn = module(variant, pos)
     # A 2-D pattern is decoded over its whole grid, 64 tokens; the others stop at any length.
@@ -90,7 +90,9 @@ def test_rows_of_different_lengths_with_grouped_heads(variant, backend):
     assert cache.lengths.tolist() == [37, 28, 25]
 
 
-@pytest.mark.parametrize(("variant", "pos"), [("sliding_window", "rope"), ("bigbird", "t5")])
+@pytest.mark.parametrize(
+    ("variant", "pos"), [("sliding_window", "rope"), ("bigbird", "t5"), ("moba", "alibi")]
+)
 def test_gradients_through_the_cache_equal_those_of_the_forward(variant, pos):
     attn = module(variant, pos)
     x = torch.randn(2, 30, 16, dtype=torch.float64, requires_grad=True)
