@@ -55,7 +55,7 @@ def decode(attn, x, cuts, max_len=64):
 
 
 @pytest.mark.parametrize("pos", ENCODINGS)
-@pytest.mark.parametrize("variant", FIXED_VARIANTS)
+@pytest.mark.parametrize("variant", [*FIXED_VARIANTS, "moba"])
 def test_prefill_and_steps_equal_the_causal_forward(variant, pos):
     attn = module(variant, pos)
     # A 2-D pattern is decoded over its whole grid, 64 tokens; the others stop at any length.
@@ -89,7 +89,9 @@ def test_rows_of_different_lengths_with_grouped_heads(variant, backend):
     assert cache.lengths.tolist() == [37, 28, 25]
 
 
-@pytest.mark.parametrize(("variant", "pos"), [("sliding_window", "rope"), ("bigbird", "t5")])
+@pytest.mark.parametrize(
+    ("variant", "pos"), [("sliding_window", "rope"), ("bigbird", "t5"), ("moba", "alibi")]
+)
 def test_gradients_through_the_cache_equal_those_of_the_forward(variant, pos):
     attn = module(variant, pos)
     x = torch.randn(2, 30, 16, dtype=torch.float64, requires_grad=True)
@@ -220,11 +222,6 @@ def test_a_cache_needs_a_causal_module():
         zoo.create_attention("sliding_window", dim=16, num_heads=2).new_cache(1, 8)
 
 
-def test_a_pattern_chosen_by_content_gets_no_cache():
-    with pytest.raises(ValueError, match="'moba' chooses its key blocks by content"):
-        zoo.create_attention("moba", dim=16, num_heads=2, causal=True, block_size=4).new_cache(1, 8)
-
-
 def test_a_mechanism_gets_no_cache_by_either_door():
     """Linear and low-rank mechanisms form no masked scores to cache: refused, by name."""
     module = zoo.create_attention("linear", dim=16, num_heads=2, causal=True)
@@ -250,3 +247,25 @@ def test_harness_model_generates_what_it_computes_teacher_forced(encoding):
     tokens = torch.randint(0, 12, (3, 30))
     with torch.no_grad():
         assert torch.allclose(model.decode(tokens, 9), model(tokens), atol=1e-10, rtol=0)
+
+
+def test_greedy_generation_feeds_back_the_argmax_of_full_forwards():
+    """Greedy decoding through caches = the argmax loop over full causal forwards of the
+    growing sequence: each step appends the argmax of the last position's logits."""
+    from eval.harness.model import SequenceModel
+
+    torch.manual_seed(0)
+    model = SequenceModel(
+        vocab_size=12, num_classes=12, head="token", dim=16, depth=2, heads=2, mlp_dim=32,
+        variant="sliding_window", encoding="sinusoidal", causal=True,
+        variant_params={"window_size": 4},
+    ).eval()  # fmt: skip
+    tokens = torch.randint(0, 12, (3, 24))
+    prefill = 9
+    with torch.no_grad():
+        generated = model.decode(tokens, prefill, greedy=True).argmax(-1)
+        grown = tokens[:, : prefill + 1]
+        while grown.shape[1] < tokens.shape[1]:
+            grown = torch.cat([grown, model(grown)[:, -1:].argmax(-1)], 1)
+    assert torch.equal(generated[:, prefill:-1], grown[:, prefill + 1 :])
+    assert not torch.equal(grown[:, prefill + 1 :], tokens[:, prefill + 1 :]), "it generated"

@@ -318,3 +318,21 @@ def test_a_training_pool_is_read_in_shuffled_epochs():
     assert as_rows(first_epoch) == as_rows(pool), "an epoch covers the pool once, ranks disjoint"
     second = torch.cat([drawn[r](s).inputs for s in (2, 3) for r in (0, 1)])
     assert as_rows(second) == as_rows(pool) and not torch.equal(second, first_epoch)
+
+
+def test_generation_is_greedy_on_fed_answers(tmp_path):
+    """train.generation on copy: greedy (fed back predictions) when the task feeds answers, the
+    cache path on fixed inputs otherwise, where it must equal teacher forcing exactly."""
+    for feed in ("true", "false"):
+        config = tiny(
+            tmp_path / feed, "tasks=[copy]", f"task_params={{copy: {{feed_answers: {feed}}}}}",
+            "variants=[sliding_window]", "variant_params={sliding_window: {window_size: 8}}",
+            "causal=true", "test_lengths=[32]", "train={steps: 3, batch_size: 4, "
+            "eval_samples: 8, eval_batch_size: 4, generation: true}",
+        )  # fmt: skip
+        (record,) = read(run(config, "test", CPU, show_progress=False))
+        assert record["status"] == "ok", record.get("reason")
+        assert record["generation"] == ("greedy" if feed == "true" else "fixed inputs")
+        assert 0 <= record["generation_accuracy"]["32"] <= 1
+        if feed == "false":
+            assert record["generation_accuracy"] == record["accuracy"]

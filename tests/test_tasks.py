@@ -242,3 +242,19 @@ def test_bad_sample_arguments() -> None:
         task.sample(0, seed=1)
     with pytest.raises(ValueError, match="seed must be at least 0, got -1"):
         task.sample(4, seed=-1)
+
+
+@pytest.mark.parametrize(("name", "module"), [("copy", copy_task), ("selective_copy", sel_copy)])
+def test_fed_answers_hold_the_previous_answer(name, module) -> None:
+    """The autoregressive layout: same targets as the fixed one; slot i holds answer i - 1."""
+    fixed, fed = make(name).sample(50, seed=5), make(name, feed_answers=True).sample(50, seed=5)
+    assert torch.equal(fixed.targets, fed.targets)
+    scored = fed.targets != IGNORE
+    assert torch.equal(fixed.inputs[~scored], fed.inputs[~scored]), "the prompt is unchanged"
+    first = int(scored[0].nonzero()[0])
+    assert torch.equal(fed.inputs[:, first + 1 :], fed.targets[:, first:-1])
+    assert torch.equal(fed.inputs[:, first], fixed.inputs[:, first])  # the start token
+    for row, target in zip(fed.inputs.tolist(), fed.targets.tolist(), strict=True):
+        assert module.solve(row, feed_answers=True) == target
+    with pytest.raises(ValueError, match="feed_answers must be true or false, got 'yes'"):
+        make(name, feed_answers="yes")

@@ -15,10 +15,11 @@ rotary angles and score biases use them, so prefill + steps give, at every real 
 one causal forward over the row's whole sequence. Padding columns give zeros and are not kept.
 
 Memory follows the pattern (``zoo.patterns.retention``): pinned slots for keys that every later
-query may read (global tokens; every key of full, strided and random patterns), and a ring buffer
-of ``window + 1`` slots for the keys that fall out of reach, so a sliding window of w keeps w + 1
-keys at any length. ``nbytes`` counts the stores. Keys are kept as the kernel sees them (rotated by
-rope); ``slot_pos`` (B, slots) holds each slot's position, -1 where empty.
+query may read (global tokens; every key of full, strided and random patterns, and of patterns
+chosen by content), and a ring buffer of ``window + 1`` slots for the keys that fall out of reach,
+so a sliding window of w keeps w + 1 keys at any length. ``nbytes`` counts the stores. Keys are
+kept as the kernel sees them (rotated by rope); ``slot_pos`` (B, slots) holds each slot's
+position, -1 where empty.
 
 A refused call (wrong shape, dtype, device or variant, a step past ``max_len``, positions that do
 not continue the row) raises before anything in the cache changes.

@@ -14,10 +14,19 @@ Backends for one query against a cache (``decode_backend``):
   does not read), the allowed keys are gathered first, so the kernel sees only them; a window
   cache, all of it allowed, goes in as it is, and full or causal attention with every slot in use
   runs without a mask.
+- ``flex``: FlexAttention with a block mask over the step's query rows and the cache's slots, its
+  mask_mod reading the slots' absolute positions (``zoo.decode_flex``). Named by
+  ``backend="flex"`` or a ``FlexBackend`` (its block size and ``compile`` apply; ``compile=False``
+  runs flex's eager path, for tests on CPU). Dot scores, no dropout.
 - ``reference``: dense float32 scores and an explicit softmax; additive scores, and the oracle.
 
-FlexAttention and the block-sparse backends are for long query blocks: for one query, the work is
-reading the kept keys, which a gather does without a compiled kernel, so ``auto`` takes sdpa.
+``auto`` takes sdpa on every device. For one query the work is reading the kept keys, which the
+gather does without a compiled kernel; on CPU compiled flex pads the query row to a whole block
+and compiles for seconds per shape. On CUDA flex would be the choice where the decode benchmark
+(``eval/configs/bench_decode.yaml``, impl ``zoo:VARIANT:flex`` beside the sdpa gather) measures it
+faster: long caches whose allowed keys are sparse in whole blocks (strided, bigbird, moba). That
+measurement has not run yet, so auto stays on sdpa there too; the blocked and xformers backends
+have no decoding path (a cached call named for them runs on auto's choice, and ``explain`` says so).
 """
 
 from __future__ import annotations
@@ -25,32 +34,54 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .backends.base import head_index, repeat_kv
+from .backends.base import FLOATS, head_index, repeat_kv
+from .backends.flex import FlexBackend
 from .backends.reference import safe_softmax
 from .cache import KVCache
+from .decode_flex import flex_decode
+from .patterns import Pattern, RouteInputs
 from .positional import PositionalEncoding
 from .scores import AdditiveScore, DotProduct
 
 CHUNK = 256  # queries per chunk of a long call
-DECODE_BACKENDS = ("sdpa", "reference")
+DECODE_BACKENDS = ("sdpa", "flex", "reference")
 
 
-def decode_backend(backend: object, score: DotProduct | AdditiveScore, dropout_p: float) -> str:
-    """The backend that runs a cached call: sdpa or reference (see the module docstring)."""
+def decode_backend(
+    backend: object,
+    score: DotProduct | AdditiveScore,
+    dropout_p: float,
+    dtype: torch.dtype | None = None,
+) -> str | FlexBackend:
+    """The backend that runs a cached call in ``dtype``: "sdpa", "reference", or the
+    ``FlexBackend`` whose settings flex decoding uses (see the module docstring)."""
     name = backend if isinstance(backend, str) else getattr(backend, "name", None)
-    if name in DECODE_BACKENDS:
-        if name == "sdpa" and score.kind != "dot":
+    if name in ("sdpa", "flex") and score.kind != "dot":
+        raise ValueError(
+            f"backend {name!r} computes dot scores, not {score.kind}; decode with "
+            "backend='reference' or 'auto'"
+        )
+    if name == "flex":
+        if dtype is not None and dtype not in FLOATS:
             raise ValueError(
-                f"backend 'sdpa' computes dot scores, not {score.kind}; decode with "
-                "backend='reference' or 'auto'"
+                f"backend 'flex' decodes {', '.join(str(t)[6:] for t in FLOATS)}, not "
+                f"{str(dtype)[6:]}; decode with backend='sdpa' or 'reference'"
             )
+        if dropout_p:
+            raise ValueError(
+                f"backend 'flex' decodes without dropout, got dropout_p={dropout_p}; decode in "
+                "eval mode, or with backend='sdpa' or 'reference'"
+            )
+        return backend if isinstance(backend, FlexBackend) else FlexBackend()
+    if name in DECODE_BACKENDS:
         return name
     return "sdpa" if score.kind == "dot" else "reference"
 
 
 def explain_decode(backend: object, score: DotProduct | AdditiveScore, cache: KVCache) -> str:
     """What ``explain`` says for a call with a cache."""
-    chosen = decode_backend(backend, score, 0.0)
+    chosen = decode_backend(backend, score, 0.0, cache.keys.dtype)
+    chosen = chosen if isinstance(chosen, str) else f"flex ({chosen!r})"
     plan = cache.plan
     asked = backend if isinstance(backend, str) else getattr(backend, "name", "?")
     note = (
@@ -63,6 +94,8 @@ def explain_decode(backend: object, score: DotProduct | AdditiveScore, cache: KV
         f"({plan.pinned.numel()} pinned, a ring of {plan.ring} for a window of {plan.window}) "
         f"of max_len={cache.max_len}; one query attends the slots its pattern allows"
         + (", gathered when fewer than half of them" if chosen == "sdpa" else "")
+        + (", a block mask on their absolute positions" if chosen.startswith("flex") else "")
+        + (", blocks chosen by content from every kept key" if cache.pattern.routed else "")
     )
 
 
@@ -96,7 +129,7 @@ def cache_attention(
     encoding: PositionalEncoding | None,
     score: DotProduct | AdditiveScore,
     dropout_p: float,
-    backend: str,
+    backend: str | FlexBackend,
 ) -> Tensor:
     """q (B, H, t, D), k and v (B, H_kv, t, D) of the new tokens, ``counts`` (B,) of them real in
     each row -> output (B, H, t, Dv), zeros at padding columns; the cache takes the new keys."""
@@ -125,7 +158,11 @@ def cache_attention(
     valid = steps < counts[:, None]
     if encoding is not None and encoding.kind == "rotate":
         q, k = encoding.rotate(q, k, positions[:, None], positions[:, None])
-    if t == 1:  # written first: the ring has a slot for the current key
+    # Written first when that overwrites nothing a query of this call reads: one token (the ring
+    # has a slot for it), or a cache without a ring. A longer call into a ring attends the slots
+    # and its own keys, and is written after.
+    write_first = t == 1 or cache.plan.ring == 0
+    if write_first:
         cache.write(k, v, positions, valid)
         keys, values, key_pos = cache.keys, cache.values, cache.slot_pos
         key_ok = key_pos >= 0
@@ -133,17 +170,33 @@ def cache_attention(
         keys, values = torch.cat((cache.keys, k), dim=2), torch.cat((cache.values, v), dim=2)
         key_pos = torch.cat((cache.slot_pos, positions), dim=1)
         key_ok = torch.cat((cache.slot_pos >= 0, valid), dim=1)
-    allowed = cache.pattern.allowed(positions[:, :, None], key_pos[:, None, :])
-    mask = allowed & key_ok[:, None, :] & valid[:, :, None]  # (B, t, S)
+    pattern = cache.pattern
+    if pattern.routed:  # chosen here from the cache's keys, slot j at position j (retention)
+        pattern = pattern.bind(RouteInputs(q, keys, ~key_ok, causal=True, q_pos=positions))
+    mask = step_mask(pattern, positions, key_pos, key_ok, valid, q.shape[1])
     bias = encoding.bias if encoding is not None and encoding.kind == "bias" else None
-    if backend == "sdpa":
+    if isinstance(backend, FlexBackend):
+        out = flex_decode(q, keys, values, pattern, positions, key_pos, key_ok, valid, mask,
+                          bias, score.scale, backend)  # fmt: skip
+    elif backend == "sdpa":
         out = _sdpa(q, keys, values, key_pos, positions, mask, bias, score.scale, dropout_p)
     else:
         out = _reference(q, keys, values, key_pos, positions, mask, bias, score, dropout_p)
-    if t > 1:
+    if not write_first:
         cache.write(k, v, positions, valid)
     cache.lengths += counts
     return out * valid[:, None, :, None]
+
+
+def step_mask(
+    pattern: Pattern, q_pos: Tensor, key_pos: Tensor, key_ok: Tensor, valid: Tensor, heads: int
+) -> Tensor:
+    """(B, 1, t, S) the pairs a call's queries at q_pos (B, t) may attend among keys at key_pos
+    (B, S); (B, H, t, S) for a pattern chosen by content, whose pairs differ per head."""
+    b = torch.arange(q_pos.shape[0], device=q_pos.device)[:, None, None, None]
+    h = torch.arange(heads if pattern.routed else 1, device=q_pos.device)[None, :, None, None]
+    allowed = pattern.allowed_at(b, h, q_pos[:, None, :, None], key_pos[:, None, None, :])
+    return allowed & key_ok[:, None, None, :] & valid[:, None, :, None]
 
 
 def _bias(bias, heads: int, q_pos: Tensor, key_pos: Tensor, device: torch.device) -> Tensor:
@@ -174,7 +227,7 @@ def _gather_allowed(mask: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
 def _used_prefix(mask: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
     """The slots up to the last one any query may read (views, no copy): a cache that fills
     its slots in order (full, causal) is read only as far as it is filled."""
-    used = mask.any(1).any(0)  # (S,)
+    used = mask.flatten(0, -2).any(0)  # (S,)
     width = int(used.nonzero().max()) + 1 if bool(used.any()) else 1
     if width == mask.shape[-1]:
         return (mask, *tensors)
@@ -186,15 +239,17 @@ def _used_prefix(mask: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
 
 def _sdpa(q, keys, values, key_pos, q_pos, mask, bias, scale, dropout_p) -> Tensor:
     mask, keys, values, key_pos = _used_prefix(mask, keys, values, key_pos)
-    if q.shape[2] == 1 and 2 * int(mask.sum(-1).max()) < mask.shape[-1]:
-        mask, keys, values, key_pos = _gather_allowed(mask, keys, values, key_pos)
+    one_layout = mask.shape[1] == 1  # a per-head mask (routed) is not gathered: k, v are shared
+    if q.shape[2] == 1 and one_layout and 2 * int(mask.sum(-1).max()) < mask.shape[-1]:
+        mask, keys, values, key_pos = _gather_allowed(mask[:, 0], keys, values, key_pos)
+        mask = mask[:, None]
     groups = q.shape[1] // keys.shape[1]
     if bias is None and bool(mask.all()):  # every slot in use: no mask at all
         attn_mask = None
         has_key = None
     else:
-        has_key = mask.any(-1, keepdim=True)[:, None]  # (B, 1, t, 1)
-        attn_mask = (mask | ~has_key[:, 0])[:, None]  # SDPA gives NaN on a row of no keys
+        has_key = mask.any(-1, keepdim=True)  # (B, 1 or H, t, 1)
+        attn_mask = mask | ~has_key  # SDPA gives NaN on a row of no keys
         if bias is not None:
             attn_mask = (
                 _bias(bias, q.shape[1], q_pos, key_pos, q.device)
@@ -221,7 +276,7 @@ def _reference(q, keys, values, key_pos, q_pos, mask, bias, score, dropout_p) ->
     scores = score.pairwise(qs, k)  # (B, H, t, S)
     if bias is not None:
         scores = scores + _bias(bias, q.shape[1], q_pos, key_pos, q.device).to(scores.dtype)
-    weights = safe_softmax(scores.masked_fill(~mask[:, None], float("-inf")))
+    weights = safe_softmax(scores.masked_fill(~mask, float("-inf")))
     if dropout_p:
         weights = torch.nn.functional.dropout(weights, dropout_p)
     return (weights @ v).to(q.dtype)

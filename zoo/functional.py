@@ -343,9 +343,10 @@ def _cached_attention(q, k, v, cache: KVCache, *, variant, backend, causal, key_
     cache.check_step(k, v, counts, None)
     score = score if score is not None else DotProduct(resolve_scale(scale, q.shape[-1]))
     dropout_p = check_dropout(dropout_p)
+    chosen = decode_backend(backend, score, dropout_p, cache.keys.dtype)
     return cache_attention(
         q, k, v, cache, counts=counts, encoding=attention_encoding(pos, q, k, causal),
-        score=score, dropout_p=dropout_p, backend=decode_backend(backend, score, dropout_p),
+        score=score, dropout_p=dropout_p, backend=chosen,
     )  # fmt: skip
 
 

@@ -38,6 +38,8 @@ def new_cache(
 
     Generation is causal: a non-causal pattern lets early queries read later keys, which a
     generator does not have yet, so ``causal`` must be True (it is here to be said explicitly).
+    A pattern chosen by content (moba) keeps every key and chooses its blocks at each call from
+    the cache's keys (``zoo.patterns.retention``, ``zoo.decode``).
     """
     check_int("batch_size", batch_size)
     check_int("max_len", max_len)
@@ -50,12 +52,6 @@ def new_cache(
         )
     device = torch.device("cpu") if device is None else torch.device(device)
     resolved = resolve_pattern(variant, True, dict(params))
-    if resolved.routed:
-        raise ValueError(
-            f"variant {variant!r} chooses its key blocks by content (from q and k), which a "
-            "cache would have to re-score at every step; decoding with a KVCache runs the fixed "
-            "patterns only (zoo.list_variants() minus moba)"
-        )
     cpu = specialized(resolved, max_len, max_len, torch.device("cpu"))  # the same random draw
     return KVCache(
         pattern=specialized(resolved, max_len, max_len, device),
@@ -126,7 +122,7 @@ def module_step(
         encoding=module.pos if module.pos.kind in ("rotate", "bias") else None,
         score=score,
         dropout_p=dropout,
-        backend=decode_backend(module.backend, score, dropout),
+        backend=decode_backend(module.backend, score, dropout, cache.keys.dtype),
     )
     out = module.out_proj(rearrange(out, "b h l d -> b l (h d)"))  # (B, t, dim)
     padding = torch.arange(t, device=out.device) >= counts[:, None].to(out.device)

@@ -6,6 +6,10 @@ write them, without computing its attention) and times one step of one new token
 ``zoo.attention(..., cache=cache)`` (the median of ``repeats`` steps after ``warmup``, each a
 token further on). Memory is the cache's ``nbytes``: what the variant keeps at that length.
 
+Zoo decoding backends (``backends``): ``auto`` (sdpa, the impl ``zoo:VARIANT``) and ``flex``
+(``zoo:VARIANT:flex``, ``zoo.decode_flex``: compiled FlexAttention with a block mask over the
+cache's slots, made at each step), on CUDA only, for the reason ``flex_sliced`` is.
+
 Peers, one query against all n cached keys and values of full attention:
 - ``sdpa_dense``: ``scaled_dot_product_attention`` without a mask (what a dense decoder runs);
 - ``flex_sliced``: compiled FlexAttention with the variant's block mask for the one query row
@@ -39,6 +43,7 @@ PEERS = ("sdpa_dense", "flex_sliced")
 @dataclass
 class DecodeConfig:
     variants: list[str] = field(default_factory=lambda: ["causal", "sliding_window", "longformer"])
+    backends: list[str] = field(default_factory=lambda: ["auto"])  # zoo decoding: auto, flex
     peers: list[str] = field(default_factory=lambda: ["sdpa_dense"])
     lengths: list[int] = field(default_factory=lambda: [1024 * 2**i for i in range(7)])
     batch: int = 1
@@ -100,10 +105,26 @@ def measure(config: DecodeConfig, variant: str, n: int, device, dtype) -> list[d
     out = zoo.attention(q, k, v, cache=cache, backend="sdpa", **kw)
     ref = zoo.attention(q, k, v, cache=twin, backend="reference", **kw)
     error = float((out.float() - ref.float()).abs().max())
-    ms = _timed(lambda: zoo.attention(q, k, v, cache=cache, **kw), device, config.warmup,
-                config.repeats)  # fmt: skip
-    cells = [dict(impl=f"zoo:{variant}", variant=variant, n=n, ms=ms, bytes=cache.nbytes,
-                  slots=cache.keys.shape[2], error=error)]  # fmt: skip
+    cells = []
+    for backend in config.backends:
+        impl = f"zoo:{variant}" if backend == "auto" else f"zoo:{variant}:{backend}"
+        cell = dict(impl=impl, variant=variant, n=n, bytes=cache.nbytes, slots=cache.keys.shape[2])
+        if backend == "flex" and device.type != "cuda":
+            cells.append({**cell, "ms": None, "status": "skipped: compiled flex is CUDA-only here"})
+            continue
+        if backend != "auto":  # its own check against the reference, on another copy
+            twin = _copy(cache)
+            got = zoo.attention(q, k, v, cache=_copy(cache), backend=backend, **kw)
+            ref = zoo.attention(q, k, v, cache=twin, backend="reference", **kw)
+            cell["error"] = float((got.float() - ref.float()).abs().max())
+        else:
+            cell["error"] = error
+        timed = _copy(cache) if len(config.backends) > 1 else cache  # each its own steps
+
+        def step(backend=backend, timed=timed):
+            return zoo.attention(q, k, v, cache=timed, backend=backend, **kw)
+
+        cells.append({**cell, "ms": _timed(step, device, config.warmup, config.repeats)})
     for peer in config.peers:
         cells.append(_peer(peer, config, variant, params, n, device, dtype, gen, q))
     return cells
@@ -136,6 +157,8 @@ def _peer(peer, config, variant, params, n, device, dtype, gen, q) -> dict:
     from zoo.layout import specialized
 
     pattern = specialized(resolve_pattern(variant, True, dict(params)), 1, n + 1, device)
+    if pattern.routed:
+        return {**cell, "ms": None, "status": "skipped: chosen by content, no fixed block mask"}
     mask = create_block_mask(pattern.mask_mod(1, n + 1), None, None, 1, n + 1, device=device)
     flex = torch.compile(flex_attention, dynamic=False)
     groups = config.heads // kv_heads
@@ -174,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     for peer in config.peers:
         if peer not in PEERS:
             raise SystemExit(f"{path}: peers: unknown peer {peer!r}; known: {', '.join(PEERS)}")
+    for backend in config.backends:
+        if backend not in ("auto", "flex"):
+            raise SystemExit(f"{path}: backends: unknown decoding backend {backend!r}; known: "
+                             "auto, flex")  # fmt: skip
     device = pick_device(config.device)
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
              "float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]  # fmt: skip
@@ -195,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     for variant in config.variants:
         for n in config.lengths:
             cells += measure(config, variant, n, device, dtype)
-            print(json.dumps(cells[-1 - len(config.peers)]), flush=True)
+            print(json.dumps(cells[-len(config.backends) - len(config.peers)]), flush=True)
             (out / "bench-decode.json").write_text(json.dumps({"header": header, "cells": cells}))
     (out / "bench-decode.md").write_text(markdown(header, cells))
     print(f"wrote {out / 'bench-decode.md'}")

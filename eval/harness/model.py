@@ -119,17 +119,28 @@ class SequenceModel(nn.Module):
         return self.output(x)
 
     @torch.no_grad()
-    def decode(self, tokens: Tensor, prefill: int) -> Tensor:
+    def decode(self, tokens: Tensor, prefill: int, *, greedy: bool = False) -> Tensor:
         """Token logits (B, L, classes) as generation computes them: ``tokens[:, :prefill]`` in
-        one call, then one token at a time, each layer attending its ``KVCache``. Equal to
-        ``forward(tokens)`` for a causal model (the harness checks accuracy both ways)."""
+        one call, then one token at a time, each layer attending its ``KVCache``.
+
+        ``greedy=False`` reads every input from ``tokens``: equal to ``forward(tokens)`` for a
+        causal model. ``greedy=True`` generates: the input at each position after ``prefill``
+        is the argmax of the logits at the position before it, the model's own prediction
+        (tokens at ``prefill`` and before are the prompt)::
+
+            tokens   p0 p1 p2 | p3  .   .        prefill=3: p0..p2 in one call, then p3
+            inputs   p0 p1 p2 | p3  y3  y4       y_i = argmax(logits[:, i])
+        """
         if self.head != "token" or not self.blocks[0].attention.causal:
             raise ValueError("decode needs a causal model with a token head")
         batch, length = tokens.shape
         caches = [b.attention.new_cache(batch, length) for b in self.blocks]
         logits, start = [], 0
         for stop in [prefill, *range(prefill + 1, length + 1)]:
-            x = self.embedding(tokens[:, start:stop])
+            inputs = tokens[:, start:stop]
+            if greedy and start > prefill:
+                inputs = logits[-1][:, -1:].argmax(-1)  # (B, 1) the previous prediction
+            x = self.embedding(inputs)
             if self.pos.kind == "embed":  # every row is at the same position here
                 x = self.pos.embed(x, start)
             for block, cache in zip(self.blocks, caches, strict=True):

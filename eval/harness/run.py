@@ -59,7 +59,8 @@ class TrainConfig:
     # steps include the compilation, steady_steps_per_second leaves them out).
     compile: bool = False
     # Causal token tasks (copy, selective_copy): also evaluate by generation, the prompt in one
-    # call and then one token at a time with a KVCache per layer (generation_accuracy).
+    # call and then one token at a time with a KVCache per layer (generation_accuracy). With the
+    # task's feed_answers: true, greedy: each answer slot reads the model's previous prediction.
     generation: bool = False
 
 

@@ -171,13 +171,23 @@ def train(
         "final_loss": round(sum(losses[-10:]) / len(losses[-10:]), 5),
         "accuracy": {n: e["accuracy"] for n, e in evaluation.items()},
         **(
-            {"generation_accuracy": {n: e["generation_accuracy"] for n, e in evaluation.items()}}
+            {
+                "generation_accuracy": {n: e["generation_accuracy"] for n, e in evaluation.items()},
+                "generation": "greedy" if greedy(task) else "fixed inputs",
+            }
             if settings.get("generation")
             else {}
         ),
         "slices": {n: e["slices"] for n, e in evaluation.items()},
         "eval_ms_per_sequence": {n: e["ms_per_sequence"] for n, e in evaluation.items()},
     }
+
+
+def greedy(task: Task) -> bool:
+    """Whether generation feeds its own predictions: a task whose answer slots hold the previous
+    answer (``feed_answers``) is generated greedily; in one whose slots hold fixed tokens the
+    model never reads its predictions, so decoding checks the cache path alone."""
+    return bool(getattr(task, "feed_answers", False))
 
 
 @torch.no_grad()
@@ -204,7 +214,7 @@ def evaluate(
         if settings.get("generation"):  # the prompt up to the first answer, then token by token
             prompt = int(scored.any(0).nonzero()[0])
             with autocast(context.device):
-                decoded = model.decode(inputs, prompt).argmax(-1)
+                decoded = model.decode(inputs, prompt, greedy=greedy(task)).argmax(-1)
             generated += int(((decoded == targets) & scored).sum())
         total += int(scored.sum())
         for name, keys in batch.slices.items():

@@ -95,6 +95,13 @@ def check_int(name: str, value: object, *, minimum: int = 1, maximum: int | None
     return value
 
 
+def check_bool(name: str, value: object) -> bool:
+    """Return `value` if it is a bool, else ValueError."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r} ({type(value).__name__}).")
+    return value
+
+
 def check_positive_float(name: str, value: object) -> float:
     """Return `value` as a float if it is a finite number > 0, else ValueError."""
     ok = isinstance(value, int | float) and not isinstance(value, bool)

@@ -14,6 +14,16 @@
   nothing leaks to bidirectional models. Needs seq_len >= 2*M + 1.
 * Slices: "index" = i - 1 for the i-th output (zero-based), bucketed to powers of two (lower
   bound): 0, 1, 2-3 -> 2, 4-7 -> 4, ...
+* ``feed_answers=True`` (default False): the autoregressive layout, for generation. Answer slot
+  i > 1 holds the previous answer x_{i-1} instead of ANSWER; the first keeps ANSWER, the start
+  of the output. Targets and slices are unchanged::
+
+      BLANK x r   x_1 ... x_M   SEP   ANSWER x_1 ... x_{M-1}
+
+  Training reads the true previous answer (teacher forcing, as a language model is trained);
+  greedy generation feeds the model's own prediction of slot i - 1 into slot i, so an error
+  can carry on (``eval.harness.train``'s generation check). Only a causal model should see
+  it: a bidirectional one reads each answer in the next slot.
 
 Speed: 1000 sequences of length 1024 take about 0.01 s on 2 CPU cores (4096: about 0.02 s).
 """
@@ -22,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import IGNORE, Batch, Task, check_int, pow2_bucket, too_short
+from .base import IGNORE, Batch, Task, check_bool, check_int, pow2_bucket, too_short
 
 BLANK, SEP, ANSWER, FIRST_DATA = 1, 2, 3, 4
 
@@ -33,7 +43,13 @@ class Copy(Task):
     name = "copy"
     head = "token"
 
-    def __init__(self, seq_len: int, num_tokens: int | None = None, vocab_size: int = 16) -> None:
+    def __init__(
+        self,
+        seq_len: int,
+        num_tokens: int | None = None,
+        vocab_size: int = 16,
+        feed_answers: bool = False,
+    ) -> None:
         check_int("seq_len", seq_len, minimum=1)
         if num_tokens is None:
             num_tokens = max(1, (seq_len - 1) // 2)
@@ -41,8 +57,11 @@ class Copy(Task):
         vocab_size = check_int("vocab_size", vocab_size, minimum=FIRST_DATA + 1)
         if seq_len < 2 * num_tokens + 1:
             raise too_short(seq_len, 2 * num_tokens + 1, f"num_tokens={num_tokens}")
-        super().__init__(seq_len, num_tokens=num_tokens)
+        check_bool("feed_answers", feed_answers)
+        params = {"feed_answers": True} if feed_answers else {}  # records as before when off
+        super().__init__(seq_len, num_tokens=num_tokens, **params)
         self.num_tokens = num_tokens
+        self.feed_answers = feed_answers
         self.vocab_size = vocab_size
         self.num_classes = vocab_size
 
@@ -56,6 +75,8 @@ class Copy(Task):
         inputs[:, r : r + M] = data
         inputs[:, r + M] = SEP
         inputs[:, r + M + 1 :] = ANSWER
+        if self.feed_answers:  # slot i holds answer i - 1; the first keeps ANSWER
+            inputs[:, r + M + 2 :] = data[:, :-1]
         targets = torch.full((n, L), IGNORE, dtype=torch.int64)
         targets[:, r + M + 1 :] = data
         index = torch.zeros(n, L, dtype=torch.int64)
@@ -63,11 +84,16 @@ class Copy(Task):
         return Batch(inputs=inputs, targets=targets, padding_mask=None, slices={"index": index})
 
 
-def solve(tokens: list[int]) -> list[int]:
-    """Independent checker: the tokens between the leading blanks and SEP, answered after SEP."""
+def solve(tokens: list[int], feed_answers: bool = False) -> list[int]:
+    """Independent checker: the tokens between the leading blanks and SEP, answered after SEP.
+    With ``feed_answers``, each answer but the last is read from the slot after it instead (the
+    fed layout puts answer i in slot i + 1), and the first slot must hold ANSWER."""
     sep = tokens.index(SEP)
     data = [t for t in tokens[:sep] if t != BLANK]
     out = [IGNORE] * len(tokens)
     for i, t in enumerate(data):
         out[sep + 1 + i] = t
+    if feed_answers:
+        assert tokens[sep + 1] == ANSWER, "the first answer slot holds ANSWER"
+        out[sep + 1 : len(tokens) - 1] = tokens[sep + 2 :]
     return out

@@ -16,6 +16,10 @@ serve each of its query heads), made without gradient.
   are never attended (the key padding mask sees to that in every backend).
 - Ties go to the lower block index. With fewer available blocks than ``top_k``, all are chosen
   (the first queries of a causal sequence), so short inputs run.
+- Decoding with a ``KVCache`` (causal): the cache keeps every key, slot j at position j, and a
+  new query scores the blocks of the cache's keys at its own position (``RouteInputs.q_pos``).
+  Every block before the query's own is complete and its own is forced, so the choice, hence
+  prefill + steps, equals that of one causal forward over the whole sequence.
 
 ::
 
@@ -48,11 +52,12 @@ def moba_choice(
     top_k: int,
     causal: bool,
     key_padding_mask: Tensor | None = None,
+    q_pos: Tensor | None = None,
 ) -> Tensor:
     """(B, H, Lq, key blocks) bool: the blocks each query chooses (see the module docstring).
 
     q (B, H, Lq, D), k (B, H_kv, Lk, D) with H_kv dividing H; key_padding_mask (B, Lk), True
-    where a key is padding.
+    where a key is padding; q_pos (B, Lq) the queries' positions (None: bottom-right aligned).
     """
     B, H, q_len, _ = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
@@ -69,9 +74,11 @@ def moba_choice(
     means = means.repeat_interleave(H // kv_heads, dim=1)
     scores = q.float() @ means.transpose(-1, -2)  # (B, H, Lq, blocks)
 
-    own = (torch.arange(q_len, device=q.device) + kv_len - q_len).div(
-        block_size, rounding_mode="floor"
-    )[:, None]  # (Lq, 1); negative for queries before the first key
+    if q_pos is None:
+        q_pos = torch.arange(q_len, device=q.device) + kv_len - q_len  # (Lq,)
+    else:
+        q_pos = q_pos[:, None]  # (B, 1, Lq): per sequence
+    own = q_pos.div(block_size, rounding_mode="floor")[..., None]  # (..., Lq, 1); < 0 before keys
     block = torch.arange(blocks, device=q.device)[None, :]
     available = (counts > 0)[:, None, None, :]  # (B, 1, 1, blocks)
     if causal:
@@ -105,9 +112,9 @@ class Moba(Pattern):
             top_k=self.top_k,
             causal=inputs.causal,
             key_padding_mask=inputs.key_padding_mask,
+            q_pos=inputs.q_pos,
         )
-        offset = inputs.k.shape[2] - inputs.q.shape[2]
-        return ChosenBlocks(self.block_size, chosen, offset)
+        return ChosenBlocks(self.block_size, chosen, inputs.offset())
 
     def _needs_inputs(self, *args: object) -> Tensor:
         raise TypeError(

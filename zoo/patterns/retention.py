@@ -20,6 +20,10 @@ From the last readers follow two stores:
     sliding window w=2, max_len=8: last_needed = [2, 3, 4, 5, 6, 7, 7, 7]
     query n=5 sees keys 3 4 5  -> ring of 3 slots, position j in slot j % 3
     global token 0 + window 2:  last_needed = [7, 3, 4, ...] -> slot 0 pinned, the same ring
+
+A pattern chosen by content (``routed``: MoBA) may choose any earlier block at any later step, so
+its cache pins every position, slot j holding position j (the routed pattern then scores the
+cache's keys in position order, ``zoo.decode``).
 """
 
 from __future__ import annotations
@@ -78,6 +82,8 @@ def last_needed(pattern: Pattern, max_len: int) -> Tensor:
 
 def retention(pattern: Pattern, max_len: int) -> Retention:
     """The stores of a cache for ``pattern`` (causal, specialised to ``max_len``)."""
+    if pattern.routed:  # any earlier key may be chosen later: keep all, in position order
+        return Retention(max_len, 0, 0, torch.arange(max_len))
     last = last_needed(pattern, max_len)
     keys = torch.arange(max_len)
     life = last - keys

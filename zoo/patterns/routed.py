@@ -35,12 +35,24 @@ from .base import Pattern, Spans, state_from
 class RouteInputs:
     """What a routed pattern chooses from: q (B, H, Lq, D) and k (B, H_kv, Lk, D) as attention
     sees them, the key padding (B, Lk) bool or None (True = padding), and whether the choice is
-    made under causal rules (a causal member of an intersection sets it)."""
+    made under causal rules (a causal member of an intersection sets it).
+
+    ``q_pos`` (B, Lq), the queries' positions, for a call against a ``KVCache`` whose slot j
+    holds position j, each sequence at its own length: row b's queries sit at q_pos[b], which
+    must be consecutive (q_pos[b, 0] + i). None: bottom-right alignment, q_pos = i + Lk - Lq.
+    """
 
     q: Tensor
     k: Tensor
     key_padding_mask: Tensor | None = None
     causal: bool = False
+    q_pos: Tensor | None = None
+
+    def offset(self) -> int | Tensor:
+        """Query i's position minus i: kv_len - q_len, or (B,) one per sequence (``q_pos``)."""
+        if self.q_pos is None:
+            return self.k.shape[2] - self.q.shape[2]
+        return self.q_pos[:, 0]
 
     def made_causal(self) -> RouteInputs:
         return self if self.causal else replace(self, causal=True)
@@ -66,12 +78,14 @@ class ChosenBlocks(Pattern):
 
     ``chosen[b, h, i, j]`` is True when query i (index, not position) of sequence b, head h attends
     to every key of block j (keys j * block_size .. (j + 1) * block_size - 1). ``offset`` is
-    kv_len - q_len, the bottom-right alignment of ``zoo.patterns.base``.
+    query i's position minus i: kv_len - q_len, the bottom-right alignment of
+    ``zoo.patterns.base``, or a (B,) tensor, one per sequence, for a call against a cache
+    (``RouteInputs.q_pos``), which ``allowed_at`` serves (``block_state`` takes an int).
     """
 
     block_size: int
     chosen: Tensor  # (B, H, Lq, key blocks) bool
-    offset: int
+    offset: int | Tensor
 
     @property
     def routed(self) -> bool:
@@ -84,7 +98,7 @@ class ChosenBlocks(Pattern):
 
     def allowed_at(self, b: Tensor, h: Tensor, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
         _, heads, q_len, blocks = self.chosen.shape
-        index = q_pos - self.offset
+        index = q_pos - (self.offset[b] if isinstance(self.offset, Tensor) else self.offset)
         # Clamps keep padding slots' indices in range; the result there is ignored.
         row = index.clamp(0, q_len - 1)
         column = (kv_pos // self.block_size).clamp(0, blocks - 1)
@@ -107,6 +121,11 @@ class ChosenBlocks(Pattern):
         of each span, a superset of a regrouped span's positions (strided frames), so EMPTY and
         FULL stay true claims in any token order."""
         _, _, q_len, blocks = self.chosen.shape
+        if isinstance(self.offset, Tensor):
+            raise TypeError(
+                "block_state needs one query offset for every sequence; blocks chosen against a "
+                "cache (an offset per sequence) answer allowed_at only"
+            )
         sums = self._prefix_sums()
         q0, q1 = (q.lo - self.offset).clamp(0, q_len - 1), (q.hi - self.offset).clamp(0, q_len - 1)
         k0 = (k.lo // self.block_size).clamp(0, blocks - 1)

@@ -1,0 +1,107 @@
+"""Decoding with a cache on each backend, and for a pattern chosen by content: MoBA's prefill +
+steps equal its causal forward (float64), and flex decoding (eager flex on CPU) matches the
+reference decoding path (zoo.decode, zoo.decode_flex)."""
+
+import itertools
+
+import pytest
+import torch
+
+import zoo
+from zoo.backends import FlexBackend
+
+PARAMS = {
+    "sliding_window": {"window_size": 5},
+    "bigbird": {"block_size": 8, "global_blocks": 1, "random_blocks": 1},
+    "moba": {"block_size": 4, "top_k": 2},
+}
+
+EAGER_FLEX = FlexBackend(block_size=16, compile=False)  # flex's eager path: CPU, tests only
+
+
+def _decoded_rows(attn, x, lens, prefill=12, chunk=3):
+    """Rows of different lengths: a prefill with valid_lens, a step of ``chunk`` tokens, then
+    one at a time. Returns the cache and each row's outputs at its real tokens."""
+    lens = torch.tensor(lens)
+    with torch.no_grad():
+        cache = attn.new_cache(len(lens), 64)
+        pre = attn(x[:, :prefill], cache=cache, valid_lens=lens)
+        bounds = [prefill, prefill + chunk, *range(prefill + chunk + 1, x.shape[1] + 1)]
+        steps = [attn(x[:, a:b], cache=cache) for a, b in itertools.pairwise(bounds)]
+    for b, n in enumerate(lens.tolist()):
+        assert not pre[b, n:].any(), "padding columns give zeros"
+    rows = [torch.cat([pre[b, :n], *(s[b] for s in steps)]) for b, n in enumerate(lens.tolist())]
+    return cache, rows
+
+
+def _forward_rows(attn, x, lens, prefill=12):
+    """Each row's forward over its own tokens: its first lens[b], then those from prefill on."""
+    with torch.no_grad():
+        return [attn(torch.cat([x[b, :n], x[b, prefill:]])[None])[0] for b, n in enumerate(lens)]
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+def test_moba_decodes_as_its_causal_forward(backend):
+    """MoBA keeps every key and chooses its blocks from the cache's block means at each call:
+    the same choice as one causal forward, with rows of different lengths and grouped heads."""
+    torch.manual_seed(3)
+    attn = zoo.create_attention(
+        "moba", dim=24, num_heads=6, num_kv_heads=2, causal=True, pos="rope", backend=backend,
+        block_size=4, top_k=2,
+    ).double().eval()  # fmt: skip
+    x, lens = torch.randn(3, 40, 24, dtype=torch.float64), [12, 3, 0]
+    cache, rows = _decoded_rows(attn, x, lens)
+    for got, want in zip(rows, _forward_rows(attn, x, lens), strict=True):
+        assert torch.allclose(got, want, atol=1e-10, rtol=0)
+    assert cache.keys.shape[2] == 64, "every key is kept"
+    assert cache.lengths.tolist() == [40, 31, 28]
+    torch.manual_seed(3)
+    dense = zoo.create_attention("causal", dim=24, num_heads=6, num_kv_heads=2, causal=True,
+                                 pos="rope").double()  # fmt: skip
+    with torch.no_grad():  # not causal attention in disguise: blocks were left out
+        assert not torch.allclose(attn(x[:1]), dense(x[:1]), atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("variant", "pos", "lens"),
+    [("sliding_window", "alibi", [12, 5, 0]), ("bigbird", "t5", [7, 12]),
+     ("moba", "rope", [12, 3])],
+)  # fmt: skip
+def test_flex_decoding_matches_the_reference_path(variant, pos, lens):
+    """backend=flex with a cache (eager flex on CPU, float32): its block mask reads the slots'
+    absolute positions, so a wrapped ring, pinned keys, blocks chosen by content and rows of
+    different lengths come out right. Against the reference decoding path in float64, within
+    twice the error of sdpa decoding in float32 (STYLE.md)."""
+    extra = PARAMS[variant]
+    torch.manual_seed(4)
+    attn = zoo.create_attention(
+        variant, dim=24, num_heads=6, num_kv_heads=2, causal=True, pos=pos, backend=EAGER_FLEX,
+        **extra,
+    ).eval()  # fmt: skip
+    x = torch.randn(len(lens), 18, 24, dtype=torch.float64)  # eager flex: 0.1 s a call
+    # A prefill, then one token at a time: each new shape costs eager flex a trace (0.7 s).
+    flex = _decoded_rows(attn, x.float(), lens, chunk=1)[1]
+    attn.backend = "sdpa"
+    sdpa = _decoded_rows(attn, x.float(), lens, chunk=1)[1]
+    attn.backend = "reference"
+    want = _decoded_rows(attn.double(), x, lens, chunk=1)[1]
+    for f, s, w in zip(flex, sdpa, want, strict=True):
+        assert (f - w).abs().max() <= 2 * (s - w).abs().max() + 1e-6
+    cache = zoo.new_cache("sliding_window", batch_size=1, max_len=8, num_kv_heads=2, head_dim=8,
+                          window_size=5)  # fmt: skip
+    q = torch.zeros(1, 2, 1, 8)
+    said = zoo.explain(q, q, q, variant="sliding_window", causal=True, window_size=5,
+                       backend="flex", cache=cache)  # fmt: skip
+    assert "decoding with a cache on flex" in said and "absolute positions" in said
+
+
+def test_flex_decoding_refuses_dropout_and_float64():
+    attn = zoo.create_attention("sliding_window", dim=16, num_heads=2, causal=True,
+                                backend=EAGER_FLEX, dropout=0.1, window_size=4)  # fmt: skip
+    with pytest.raises(ValueError, match="backend 'flex' decodes without dropout"):
+        attn(torch.randn(1, 3, 16), cache=attn.new_cache(1, 8))
+    attn = attn.double().eval()
+    cache = attn.new_cache(1, 8)
+    with pytest.raises(ValueError, match=r"backend 'flex' decodes float32, .*not float64"):
+        attn(torch.randn(1, 3, 16, dtype=torch.float64), cache=cache)
+    assert cache.lengths.tolist() == [0] and (cache.slot_pos < 0).all(), "nothing changed"
