@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from eval.tasks import TASKS, get_task, induction, list_tasks, listops, mqar, passkey
+from eval.tasks import TASKS, get_task, induction, list_tasks, listops, mqar, passkey, pathfinder
 from eval.tasks import copy as copy_task
 from eval.tasks import selective_copy as sel_copy
 from eval.tasks.base import IGNORE, PAD, pow2_bucket, pow2_bucket_int
@@ -20,6 +20,7 @@ CONFIGS = {
     "induction": dict(seq_len=64),
     "passkey": dict(seq_len=80, num_digits=5),
     "copy": dict(seq_len=41),
+    "pathfinder": dict(seq_len=256, contour_length=5, distractor_length=2, num_distractors=4),
 }
 
 
@@ -78,7 +79,8 @@ def test_batch_contract(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_vocab_independent_of_seq_len(name: str) -> None:
-    short, long = make(name), make(name, seq_len=CONFIGS[name]["seq_len"] * 3)
+    factor = 4 if name == "pathfinder" else 3  # an image: 16 x 16 -> 32 x 32
+    short, long = make(name), make(name, seq_len=CONFIGS[name]["seq_len"] * factor)
     assert (short.vocab_size, short.num_classes) == (long.vocab_size, long.num_classes)
     batch = long.sample(4, seed=1)
     assert batch.inputs.max() < short.vocab_size
@@ -92,6 +94,7 @@ CHECKERS = {
     "induction": lambda task, row: induction.solve(row),
     "passkey": lambda task, row: passkey.solve(row, task.num_digits),
     "copy": lambda task, row: copy_task.solve(row),
+    "pathfinder": lambda task, row: pathfinder.solve(row, task.size, task.gap),
 }
 
 

@@ -194,19 +194,31 @@ def make_cell(
 
 def check_cells(cells_: list[dict[str, Any]], source: str) -> None:
     """Fail before training on what a cell could only fail later: task parameters, lengths the
-    encoding cannot reach, per-rank batch sizes."""
+    encoding cannot reach, per-rank batch sizes, a 2-D model tested on another image grid."""
+    from .train import build_model, variant_params
+
     for cell in cells_:
-        for length in {cell["train_len"], *cell["test_lengths"]}:
+        trained = None
+        for length in sorted({cell["train_len"], *cell["test_lengths"]}):
             try:
                 task = get_task(cell["task"], seq_len=length, **cell["task_params"])
-                from .train import build_model
-
                 build_model(cell, task).check_length(length)
+                if length == cell["train_len"]:
+                    trained = variant_params(cell, task)
             except (TypeError, ValueError) as error:
                 where = (
                     f"{cell['task']} / {cell['variant']} / {cell['encoding']} at length {length}"
                 )
                 raise ConfigError(f"{source}: {where}: {error}") from error
+        for length in cell["test_lengths"]:  # a model built for one image grid keeps it
+            task = get_task(cell["task"], seq_len=length, **cell["task_params"])
+            if variant_params(cell, task) != trained:
+                raise ConfigError(
+                    f"{source}: {cell['task']} / {cell['variant']}: the model is built for the "
+                    f"grid of train length {cell['train_len']}, {trained.get('grid')}, and "
+                    f"cannot be tested at length {length} (grid {task.grid}); test 2-D variants "
+                    "at their train length"
+                )
 
 
 def finished_keys(path: Path) -> set[str]:

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+import zoo
+
 from ..tasks import IGNORE, Batch, Task, get_task
 from .distributed import Context, wrap
 from .model import SequenceModel
@@ -31,13 +33,25 @@ def sample_seed(cell_seed: int, stream: str, index: int) -> int:
     return (cell_seed * 2**32 + index) * 2 + (stream == "eval")
 
 
+def variant_params(cell: dict[str, Any], task: Task) -> dict[str, Any]:
+    """The cell's variant parameters, with the task's image grid for a variant that takes one
+    (``grid`` in its registry parameters) unless the config sets it: a 2-D pattern then sees the
+    image's rows and columns, not a grid guessed from the length."""
+    params = dict(cell["variant_params"])
+    variant = cell["variant"]
+    takes_grid = variant in zoo.list_variants() and "grid" in zoo.get_spec(variant).parameters()
+    if task.grid is not None and "grid" not in params and takes_grid:
+        params["grid"] = tuple(task.grid)
+    return params
+
+
 def build_model(cell: dict[str, Any], task: Task) -> SequenceModel:
     return SequenceModel(
         vocab_size=task.vocab_size,
         num_classes=task.num_classes,
         head=task.head,
         variant=cell["variant"],
-        variant_params=cell["variant_params"],
+        variant_params=variant_params(cell, task),
         encoding=cell["encoding"],
         encoding_params=cell["encoding_params"],
         causal=cell["causal"],

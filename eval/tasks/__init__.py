@@ -18,10 +18,11 @@ from .induction import Induction
 from .listops import ListOps
 from .mqar import MQAR
 from .passkey import Passkey
+from .pathfinder import Pathfinder
 from .selective_copy import SelectiveCopy
 
 TASKS: dict[str, type[Task]] = {
-    cls.name: cls for cls in (Copy, Induction, ListOps, MQAR, Passkey, SelectiveCopy)
+    cls.name: cls for cls in (Copy, Induction, ListOps, MQAR, Passkey, Pathfinder, SelectiveCopy)
 }
 
 __all__ = ["IGNORE", "PAD", "TASKS", "Batch", "Task", "get_task", "list_tasks"]

@@ -51,6 +51,9 @@ class Task:
 
     vocab_size: int
     num_classes: int
+    # An image task's (rows, columns), its tokens in row-major order; the harness passes it as
+    # ``grid`` to the variants that take one (the 2-D patterns). None: a plain sequence.
+    grid: tuple[int, int] | None = None
 
     def __init__(self, seq_len: int, **params: Any) -> None:
         self.seq_len = check_int("seq_len", seq_len, minimum=1)
