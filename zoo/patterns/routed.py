@@ -35,12 +35,14 @@ from .base import Pattern, Spans, state_from
 class RouteInputs:
     """What a routed pattern chooses from: q (B, H, Lq, D) and k (B, H_kv, Lk, D) as attention
     sees them, the key padding (B, Lk) bool or None (True = padding), and whether the choice is
-    made under causal rules (a causal member of an intersection sets it)."""
+    made under causal rules (a causal member of an intersection sets it); and the call's graph,
+    ``edge_index`` (the ``graph`` pattern's edges, ``zoo.patterns.graph_edges``), or None."""
 
     q: Tensor
     k: Tensor
     key_padding_mask: Tensor | None = None
     causal: bool = False
+    edge_index: object = None
 
     def made_causal(self) -> RouteInputs:
         return self if self.causal else replace(self, causal=True)
