@@ -14,6 +14,7 @@ from typing import Any
 
 from .base import IGNORE, PAD, Batch, Task
 from .copy import Copy
+from .graph_hops import GraphHops
 from .induction import Induction
 from .listops import ListOps
 from .mqar import MQAR
@@ -21,7 +22,7 @@ from .passkey import Passkey
 from .selective_copy import SelectiveCopy
 
 TASKS: dict[str, type[Task]] = {
-    cls.name: cls for cls in (Copy, Induction, ListOps, MQAR, Passkey, SelectiveCopy)
+    cls.name: cls for cls in (Copy, GraphHops, Induction, ListOps, MQAR, Passkey, SelectiveCopy)
 }
 
 __all__ = ["IGNORE", "PAD", "TASKS", "Batch", "Task", "get_task", "list_tasks"]
