@@ -26,6 +26,13 @@ GRID_SMALL = {"kernel_size": 3, "dilation": 1, "window_size": 3}
 # definition in test_moba.py.
 FIXED_VARIANTS = [name for name in zoo.list_variants() if not zoo.get_spec(name).build().routed]
 
+# Variants whose pairs come with each call's data (graph: edge_index). The registry-wide tests call
+# without such data and leave them out; tests/test_graph.py holds them to the reference.
+GRAPH_VARIANTS = [
+    name for name in zoo.list_variants() if zoo.patterns.reads_graph(zoo.get_spec(name).build())
+]
+SELF_CONTAINED_VARIANTS = [name for name in zoo.list_variants() if name not in GRAPH_VARIANTS]
+
 HAS_CUDA = torch.cuda.is_available()
 _NO_GPU = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU; this machine has none")
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import check_against_reference, random_qkv, small_params
+from helpers import SELF_CONTAINED_VARIANTS, check_against_reference, random_qkv, small_params
 from test_xformers import PLANNED, EmulatedXformers
 
 import zoo
 from zoo.backends import BlockedBackend, FlexBackend
 
-VARIANTS = zoo.list_variants()
+VARIANTS = SELF_CONTAINED_VARIANTS
 BACKENDS = {
     "blocked-16": BlockedBackend(block_size=16),
     "sdpa": "sdpa",

@@ -19,6 +19,7 @@ CONFIGS = {
     "selective_copy": dict(seq_len=96, num_tokens=8),
     "induction": dict(seq_len=64),
     "passkey": dict(seq_len=80, num_digits=5),
+    "graph_hops": dict(seq_len=40, max_hops=3),
     "copy": dict(seq_len=41),
     "pathfinder": dict(seq_len=256, contour_length=5, distractor_length=2, num_distractors=4),
 }
@@ -98,7 +99,7 @@ CHECKERS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name", sorted(CHECKERS))  # graph_hops: tests/test_graph_task.py
 def test_labels_match_independent_checker(name: str) -> None:
     task = make(name)
     batch = task.sample(200, seed=11)

@@ -33,6 +33,9 @@ class AttentionCall:
     causal: bool = False  # whether the caller asked for causal (it is in the pattern already)
     learned: tuple[Tensor, ...] = ()  # parameters of the encoding behind ``bias`` (a T5 table)
     variant_params: dict = field(default_factory=dict)  # the variant's resolved parameters
+    # A graph's node order (zoo.node_order.NodeOrder): q, k, v and the padding are in its slots,
+    # and zoo.attention puts the output back in the caller's order. None: the caller's order.
+    order: object = None
 
     @property
     def q_len(self) -> int:

@@ -15,7 +15,17 @@ from .checks import check_parameters, close_matches, did_you_mean
 from .decode import cache_attention, counts_from_padding, decode_backend, explain_decode
 from .layout import allowed_pairs, specialized
 from .mechanisms.call import is_mechanism, mechanism_attention, mechanism_params
-from .patterns import Causal, Intersection, Pattern, RouteInputs, made_causal, query_positions
+from .node_order import in_node_order
+from .patterns import (
+    Causal,
+    GraphLayout,
+    Intersection,
+    Pattern,
+    RouteInputs,
+    made_causal,
+    query_positions,
+    reads_graph,
+)
 from .positional import PositionalEncoding
 from .registry import get_encoding_spec, get_spec
 from .scores import AdditiveScore, DotProduct
@@ -195,6 +205,7 @@ def prepare_call(
     score: AdditiveScore | None = None,
     pos: Encoding = None,
     return_weights: bool = False,
+    edge_index: object = None,
     **params: object,
 ) -> AttentionCall:
     """Check the arguments of ``attention`` and bind them into the call a backend receives;
@@ -206,8 +217,20 @@ def prepare_call(
         q_pos = query_positions(q.shape[2], k.shape[2], q.device)
         q, k = encoding.rotate(q, k, q_pos, torch.arange(k.shape[2], device=k.device))
     key_padding_mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
-    if pattern.routed:  # blocks chosen by content: chosen here, from q and k as attention sees them
-        pattern = pattern.bind(RouteInputs(q, k, key_padding_mask, causal))
+    if edge_index is not None and not reads_graph(pattern):
+        raise ValueError(
+            f"edge_index is the graph of variant 'graph'; variant {variant!r} reads no graph"
+        )
+    if pattern.routed:  # blocks chosen by content, or a graph: bound here to this call
+        pattern = pattern.bind(RouteInputs(q, k, key_padding_mask, causal, edge_index))
+    order = None
+    bias = encoding is not None and encoding.kind == "bias"
+    if isinstance(pattern, GraphLayout) and pattern.reorder and not bias:
+        # The graph alone (not composed): run in its node order, outputs back in the caller's.
+        pattern, order = in_node_order(pattern)
+        q, k, v = order.gather(q), order.gather(k), order.gather(v)
+        if key_padding_mask is not None:
+            key_padding_mask = order.gather(key_padding_mask, dim=1)
     return AttentionCall(
         q=q,
         k=k,
@@ -222,6 +245,7 @@ def prepare_call(
         return_weights=return_weights,
         causal=causal,
         variant_params=resolved_params(variant, params),
+        order=order,
     )
 
 
@@ -240,6 +264,7 @@ def attention(
     pos: Encoding = None,
     return_weights: bool = False,
     cache: KVCache | None = None,
+    edge_index: object = None,
     **params: object,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of ``variant`` over q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv).
@@ -264,6 +289,9 @@ def attention(
         cache: a ``KVCache`` (``zoo.new_cache``) for generation: q, k, v are the new tokens
             (B, H, t, D), attending the cached ones and then kept; causal must be True, and
             key_padding_mask (B, t), if given, right padding. See ``zoo.cache``.
+        edge_index: the graph of variant ``graph``: (2, E) int node pairs (query node, key
+            node) shared by the batch, (B, 2, E) or a list of B (2, E_b) for one graph per
+            sequence, or a sparse COO adjacency (L, L) or (B, L, L); see ``zoo.patterns.graph``.
         **params: the variant's parameters, overriding its registry defaults (e.g. window_size).
 
     Returns the output (B, H, Lq, Dv) in q's dtype, and the weights if asked. A query with no
@@ -300,6 +328,8 @@ def attention(
             params=params,
         )
     if cache is not None:
+        if edge_index is not None:
+            raise ValueError("edge_index (a graph) is not available with a cache")
         if return_weights:
             raise ValueError("return_weights is not available with a cache")
         return _cached_attention(
@@ -319,9 +349,13 @@ def attention(
         score=score,
         pos=pos,
         return_weights=return_weights,
+        edge_index=edge_index,
         **params,
     )
     out, weights = resolve_backend(backend, call).forward(call)
+    if call.order is not None:  # a graph run in its node order: back to the caller's
+        out = call.order.scatter(out)
+        weights = None if weights is None else call.order.scatter(call.order.scatter(weights), 3)
     return (out, weights) if return_weights else out
 
 
@@ -364,8 +398,14 @@ def dense_mask(
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"{name} must be a positive int, got {n!r}")
     causal = bool(params.pop("causal", False))
+    edge_index = params.pop("edge_index", None)
     pattern = resolve_pattern(variant, causal, params)
-    return specialized(pattern, q_len, kv_len, torch.device("cpu")).dense(q_len, kv_len)
+    pattern = specialized(pattern, q_len, kv_len, torch.device("cpu"))
+    if edge_index is not None or reads_graph(pattern):  # a graph: (graphs, L, L), caller's order
+        q, k = torch.zeros(1, 1, q_len, 1), torch.zeros(1, 1, kv_len, 1)
+        bound = pattern.bind(RouteInputs(q, k, None, causal, edge_index))
+        return bound.dense(q_len, kv_len)[:, 0].squeeze(0)
+    return pattern.dense(q_len, kv_len)
 
 
 def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:

@@ -77,6 +77,7 @@ class MultiHeadAttention(nn.Module):
     ``key_padding_mask`` (B, Lk) is True at padding; ``valid_lens`` (B,) counts the valid keys
     instead. ``return_weights=True`` returns (output, weights (B, H, Lq, Lk)); that call runs on
     the reference backend, which computes the same attention densely and keeps the weights.
+    ``edge_index`` is the graph of variant ``graph``, per call (``zoo.attention`` lists its forms).
     """
 
     def __init__(
@@ -206,6 +207,7 @@ class MultiHeadAttention(nn.Module):
         return_weights: bool = False,
         cache: KVCache | None = None,
         positions: Tensor | None = None,
+        edge_index: object = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
             shown = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
@@ -247,6 +249,7 @@ class MultiHeadAttention(nn.Module):
             score=self.score,
             pos=self.pos if self.pos.kind in ("rotate", "bias") else None,
             return_weights=return_weights,
+            edge_index=edge_index,
             **(self.params if self.mechanism is None else {}),
         )
         out, weights = result if return_weights else (result, None)

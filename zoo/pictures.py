@@ -18,7 +18,9 @@ from matplotlib.figure import Figure
 from torch import Tensor
 
 from .functional import dense_mask, prepare_call
+from .graph_pictures import draw_graph
 from .module import create_attention
+from .patterns import reads_graph
 from .registry import get_spec
 from .tables import format_params
 
@@ -75,6 +77,10 @@ def draw_pattern(
     spec = get_spec(name)  # an unknown name fails here, with close names suggested
     _check_length(seq_len)
     path = _check_path(path)
+    if reads_graph(spec.build(**{k: v for k, v in params.items() if k != "edge_index"})):
+        # A graph: its adjacency before and after reordering (zoo.graph_pictures).
+        figure = draw_graph(seq_len, FIGSIZE, causal=causal, **{**spec.parameters(), **params})
+        return _save(figure, path)
     routed = spec.build(**params).routed
     if routed:
         mask = chosen_mask(name, seq_len, causal, params)

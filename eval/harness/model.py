@@ -31,8 +31,8 @@ class Block(nn.Module):
             else None
         )
 
-    def forward(self, x: Tensor, key_padding_mask: Tensor | None) -> Tensor:
-        x = x + self.attention(self.norm1(x), key_padding_mask=key_padding_mask)
+    def forward(self, x: Tensor, key_padding_mask: Tensor | None, **attention: object) -> Tensor:
+        x = x + self.attention(self.norm1(x), key_padding_mask=key_padding_mask, **attention)
         if self.mlp is not None:
             x = x + self.mlp(self.norm2(x))
         return x
@@ -98,16 +98,27 @@ class SequenceModel(nn.Module):
             )
 
         self.blocks = nn.ModuleList(Block(dim, attention(), mlp_dim, dropout) for _ in range(depth))
+        # The attention inputs its variant reads: a graph's edges, or none.
+        graph = variant in zoo.list_variants() and zoo.patterns.reads_graph(
+            zoo.get_spec(variant).build()
+        )
+        self.reads = ("edge_index",) if graph else ()
         self.norm = nn.LayerNorm(dim)
         self.output = nn.Linear(dim, num_classes)
 
-    def forward(self, tokens: Tensor, padding_mask: Tensor | None = None) -> Tensor:
-        """tokens (B, L) -> logits (B, L, classes) for "token", (B, classes) for "sequence"."""
+    def forward(
+        self, tokens: Tensor, padding_mask: Tensor | None = None, **attention_inputs: object
+    ) -> Tensor:
+        """tokens (B, L) -> logits (B, L, classes) for "token", (B, classes) for "sequence".
+        ``attention_inputs`` (a graph's ``edge_index``) go to every attention layer whose
+        variant reads them; the others never see them (a full-attention baseline on a graph task
+        sees the tokens alone)."""
         x = self.embedding(tokens)  # (B, L, dim)
         if self.pos.kind == "embed":
             x = self.pos.embed(x)
+        attention = {k: v for k, v in attention_inputs.items() if k in self.reads}
         for block in self.blocks:
-            x = block(x, padding_mask)
+            x = block(x, padding_mask, **attention)
         x = self.norm(x)
         if self.head == "sequence":
             keep = (

@@ -79,6 +79,26 @@ def to_device(
     return batch.inputs.to(device), batch.targets.to(device), mask
 
 
+def attention_inputs(batch: Batch, device: torch.device) -> dict[str, Any]:
+    """The batch's attention inputs on ``device`` (a graph's per-sequence edge lists)."""
+
+    def moved(value: Any) -> Any:
+        if isinstance(value, list | tuple):
+            return [moved(v) for v in value]
+        return value.to(device) if isinstance(value, torch.Tensor) else value
+
+    return {name: moved(value) for name, value in batch.attention_inputs.items()}
+
+
+def select(attention: dict[str, Any], index: torch.Tensor) -> dict[str, Any]:
+    """The attention inputs of the sequences ``index`` names (tensors by row, lists by item)."""
+    rows = index.tolist()
+    return {
+        name: value[index] if isinstance(value, torch.Tensor) else [value[i] for i in rows]
+        for name, value in attention.items()
+    }
+
+
 def autocast(device: torch.device):
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
@@ -112,7 +132,8 @@ def batches(task: Task, cell_seed: int, pool: int, size: int, context: Context):
             index[chosen] = order(epoch)[offsets[chosen]]
         mask = None if data.padding_mask is None else data.padding_mask[index]
         slices = {name: keys[index] for name, keys in data.slices.items()}
-        return Batch(data.inputs[index], data.targets[index], mask, slices)
+        attention = select(data.attention_inputs, index)
+        return Batch(data.inputs[index], data.targets[index], mask, slices, {}, attention)
 
     return pooled
 
@@ -151,9 +172,10 @@ def train(
     for step in range(steps):
         if step == steps // 2:
             halfway = time.perf_counter()
-        inputs, targets, mask = to_device(draw(step), context.device)
+        batch = draw(step)
+        inputs, targets, mask = to_device(batch, context.device)
         with autocast(context.device):
-            logits = network(inputs, mask)
+            logits = network(inputs, mask, **attention_inputs(batch, context.device))
         loss = loss_of(logits, targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -221,7 +243,7 @@ def evaluate(
         batch = task.sample(n, sample_seed(cell["seed"], "eval", index))
         inputs, targets, mask = to_device(batch, context.device)
         with autocast(context.device):
-            predictions = model(inputs, mask).argmax(-1)
+            predictions = model(inputs, mask, **attention_inputs(batch, context.device)).argmax(-1)
         scored = targets != IGNORE
         right = (predictions == targets) & scored
         correct += int(right.sum())

@@ -14,6 +14,7 @@ from typing import Any
 
 from .base import IGNORE, PAD, Batch, Task
 from .copy import Copy
+from .graph_hops import GraphHops
 from .induction import Induction
 from .listops import ListOps
 from .mqar import MQAR
@@ -22,7 +23,8 @@ from .pathfinder import Pathfinder
 from .selective_copy import SelectiveCopy
 
 TASKS: dict[str, type[Task]] = {
-    cls.name: cls for cls in (Copy, Induction, ListOps, MQAR, Passkey, Pathfinder, SelectiveCopy)
+    cls.name: cls
+    for cls in (Copy, GraphHops, Induction, ListOps, MQAR, Passkey, Pathfinder, SelectiveCopy)
 }
 
 __all__ = ["IGNORE", "PAD", "TASKS", "Batch", "Task", "get_task", "list_tasks"]

@@ -34,6 +34,9 @@ class Batch:
     bool, True on padding, or None when nothing is padded. ``slices`` maps a slice name to an
     int64 tensor shaped like ``targets`` giving each scored target's slice key (meaningless
     where the target is IGNORE). ``meta`` holds anything else worth recording.
+    ``attention_inputs`` are what the model's attention layers take besides the tokens, by
+    keyword (a graph task's ``edge_index``: a list of one (2, E) tensor per sequence); the model
+    passes each to the variants that read it.
     """
 
     inputs: torch.Tensor
@@ -41,6 +44,7 @@ class Batch:
     padding_mask: torch.Tensor | None
     slices: dict[str, torch.Tensor] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    attention_inputs: dict[str, Any] = field(default_factory=dict)
 
 
 class Task:

@@ -10,6 +10,7 @@ from .block_local_2d import BlockLocal2D, block_local_2d
 from .compose import Difference, Intersection, Union
 from .full import Causal, Full, made_causal
 from .global_tokens import Global
+from .graph import Graph, GraphLayout, graph, reads_graph
 from .grid import Tiles
 from .local import Local
 from .moba import Moba
@@ -31,6 +32,8 @@ __all__ = [
     "Difference",
     "Full",
     "Global",
+    "Graph",
+    "GraphLayout",
     "Intersection",
     "Local",
     "Moba",
@@ -47,10 +50,12 @@ __all__ = [
     "block_local_2d",
     "build_family",
     "dilated",
+    "graph",
     "list_families",
     "made_causal",
     "neighborhood_2d",
     "query_positions",
+    "reads_graph",
     "register_pattern",
     "resolve_family",
     "strided",

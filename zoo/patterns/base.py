@@ -162,6 +162,13 @@ class Pattern:
         blocks from the blocks at or before it, so that a prefix sees what it saw alone)."""
         return self
 
+    @property
+    def causal_in_itself(self) -> bool:
+        """Whether the pattern keeps only causal pairs by itself, in the caller's token order,
+        so that ``made_causal`` adds no ``Causal`` member (a graph, which may run in its own node
+        order, where positions no longer say which pair is causal)."""
+        return False
+
     def parts(self) -> tuple[Pattern, ...]:
         """Disjoint pieces whose union is this pattern, each block-sparse in its own ``stride``."""
         return (self,)

@@ -65,5 +65,7 @@ class Causal(Pattern):
 
 def made_causal(pattern: Pattern) -> Pattern:
     """``pattern`` made causal: its causal form (``Pattern.causal_form``) intersected with
-    ``Causal``, what ``causal=True`` and a registry entry's ``causal:`` build."""
-    return Intersection((pattern.causal_form(), Causal()))
+    ``Causal``, what ``causal=True`` and a registry entry's ``causal:`` build; the causal form
+    alone where it is causal in itself (``Pattern.causal_in_itself``: a graph)."""
+    form = pattern.causal_form()
+    return form if form.causal_in_itself else Intersection((form, Causal()))

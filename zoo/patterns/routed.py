@@ -35,7 +35,8 @@ from .base import Pattern, Spans, state_from
 class RouteInputs:
     """What a routed pattern chooses from: q (B, H, Lq, D) and k (B, H_kv, Lk, D) as attention
     sees them, the key padding (B, Lk) bool or None (True = padding), and whether the choice is
-    made under causal rules (a causal member of an intersection sets it).
+    made under causal rules (a causal member of an intersection sets it); and the call's graph,
+    ``edge_index`` (the ``graph`` pattern's edges, ``zoo.patterns.graph_edges``), or None.
 
     ``q_pos`` (B, Lq), the queries' positions, for a call against a ``KVCache`` whose slot j
     holds position j, each sequence at its own length: row b's queries sit at q_pos[b], which
@@ -47,6 +48,7 @@ class RouteInputs:
     key_padding_mask: Tensor | None = None
     causal: bool = False
     q_pos: Tensor | None = None
+    edge_index: object = None
 
     def offset(self) -> int | Tensor:
         """Query i's position minus i: kv_len - q_len, or (B,) one per sequence (``q_pos``)."""
