@@ -222,7 +222,7 @@ def prepare_call(
             f"edge_index is the graph of variant 'graph'; variant {variant!r} reads no graph"
         )
     if pattern.routed:  # blocks chosen by content, or a graph: bound here to this call
-        pattern = pattern.bind(RouteInputs(q, k, key_padding_mask, causal, edge_index))
+        pattern = pattern.bind(RouteInputs(q, k, key_padding_mask, causal, edge_index=edge_index))
     order = None
     bias = encoding is not None and encoding.kind == "bias"
     if isinstance(pattern, GraphLayout) and pattern.reorder and not bias:
@@ -403,7 +403,7 @@ def dense_mask(
     pattern = specialized(pattern, q_len, kv_len, torch.device("cpu"))
     if edge_index is not None or reads_graph(pattern):  # a graph: (graphs, L, L), caller's order
         q, k = torch.zeros(1, 1, q_len, 1), torch.zeros(1, 1, kv_len, 1)
-        bound = pattern.bind(RouteInputs(q, k, None, causal, edge_index))
+        bound = pattern.bind(RouteInputs(q, k, None, causal, edge_index=edge_index))
         return bound.dense(q_len, kv_len)[:, 0].squeeze(0)
     return pattern.dense(q_len, kv_len)
 
