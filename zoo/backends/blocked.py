@@ -37,8 +37,9 @@ from ..checks import check_int
 from ..frames import Frame, build_frame
 from ..patterns import Pattern
 from .base import FLOATS, Backend, Capabilities, head_index, repeat_kv
-from .block_plan import GroupPlan, key_windows, plan
+from .block_plan import GroupPlan, plan
 from .blocked_routed import routed_attention, routed_pairs
+from .lse_merge import merged_attention
 
 
 @dataclass
@@ -119,6 +120,18 @@ def no_pairs_partial(call: AttentionCall, dtype: torch.dtype) -> Partial:
     """``no_pairs`` as a part's partial result: no mass, a peak of -inf."""
     zeros = no_pairs(call, dtype)
     return Partial(zeros, zeros[..., 0], torch.full_like(zeros[..., 0], float("-inf")).detach())
+
+
+def merges_sources(call: AttentionCall, q: Tensor) -> bool:
+    """Whether a group's key sources run apart and merge (``lse_merge``): the CPU kernel that
+    returns the log-sum-exp takes no dropout, and one head count and one head size for q, k and
+    v."""
+    return (
+        q.device.type == "cpu"
+        and not call.dropout_p
+        and call.groups == 1
+        and call.q.shape[-1] == call.v.shape[-1]
+    )
 
 
 class BlockedBackend(Backend):
@@ -267,18 +280,25 @@ class BlockedBackend(Backend):
     def _windowed(
         call: AttentionCall, frame: Frame, group: GroupPlan, inputs: Inputs, b: int, mask: Tensor
     ) -> Tensor:
-        """Sequence b: (R, H, bq, Dv), its keys read as band windows of a strided view."""
-        rows, window = group.rows.numel(), group.window
+        """Sequence b: (R, H, bq, Dv), its keys read from the group's sources (``block_plan``):
+        on a CPU without dropout, each source through the kernel on its own and merged by
+        log-sum-exp (``lse_merge``), so the band is never copied; else concatenated."""
         q = (
             inputs.q[b]
             .unflatten(1, (-1, frame.q.block))
-            .narrow(1, window.first, rows)
+            .narrow(1, group.window.first, group.rows.numel())
             .transpose(0, 1)
         )
-        keys = key_windows(inputs.k[b], window, rows, frame.k.block)
-        values = key_windows(inputs.v[b], window, rows, frame.k.block)
+        keys = group.key_sources(inputs.k[b], frame.k.block)
+        values = group.key_sources(inputs.v[b], frame.k.block)
+        if len(keys) > 1 and merges_sources(call, q):
+            widths = [k.shape[2] for k in keys]
+            masks = list(mask.split(widths, dim=-1))
+            return merged_attention(q, keys, values, masks, call.scale)
+        if len(keys) > 1:
+            keys, values = [torch.cat(keys, dim=2)], [torch.cat(values, dim=2)]
         return scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, dropout_p=call.dropout_p, scale=call.scale,
+            q, keys[0], values[0], attn_mask=mask, dropout_p=call.dropout_p, scale=call.scale,
             enable_gqa=call.groups > 1,
         )  # fmt: skip
 
