@@ -54,7 +54,7 @@ class _Merged(torch.autograd.Function):
         finite = torch.isfinite(lse)
         if n > 1:
             safe = torch.where(finite, lse, 0)
-            out = sum(torch.exp(part - safe)[..., None] * o for part, o in zip(lses, outs))
+            out = sum(torch.exp(part - safe)[..., None] * o for part, o in zip(lses, outs, strict=True))
             out = out.to(q.dtype)
         else:
             out = outs[0]
