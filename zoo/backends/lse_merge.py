@@ -54,7 +54,8 @@ class _Merged(torch.autograd.Function):
         finite = torch.isfinite(lse)
         if n > 1:
             safe = torch.where(finite, lse, 0)
-            out = sum(torch.exp(part - safe)[..., None] * o for part, o in zip(lses, outs, strict=True))
+            shares = [torch.exp(part - safe)[..., None] for part in lses]
+            out = sum(share * o for share, o in zip(shares, outs, strict=True))
             out = out.to(q.dtype)
         else:
             out = outs[0]
