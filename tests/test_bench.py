@@ -67,7 +67,7 @@ def test_main_writes_json_markdown_and_plots_with_checked_cells(tmp_path, capsys
         assert cell["status"] == "ok", cell["reason"]
         assert cell["checked"] is True and cell["max_error"] < 1e-4
         assert cell["time_ms"] > 0 and len(cell["times_ms"]) == 3
-        assert cell["peak_memory_mb"] is None  # CPU: no peak counter
+        assert cell["peak_memory_mb"] > 0  # CPU: from the profiler's allocation events
         assert 0 < cell["allowed_pairs"] <= cell["all_pairs"] == cell["n"] ** 2
         assert cell["useful_tflops"] > 0 and cell["sparsity_realization"] > 0
     flex = [c for c in cells if c["backend"] == "flex_standard"]
@@ -194,7 +194,26 @@ def test_cuda_clock_and_peak_memory_logic_with_a_fake_cuda_module():
         reset_peak_memory_stats=lambda device: memory.update(peak=memory["now"]),
     )
     assert peak_memory_mb(lambda: memory.update(peak=164 * 2**20), torch.device("cuda"), fake) == 64
-    assert peak_memory_mb(lambda: None, torch.device("cpu"), fake) is None
+    assert peak_memory_mb(lambda: None, torch.device("meta"), fake) is None
+
+
+def test_cpu_peak_memory_follows_the_allocations():
+    """Two live tensors of 8 MiB, then one freed and one of 4 MiB: the peak is 16 MiB; a product
+    counts its inputs and its (n, n) output."""
+
+    def run():
+        a = torch.empty(2**21)  # 8 MiB
+        b = torch.empty(2**21)
+        del a
+        c = torch.empty(2**20)  # 4 MiB
+        return b, c
+
+    assert peak_memory_mb(run, torch.device("cpu")) == 16
+    for n in (256, 1024):  # two (n, 64) inputs and the (n, n) product, float32
+        peak = peak_memory_mb(
+            lambda n=n: torch.randn(n, 64) @ torch.randn(64, n), torch.device("cpu")
+        )
+        assert peak == (2 * n * 64 + n * n) * 4 / 2**20
 
 
 def test_out_of_memory_errors_are_recognised():
