@@ -9,7 +9,7 @@ from helpers import FIXED_VARIANTS, small_params
 
 import zoo
 from zoo.backends.block_plan import plan
-from zoo.backends.lse_merge import merged_attention
+from zoo.backends.lse_merge import Piece, merged_attention
 from zoo.frames import build_frame
 from zoo.functional import prepare_call
 
@@ -79,18 +79,33 @@ def test_longformer_and_bigbird_read_their_band_as_a_view():
         assert banded[0].rows.numel() >= n // 64 - 4
 
 
-def test_merged_sources_equal_one_softmax_forward_and_backward():
+def test_merged_pieces_equal_one_softmax_forward_and_backward():
+    """Three sources of keys for the same queries, and a fourth piece holding half the rows in
+    another order (as a second part in its own token order would): merged, they equal one
+    softmax over all keys, forward and backward, with rows that have no key in some pieces or in
+    all of them."""
     torch.manual_seed(0)
     q = torch.randn(3, 2, 16, 8, dtype=torch.float64, requires_grad=True)
-    widths = [24, 8, 16]
+    widths = [24, 8, 16, 5]
     keys = [torch.randn(3, 2, w, 8, dtype=torch.float64, requires_grad=True) for w in widths]
     values = [torch.randn(3, 2, w, 8, dtype=torch.float64, requires_grad=True) for w in widths]
     allowed = torch.rand(3, 1, 16, sum(widths)) < 0.4
     allowed[0, 0, 3] = False  # a query with no key anywhere
     allowed[1, 0, 5, :24] = False  # a query with no key in the first source
     allowed[1, 0, 6, 24:] = False  # nor in the others
+    order = torch.randperm(16)[:8]  # the last piece holds these rows only
+    allowed[:, :, :, 48:] &= torch.isin(torch.arange(16), order)[None, None, :, None]
     mask = torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, float("-inf"))
-    out = merged_attention(q, keys, values, list(mask.split(widths, dim=-1)), 0.3)
+    rows = torch.arange(3)[:, None] * 16 + torch.arange(16)
+    pieces = []
+    for i, m in enumerate(mask.split(widths, dim=-1)):
+        if i < 3:
+            pieces.append(Piece(q, keys[i], values[i], m, torch.isneginf(m).all(-1), rows))
+        else:
+            m = m[:, :, order]
+            none = torch.isneginf(m).all(-1)
+            pieces.append(Piece(q[:, :, order], keys[i], values[i], m, none, rows[:, order]))
+    out = merged_attention(pieces, 48, 0.3).unflatten(0, (3, 16)).transpose(1, 2)
 
     k, v = torch.cat(keys, dim=2), torch.cat(values, dim=2)
     scores = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~allowed, float("-inf"))

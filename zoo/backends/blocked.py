@@ -38,8 +38,8 @@ from ..frames import Frame, build_frame
 from ..patterns import Pattern
 from .base import FLOATS, Backend, Capabilities, head_index, repeat_kv
 from .block_plan import GroupPlan, plan
+from .blocked_merged import merged_blocked, merges_pieces
 from .blocked_routed import routed_attention, routed_pairs
-from .lse_merge import merged_attention
 
 
 @dataclass
@@ -122,18 +122,6 @@ def no_pairs_partial(call: AttentionCall, dtype: torch.dtype) -> Partial:
     return Partial(zeros, zeros[..., 0], torch.full_like(zeros[..., 0], float("-inf")).detach())
 
 
-def merges_sources(call: AttentionCall, q: Tensor) -> bool:
-    """Whether a group's key sources run apart and merge (``lse_merge``): the CPU kernel that
-    returns the log-sum-exp takes no dropout, and one head count and one head size for q, k and
-    v."""
-    return (
-        q.device.type == "cpu"
-        and not call.dropout_p
-        and call.groups == 1
-        and call.q.shape[-1] == call.v.shape[-1]
-    )
-
-
 class BlockedBackend(Backend):
     """Block-sparse attention in plain PyTorch.
 
@@ -203,6 +191,11 @@ class BlockedBackend(Backend):
                 [self._routed(call, p, dtype, fused) if p.routed else self._explicit(call, p, dtype)
                  for p in parts]
             )  # fmt: skip
+        elif merges_pieces(call):
+            out = merged_blocked(
+                call, [self._plan(call, p) for p in parts], self._frame_inputs(call, dtype), dtype
+            )
+            out = no_pairs(call, dtype) if out is None else out
         elif len(parts) == 1 and call.score.kind == "dot":
             out = self._fused(call, parts[0], dtype)
         else:
@@ -218,6 +211,16 @@ class BlockedBackend(Backend):
             padded = frame.k.gather(call.key_padding_mask[:, :, None])[..., 0]
         v = repeat_kv(call.v.to(dtype), k.shape[1] // call.v.shape[1])  # additive k is per head
         return Inputs(frame.q.gather(q), frame.k.gather(k), frame.k.gather(v), padded)
+
+    def _frame_inputs(self, call: AttentionCall, dtype: torch.dtype):
+        """q, k, v and the key padding in a frame's order, for ``merged_blocked``."""
+        q, k = call.q.to(dtype), call.k.to(dtype)
+
+        def inputs(frame: Frame) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+            i = self._inputs(call, frame, q, k, dtype)
+            return i.q, i.k, i.v, i.padded
+
+        return inputs
 
     # The fused path.
 
@@ -280,9 +283,8 @@ class BlockedBackend(Backend):
     def _windowed(
         call: AttentionCall, frame: Frame, group: GroupPlan, inputs: Inputs, b: int, mask: Tensor
     ) -> Tensor:
-        """Sequence b: (R, H, bq, Dv), its keys read from the group's sources (``block_plan``):
-        on a CPU without dropout, each source through the kernel on its own and merged by
-        log-sum-exp (``lse_merge``), so the band is never copied; else concatenated."""
+        """Sequence b: (R, H, bq, Dv), its keys read from the group's sources (``block_plan``),
+        concatenated where there are several (the CPU path, ``blocked_merged``, runs them apart)."""
         q = (
             inputs.q[b]
             .unflatten(1, (-1, frame.q.block))
@@ -291,10 +293,6 @@ class BlockedBackend(Backend):
         )
         keys = group.key_sources(inputs.k[b], frame.k.block)
         values = group.key_sources(inputs.v[b], frame.k.block)
-        if len(keys) > 1 and merges_sources(call, q):
-            widths = [k.shape[2] for k in keys]
-            masks = list(mask.split(widths, dim=-1))
-            return merged_attention(q, keys, values, masks, call.scale)
         if len(keys) > 1:
             keys, values = [torch.cat(keys, dim=2)], [torch.cat(values, dim=2)]
         return scaled_dot_product_attention(
