@@ -52,8 +52,20 @@ class Piece:
 def merged_attention(pieces: list[Piece], total: int, scale: float) -> Tensor:
     """(total, H, Dv): each row's softmax over the keys of every piece that holds it, @ their
     values; zeros for a row that no piece lets attend."""
-    tensors = [t for p in pieces for t in (p.q, p.k, p.v, p.mask, p.no_key, p.rows)]
-    return _Merged.apply(total, scale, *tensors)
+    # Each tensor goes in once (pieces share their queries, masks and rows; autograd.Function
+    # under torch.compile takes no tensor twice); ``layout`` says which is which.
+    tensors: list[Tensor] = []
+    seen: dict[int, int] = {}
+    layout = []
+    for p in pieces:
+        slots = []
+        for t in (p.q, p.k, p.v, p.mask, p.no_key, p.rows):
+            if id(t) not in seen:
+                seen[id(t)] = len(tensors)
+                tensors.append(t)
+            slots.append(seen[id(t)])
+        layout.append(tuple(slots))
+    return _Merged.apply(total, scale, tuple(layout), *tensors)
 
 
 def _fold(x: Tensor, groups: int) -> Tensor:
@@ -86,8 +98,8 @@ def _unflat(x: Tensor, like: Tensor) -> Tensor:
 
 class _Merged(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, total, scale, *tensors):
-        pieces = [Piece(*tensors[i : i + 6]) for i in range(0, len(tensors), 6)]
+    def forward(ctx, total, scale, layout, *tensors):
+        pieces = [Piece(*(tensors[i] for i in slots)) for slots in layout]
         heads = pieces[0].q.shape[1]
         parts = []
         for p in pieces:
@@ -111,17 +123,21 @@ class _Merged(torch.autograd.Function):
         lse = torch.where(mass > 0, peak + torch.log(mass), math.inf)  # inf: no key, p = 0
         out = out.to(pieces[0].q.dtype)
         ctx.save_for_backward(out, lse, *tensors)
-        ctx.total, ctx.scale = total, scale
+        ctx.scale, ctx.layout = scale, layout
         return out
 
     @staticmethod
     def backward(ctx, grad):
         out, lse, *tensors = ctx.saved_tensors
-        pieces = [Piece(*tensors[i : i + 6]) for i in range(0, len(tensors), 6)]
+        pieces = [Piece(*(tensors[i] for i in slots)) for slots in ctx.layout]
         pad = grad.new_zeros((1, *grad.shape[1:]))
         grad, out = torch.cat([grad, pad]), torch.cat([out, pad.to(out.dtype)])
-        grads = []
-        for p in pieces:
+        grads: list[Tensor | None] = [None] * len(tensors)
+
+        def add(slot: int, value: Tensor) -> None:
+            grads[slot] = value if grads[slot] is None else grads[slot] + value
+
+        for slots, p in zip(ctx.layout, pieces, strict=True):
             rows = p.rows.flatten()
             g = _unflat(grad[rows], p.q).contiguous()
             o = _unflat(out[rows], p.q).contiguous()
@@ -131,5 +147,6 @@ class _Merged(torch.autograd.Function):
                 _fold(g, n), _fold(p.q, n), p.k, p.v, _fold(o, n), _fold(piece_lse, n), 0.0, False,
                 attn_mask=_fold(p.mask, n), scale=ctx.scale,
             )  # fmt: skip
-            grads += [_unfold(dq, n), dk, dv, None, None, None]
-        return None, None, *grads
+            for slot, value in zip(slots[:3], (_unfold(dq, n), dk, dv), strict=True):
+                add(slot, value)
+        return None, None, None, *grads
