@@ -288,9 +288,29 @@ def test_goals_are_computed_from_the_cells():
     assert "sparsity realization: 0.16 (goal >= 0.7): missed by 0.54" in text
     assert "memory exponent over n=[1024, 2048, 4096]: 1 (goal <= 1.1): met" in text
     assert "mask build: 2 ms (goal < 10 ms): met by 8 ms" in text
-    cpu = [synthetic_cell("local", "blocked", 8192, 10.0, sparsity_realization=0.6)]
-    cpu[0]["pass"] = "fwd"
-    assert "0.6 (goal >= 0.5): met by 0.1" in goals(cpu, [], "cpu")[0]
+
+
+def test_cpu_goals_hold_blocked_to_realization_flex_and_exponents():
+    from eval.bench.report import exponents, goals
+
+    cells = []
+    for n in (2048, 4096, 8192):
+        for pass_, ms, realized in (("fwd", 10.0, 0.6), ("fwd+bwd", 40.0, 0.3)):
+            cells.append(synthetic_cell(
+                "local", "blocked", n, ms * n / 8192, sparsity_realization=realized,
+                peak_memory_mb=(n / 8192) ** 1.3, **{"pass": pass_},
+            ))  # fmt: skip
+        cells.append(synthetic_cell("local", "flex", n, 8.0, **{"pass": "fwd", "kind": "zoo"}))
+        cells.append(
+            synthetic_cell("local", "flex_standard", n, 12.5, **{"pass": "fwd", "kind": "peer"})
+        )
+    text = "\n".join(goals(cells, exponents(cells), "cpu"))
+    name = "local, blocked, non-causal"
+    assert f"{name}, fwd, n=8192: realization: 0.6 (goal >= 0.5): met by 0.1" in text
+    assert f"{name}, fwd+bwd, n=8192: realization: 0.3 (goal >= 0.4): missed by 0.1" in text
+    assert f"{name}, fwd, n=8192: time / compiled flex: 1.25 (goal <= 1): missed" in text
+    assert f"{name}, fwd: time exponent over n=[2048, 4096, 8192]: 1 (goal <= 1.15): met" in text
+    assert f"{name}, fwd+bwd: memory exponent over n=[2048, 4096, 8192]: 1.3 (goal <= 1.1)" in text
 
 
 def test_a_variant_chosen_by_content_reports_its_pairs_and_its_choice(tmp_path):
