@@ -67,7 +67,7 @@ def test_main_writes_json_markdown_and_plots_with_checked_cells(tmp_path, capsys
         assert cell["status"] == "ok", cell["reason"]
         assert cell["checked"] is True and cell["max_error"] < 1e-4
         assert cell["time_ms"] > 0 and len(cell["times_ms"]) == 3
-        assert cell["peak_memory_mb"] is None  # CPU: no peak counter
+        assert cell["peak_memory_mb"] > 0  # CPU: from the profiler's allocation events
         assert 0 < cell["allowed_pairs"] <= cell["all_pairs"] == cell["n"] ** 2
         assert cell["useful_tflops"] > 0 and cell["sparsity_realization"] > 0
     flex = [c for c in cells if c["backend"] == "flex_standard"]
@@ -194,7 +194,26 @@ def test_cuda_clock_and_peak_memory_logic_with_a_fake_cuda_module():
         reset_peak_memory_stats=lambda device: memory.update(peak=memory["now"]),
     )
     assert peak_memory_mb(lambda: memory.update(peak=164 * 2**20), torch.device("cuda"), fake) == 64
-    assert peak_memory_mb(lambda: None, torch.device("cpu"), fake) is None
+    assert peak_memory_mb(lambda: None, torch.device("meta"), fake) is None
+
+
+def test_cpu_peak_memory_follows_the_allocations():
+    """Two live tensors of 8 MiB, then one freed and one of 4 MiB: the peak is 16 MiB; a product
+    counts its inputs and its (n, n) output."""
+
+    def run():
+        a = torch.empty(2**21)  # 8 MiB
+        b = torch.empty(2**21)
+        del a
+        c = torch.empty(2**20)  # 4 MiB
+        return b, c
+
+    assert peak_memory_mb(run, torch.device("cpu")) == 16
+    for n in (256, 1024):  # two (n, 64) inputs and the (n, n) product, float32
+        peak = peak_memory_mb(
+            lambda n=n: torch.randn(n, 64) @ torch.randn(64, n), torch.device("cpu")
+        )
+        assert peak == (2 * n * 64 + n * n) * 4 / 2**20
 
 
 def test_out_of_memory_errors_are_recognised():
@@ -269,9 +288,29 @@ def test_goals_are_computed_from_the_cells():
     assert "sparsity realization: 0.16 (goal >= 0.7): missed by 0.54" in text
     assert "memory exponent over n=[1024, 2048, 4096]: 1 (goal <= 1.1): met" in text
     assert "mask build: 2 ms (goal < 10 ms): met by 8 ms" in text
-    cpu = [synthetic_cell("local", "blocked", 8192, 10.0, sparsity_realization=0.6)]
-    cpu[0]["pass"] = "fwd"
-    assert "0.6 (goal >= 0.5): met by 0.1" in goals(cpu, [], "cpu")[0]
+
+
+def test_cpu_goals_hold_blocked_to_realization_flex_and_exponents():
+    from eval.bench.report import exponents, goals
+
+    cells = []
+    for n in (2048, 4096, 8192):
+        for pass_, ms, realized in (("fwd", 10.0, 0.6), ("fwd+bwd", 40.0, 0.3)):
+            cells.append(synthetic_cell(
+                "local", "blocked", n, ms * n / 8192, sparsity_realization=realized,
+                peak_memory_mb=(n / 8192) ** 1.3, **{"pass": pass_},
+            ))  # fmt: skip
+        cells.append(synthetic_cell("local", "flex", n, 8.0, **{"pass": "fwd", "kind": "zoo"}))
+        cells.append(
+            synthetic_cell("local", "flex_standard", n, 12.5, **{"pass": "fwd", "kind": "peer"})
+        )
+    text = "\n".join(goals(cells, exponents(cells), "cpu"))
+    name = "local, blocked, non-causal"
+    assert f"{name}, fwd, n=8192: realization: 0.6 (goal >= 0.5): met by 0.1" in text
+    assert f"{name}, fwd+bwd, n=8192: realization: 0.3 (goal >= 0.4): missed by 0.1" in text
+    assert f"{name}, fwd, n=8192: time / compiled flex: 1.25 (goal <= 1): missed" in text
+    assert f"{name}, fwd: time exponent over n=[2048, 4096, 8192]: 1 (goal <= 1.15): met" in text
+    assert f"{name}, fwd+bwd: memory exponent over n=[2048, 4096, 8192]: 1.3 (goal <= 1.1)" in text
 
 
 def test_a_variant_chosen_by_content_reports_its_pairs_and_its_choice(tmp_path):

@@ -16,7 +16,8 @@ A cell is (variant, backend or peer, n, causal, pass). Its record (one entry of 
     tolerance                       largest normalised error, the error per tensor, the limit
     time_ms, times_ms               median and all of the timed runs, in milliseconds
     repeats, warmup                 the runs timed and the untimed runs before them
-    peak_memory_mb                  CUDA peak above the memory allocated before the run (MiB)
+    peak_memory_mb                  peak above the memory allocated before the run (MiB;
+                                    CUDA's counter, or the profiler's events on a CPU)
     allowed_pairs, all_pairs        exact allowed (query, key) pairs; n^2, or n(n+1)/2 if causal
     useful_tflops                   4·B·H·allowed_pairs·D (x 3.5 for fwd+bwd) / time / 1e12
     block_size, block_density       the kernel's block and computed blocks / all blocks

@@ -169,7 +169,7 @@ def render(
         "- time: median ms; TFLOP/s: useful, 4·B·H·allowed pairs·D (x3.5 with backward) per "
         "second; realization: (dense time / time) / (all pairs / allowed pairs), all pairs "
         "n(n+1)/2 at causal points; density: computed blocks / all blocks at the kernel's block; "
-        "peak memory: CUDA only",
+        "peak memory: above the inputs, one run (on a CPU from the profiler's allocation events)",
     ]
     if "pieces" in header:
         facts.insert(3, pieces_line(header["pieces"]))

@@ -5,10 +5,13 @@ two CUDA events on the current stream (kernel time, no host sync inside the loop
 ``time.perf_counter`` (CPU kernels are synchronous). One-off costs (building a mask, the first,
 compiling call) are wall time with a device synchronisation on both sides.
 
-Peak memory, CUDA only: ``torch.cuda.max_memory_allocated`` during one run, minus
+Peak memory: on CUDA, ``torch.cuda.max_memory_allocated`` during one run, minus
 ``torch.cuda.memory_allocated`` just before it (the inputs, already resident, are not counted; the
-output and gradients, alive at the peak, are). The CPU allocator keeps no peak counter, and the
-process's resident-set peak covers everything the process ever did, so on the CPU it is null.
+output and gradients, alive at the peak, are). The CPU allocator keeps no peak counter (and the
+process's resident-set peak covers everything the process ever did), so on the CPU one more run
+goes under ``torch.profiler`` with ``profile_memory``: its allocation events, in time order, give
+the running total of the run's own allocations and frees, whose maximum is the peak. That run is
+not timed (the profiler slows it).
 
 Check: the output (and, for fwd+bwd, dq, dk and dv) against the reference backend run in float32
 on the same device and the same values. The error of a tensor is max|x - ref| / max(1, max|ref|):
@@ -146,7 +149,10 @@ def timed_once(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]
 def peak_memory_mb(
     fn: Callable[[], object], device: torch.device, cuda: Any = torch.cuda
 ) -> float | None:
-    """Peak allocated memory of one run above what was allocated before it (MiB); None off CUDA."""
+    """Peak allocated memory of one run above what was allocated before it (MiB); CUDA's
+    counter there, the profiler's allocation events on the CPU (see the module docstring)."""
+    if device.type == "cpu":
+        return cpu_peak_memory_mb(fn)
     if device.type != "cuda":
         return None
     cuda.synchronize(device)
@@ -157,6 +163,29 @@ def peak_memory_mb(
     peak = cuda.max_memory_allocated(device)
     del result
     return max(peak - before, 0) / 2**20
+
+
+def cpu_peak_memory_mb(fn: Callable[[], object]) -> float:
+    """The largest running total of the CPU allocations (minus frees) that ``fn`` makes, from
+    the profiler's allocation events; what ``fn`` returns is freed after the profile ends, so it
+    counts."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    del result
+    sizes, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
+            sizes.append((event.start_time_ns, event.extra_fields.alloc_size))
+    total = peak = 0
+    for _, size in sorted(sizes):
+        total += size
+        peak = max(peak, total)
+    return peak / 2**20
 
 
 def normalised_error(got: Tensor, ref: Tensor) -> float:

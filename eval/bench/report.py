@@ -167,26 +167,51 @@ def gpu_goals(cells: Sequence[Cell], exps: Sequence[dict[str, Any]]) -> list[str
     return lines or ["- no fwd+bwd cells of local, longformer or bigbird with backend auto"]
 
 
-def cpu_goals(cells: Sequence[Cell], n: int = 8192) -> list[str]:
-    """The issue's CPU goal: the best sparse backend's realization for local at 8K, forward."""
+CPU_GOAL_VARIANTS = ("local", "longformer", "bigbird", "strided", "dilated", "block_local")
+WINDOWED = ("local", "longformer", "bigbird", "dilated", "block_local")  # O(n) pairs
+
+
+def _fit(exps, variant: str, backend: str, pass_: str, causal: bool) -> dict[str, Any] | None:
+    found = [
+        e for e in exps
+        if (e["variant"], e["backend"], e["pass"], e["causal"]) == (variant, backend, pass_, causal)
+    ]  # fmt: skip
+    return found[0] if found else None
+
+
+def cpu_goals(cells: Sequence[Cell], exps: Sequence[dict[str, Any]], n: int = 8192) -> list[str]:
+    """The CPU goals of the blocked backend at n, for each variant the sweep holds: forward
+    realization >= 0.5, forward + backward >= 0.4, forward time no more than compiled
+    FlexAttention's (the faster of its two masks); time exponents <= 1.15 (windowed variants)
+    and memory exponents <= 1.1, fitted over the sweep's largest lengths."""
     lines = []
-    for causal in sorted({c["causal"] for c in cells}):
-        sparse = [
-            c for c in _ok(cells, "local", None, "fwd", causal)
-            if c["n"] == n and c["kind"] == "zoo" and c["sparse"]
-            and c["sparsity_realization"] is not None
-        ]  # fmt: skip
-        label = f"local, fwd, {'causal' if causal else 'non-causal'}, n={n}"
-        if not sparse:
-            lines.append(goal_line(f"{label}: best sparse backend's realization", None, ">=", 0.5))
-            continue
-        best = max(sparse, key=lambda c: c["sparsity_realization"])
-        who = backend_label([best])
-        value = best["sparsity_realization"]
-        lines.append(goal_line(f"{label}: sparsity realization of {who}", value, ">=", 0.5))
-    return lines
+    present = {c["variant"] for c in cells}
+    for variant in [v for v in CPU_GOAL_VARIANTS if v in present]:
+        for causal in sorted({c["causal"] for c in cells}):
+            name = f"{variant}, blocked, {'causal' if causal else 'non-causal'}"
+            for pass_, target in (("fwd", 0.5), ("fwd+bwd", 0.4)):
+                at_n = [c for c in _ok(cells, variant, "blocked", pass_, causal) if c["n"] == n]
+                value = at_n[0]["sparsity_realization"] if at_n else None
+                lines.append(goal_line(f"{name}, {pass_}, n={n}: realization", value, ">=", target))
+            mine = [c for c in _ok(cells, variant, "blocked", "fwd", causal) if c["n"] == n]
+            flex = [
+                c["time_ms"] for backend in ("flex", "flex_standard")
+                for c in _ok(cells, variant, backend, "fwd", causal) if c["n"] == n
+            ]  # fmt: skip
+            ratio = mine[0]["time_ms"] / min(flex) if mine and flex else None
+            lines.append(goal_line(f"{name}, fwd, n={n}: time / compiled flex", ratio, "<=", 1))
+            for pass_ in ("fwd", "fwd+bwd"):
+                fit = _fit(exps, variant, "blocked", pass_, causal)
+                over = f" over n={fit['lengths']}" if fit else ""
+                label = f"{name}, {pass_}"
+                if variant in WINDOWED:
+                    value = fit["time_exponent"] if fit else None
+                    lines.append(goal_line(f"{label}: time exponent{over}", value, "<=", 1.15))
+                value = fit["memory_exponent"] if fit else None
+                lines.append(goal_line(f"{label}: memory exponent{over}", value, "<=", 1.1))
+    return lines or ["- no cells of " + ", ".join(CPU_GOAL_VARIANTS) + " on blocked"]
 
 
 def goals(cells: Sequence[Cell], exps: Sequence[dict[str, Any]], device_type: str) -> list[str]:
     """The goal lines that apply to this device, computed from the cells."""
-    return gpu_goals(cells, exps) if device_type == "cuda" else cpu_goals(cells)
+    return gpu_goals(cells, exps) if device_type == "cuda" else cpu_goals(cells, exps)

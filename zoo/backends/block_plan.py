@@ -1,12 +1,23 @@
-"""What the blocked backend gathers for each group of query blocks, computed once per shape.
+"""What the blocked backend reads for each group of query blocks, computed once per shape.
 
 A plan depends on the pattern part and the frame only (key padding and data come per call), so
 it is cached: the gather indices, the positions, and the mask of pairs the pattern forbids.
 
-Where a group's rows are consecutive query blocks and each needs the key blocks of a sliding
-band (row r: blocks r + lo .. r + lo + W - 1, as in local and sliding-window patterns), the plan
-says so (``Window``): the backend then reads overlapping windows of the keys as a strided view
-(``unfold``) instead of copying W blocks per row.
+A group's keys come from up to three sources, side by side in one mask::
+
+    row r reads   [ band: blocks r+lo .. r+lo+W-1 | shared: blocks S | extra: its own blocks ]
+                    a strided view, no copy         one copy, all rows  gathered per row
+
+- the **band** (``Window``): where consecutive rows need the blocks of a sliding band (local and
+  sliding-window patterns, the window of Longformer and BigBird), read as overlapping windows of
+  the keys (``unfold``) instead of copying W blocks per row;
+- **shared** blocks: key blocks most of the group's rows need outside the band (the global
+  columns of Longformer and BigBird), read once and expanded over the rows;
+- **extra** blocks: the rest (BigBird's random blocks), gathered per row, padded to the widest.
+
+A pair belongs to one source only: a shared block is masked in the rows whose band holds it.
+Rows that need most key blocks (global rows) and rows whose band would leave the key range (the
+first and last few) are grouped apart (``BlockLayout.row_groups``) and gathered whole.
 """
 
 from __future__ import annotations
@@ -17,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ..frames import Frame
-from ..layout import build_layout, used_first
+from ..layout import BlockLayout, build_layout
 from ..patterns import EMPTY, Pattern
 from ..shape_cache import per_shape
 
@@ -31,8 +42,8 @@ def gather_blocks(x: Tensor, index: Tensor, width: int, block: int) -> Tensor:
 
 @dataclass(frozen=True)
 class Window:
-    """Rows first .. first + R - 1 read key blocks row + lo .. row + lo + width - 1 (blocks
-    before 0 or past the end are padding)."""
+    """Rows first .. first + R - 1 read key blocks row + lo .. row + lo + width - 1, all of them
+    inside the key range."""
 
     first: int
     lo: int
@@ -40,55 +51,67 @@ class Window:
 
 
 def key_windows(x: Tensor, window: Window, rows: int, block: int) -> Tensor:
-    """(H, slots, D) -> (rows, H, width * block, D): overlapping windows as a strided view of
-    x padded with whole blocks, without copying them (unfold's backward adds overlaps back)."""
-    blocks = x.shape[1] // block
-    front = max(0, -(window.first + window.lo))
-    back = max(0, window.first + window.lo + rows - 1 + window.width - blocks)
-    padded = torch.nn.functional.pad(x, (0, 0, front * block, back * block))
-    windows = padded.unflatten(1, (-1, block)).unfold(1, window.width, 1)  # (H, n, bk, D, W)
-    windows = windows.narrow(1, window.first + window.lo + front, rows)
+    """(H, slots, D) -> (rows, H, width * block, D): overlapping windows as a strided view of x,
+    without copying them. The blocks are narrowed before ``unfold``, so that the backward adds
+    the overlaps into a tensor of x's size, not of the windows'."""
+    start = (window.first + window.lo) * block
+    span = x.narrow(1, start, (rows + window.width - 1) * block)
+    windows = span.unflatten(1, (-1, block)).unfold(1, window.width, 1)  # (H, rows, bk, D, W)
     return windows.permute(1, 0, 4, 2, 3).flatten(2, 3)  # (rows, H, W * bk, D)
-
-
-def band_window(rows: Tensor, kv_blocks: Tensor, used: Tensor, waste: float) -> Window | None:
-    """The band that covers a group's key blocks, if its rows are consecutive and the band wastes
-    no more than ``waste`` of the blocks it reads."""
-    order = torch.argsort(rows)
-    rows, kv_blocks, used = rows[order], kv_blocks[order], used[order]
-    count = rows.numel()
-    if int(rows[-1] - rows[0]) + 1 != count:
-        return None
-    relative = torch.where(used, kv_blocks - rows[:, None], 0)
-    lo = int(torch.where(used, relative, relative.max() + 1).min())
-    width = int(relative.max()) - lo + 1
-    if count * width > (1 + waste) * int(used.sum()):
-        return None
-    return Window(int(rows[0]), lo, width)
 
 
 @dataclass(frozen=True, eq=False)
 class GroupPlan:
-    """One group of query blocks that need about as many key blocks (``row_groups``)."""
+    """One group of query blocks and the key blocks each reads (see the module docstring)."""
 
     rows: Tensor  # (R,) query blocks
-    kv_index: Tensor  # (R * W,) key blocks, row by row
-    width: int  # W
-    k_slot: Tensor  # (R, W * bk) key slots in the frame
+    kv_blocks: Tensor  # (R, W + S + E) each row's key blocks: band, shared, extra
+    k_slot: Tensor  # (R, (W + S + E) * bk) key slots in the frame
     q_pos: Tensor  # (R, bq, 1) query positions
-    k_pos: Tensor  # (R, 1, W * bk) key positions
-    masked: Tensor  # (R, bq, W * bk) True where the pattern forbids the pair or the slot is padding
-    window: Window | None = None  # when set, rows are consecutive and keys come as a band
+    k_pos: Tensor  # (R, 1, (W + S + E) * bk) key positions
+    masked: Tensor  # (R, bq, (W+S+E) * bk) True where the pattern forbids the pair or another
+    # source holds it, or the slot is padding
+    window: Window | None = None  # the band; rows are then consecutive
+    shared: Tensor | None = None  # (S,) key blocks every row reads after its band
+
+    @property
+    def width(self) -> int:
+        return self.kv_blocks.shape[1]
+
+    @property
+    def sources(self) -> tuple[int, int, int]:
+        """How many key blocks come from the band, the shared blocks and the extra blocks."""
+        band = 0 if self.window is None else self.window.width
+        shared = 0 if self.shared is None else self.shared.numel()
+        return band, shared, self.width - band - shared
 
     def gather(
         self, q: Tensor, k: Tensor, v: Tensor, frame: Frame
     ) -> tuple[Tensor, Tensor, Tensor]:
         """(B, H, slots, D) each -> this group's query blocks (B, H, R, bq, D) and key and value
-        blocks (B, H, R, W * bk, D)."""
+        blocks (B, H, R, width * bk, D), every source copied."""
+        index = self.kv_blocks.flatten()
         q_blocks = q.unflatten(2, (-1, frame.q.block)).index_select(2, self.rows)
-        k_blocks = gather_blocks(k, self.kv_index, self.width, frame.k.block)
-        v_blocks = gather_blocks(v, self.kv_index, self.width, frame.k.block)
+        k_blocks = gather_blocks(k, index, self.width, frame.k.block)
+        v_blocks = gather_blocks(v, index, self.width, frame.k.block)
         return q_blocks, k_blocks, v_blocks
+
+    def key_sources(self, x: Tensor, block: int) -> list[Tensor]:
+        """One sequence's keys or values (H, slots, D) as the group's sources, each
+        (R, H, blocks * bk, D): the band as a view, the shared blocks expanded, the extra ones
+        gathered."""
+        band, shared, extra = self.sources
+        rows = self.rows.numel()
+        out = []
+        if band:
+            out.append(key_windows(x, self.window, rows, block))
+        if shared:
+            blocks = x.unflatten(1, (-1, block)).index_select(1, self.shared).flatten(1, 2)
+            out.append(blocks.expand(rows, *blocks.shape))
+        if extra:
+            index = self.kv_blocks[:, band + shared :].flatten()
+            out.append(gather_blocks(x[None], index, extra, block)[0].transpose(0, 1))
+        return out
 
     def masked_with(self, padded: Tensor | None) -> Tensor:
         """The mask with a call's key padding (B, slots) added: (B or 1, R, bq, W * bk)."""
@@ -118,46 +141,106 @@ def _group(
     frame: Frame,
     rows: Tensor,
     kv_blocks: Tensor,
-    used: Tensor,
-    window: Window | None,
+    usable: Tensor,
+    window: Window | None = None,
+    shared: Tensor | None = None,
 ) -> GroupPlan:
+    """A group reading ``kv_blocks`` (R, width), of which ``usable`` (R, width) may hold pairs."""
     bq, bk = frame.q.block, frame.k.block
+    kv_blocks = kv_blocks.clamp(0, frame.k.num_blocks - 1)
     offsets = torch.arange(bk, device=kv_blocks.device)
-    k_slot = (kv_blocks.clamp(0, frame.k.num_blocks - 1)[..., None] * bk + offsets).flatten(1)
+    k_slot = (kv_blocks[..., None] * bk + offsets).flatten(1)
     q_pos = frame.q.position.view(-1, bq)[rows][:, :, None]
     k_pos = frame.k.position[k_slot][:, None, :]
-    usable = used.repeat_interleave(bk, dim=1) & frame.k.valid[k_slot]  # (R, W * bk)
+    usable = usable.repeat_interleave(bk, dim=1) & frame.k.valid[k_slot]  # (R, width * bk)
     masked = ~(part.allowed(q_pos, k_pos) & usable[:, None, :])
-    flat = kv_blocks.clamp(0, frame.k.num_blocks - 1).flatten()
-    return GroupPlan(rows, flat, kv_blocks.shape[1], k_slot, q_pos, k_pos, masked, window)
+    return GroupPlan(rows, kv_blocks, k_slot, q_pos, k_pos, masked, window, shared)
 
 
-def _window_group(part: Pattern, frame: Frame, window: Window, count: int) -> GroupPlan:
-    rows = window.first + torch.arange(count, device=frame.q.position.device)
-    kv_blocks = rows[:, None] + window.lo + torch.arange(window.width, device=rows.device)
-    used = (kv_blocks >= 0) & (kv_blocks < frame.k.num_blocks)
-    return _group(part, frame, rows, kv_blocks, used, window)
+def find_band(used: Tensor, rows: Tensor, waste: float) -> tuple[int, int] | None:
+    """(lo, width) of the band of offsets (key block - query block) that at least 1 - waste of
+    these rows use, around the most used offset; None where no offset is that common."""
+    shift = used.shape[0]  # offsets run from -(query blocks - 1) up
+    offsets = torch.arange(used.shape[1], device=used.device)[None, :] - rows[:, None]
+    counts = torch.bincount(offsets[used[rows]] + shift)
+    common = (counts >= (1 - waste) * rows.numel()).tolist()
+    if not any(common):
+        return None
+    peak = int(counts.argmax())
+    if not common[peak]:
+        return None
+    lo = hi = peak
+    while lo > 0 and common[lo - 1]:
+        lo -= 1
+    while hi + 1 < len(common) and common[hi + 1]:
+        hi += 1
+    return lo - shift, hi - lo + 1
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive integers in a sorted list, as (first, count)."""
+    runs: list[tuple[int, int]] = []
+    for r in rows:
+        if runs and runs[-1][0] + runs[-1][1] == r:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((r, 1))
+    return runs
+
+
+def _band_group(part: Pattern, frame: Frame, used: Tensor, window: Window, count: int, waste):
+    """Rows window.first .. + count - 1: the band, the blocks most of them use besides it
+    (shared) and each row's remaining blocks (extra)."""
+    device = used.device
+    rows = window.first + torch.arange(count, device=device)
+    band = rows[:, None] + window.lo + torch.arange(window.width, device=device)
+    outside = used[rows].clone()
+    outside.scatter_(1, band, False)
+    is_shared = outside.float().mean(dim=0) >= 1 - waste
+    shared = torch.nonzero(is_shared).flatten()
+    in_band = (shared[None, :] >= band[:, :1]) & (shared[None, :] <= band[:, -1:])
+    extra_flags = outside & ~is_shared[None, :]
+    width = int(extra_flags.sum(dim=1).max())
+    order = torch.argsort(extra_flags.to(torch.int8), dim=1, descending=True, stable=True)
+    extra = order[:, :width]
+    extra_used = extra_flags.gather(1, extra)
+    kv_blocks = torch.cat([band, shared.expand(count, -1), extra], dim=1)
+    usable = torch.cat([torch.ones_like(band, dtype=torch.bool), ~in_band, extra_used], dim=1)
+    return _group(part, frame, rows, kv_blocks, usable, window, shared if shared.numel() else None)
+
+
+def _banded(
+    layout: BlockLayout, used: Tensor, waste: float
+) -> tuple[list[tuple[Window, int]], Tensor]:
+    """The band windows of a layout with their row counts, and which rows they cover."""
+    counts = used.sum(dim=1)
+    rows = torch.nonzero(counts).flatten()
+    covered = torch.zeros(used.shape[0], dtype=torch.bool, device=used.device)
+    if layout.block_q != layout.block_k or not rows.numel():
+        return [], covered
+    typical = counts[rows].float().median()
+    narrow = rows[counts[rows] <= 2 * typical]  # global rows read (nearly) every block
+    band = find_band(used, narrow, waste) if narrow.numel() else None
+    if band is None:
+        return [], covered
+    lo, width = band
+    inside = narrow[(narrow + lo >= 0) & (narrow + lo + width <= used.shape[1])]
+    covered[inside] = True
+    return [(Window(first, lo, width), count) for first, count in _runs(inside.tolist())], covered
 
 
 @per_shape(maxsize=256)
 def plan(part: Pattern, frame: Frame, waste: float) -> list[GroupPlan]:
-    """The row groups of a part's layout in its frame, with gather indices and masks: one band
-    window for the whole layout where it is a band, else row groups (``BlockLayout.row_groups``),
-    each a band window where it can be."""
+    """The row groups of a part's layout in its frame: band groups where consecutive rows share a
+    band of key blocks, and row groups (``BlockLayout.row_groups``) gathered whole for the rest
+    (global rows, the first and last rows of a band, patterns without one)."""
     layout = build_layout(part, frame)
-    banded = frame.q.block == frame.k.block
     used = layout.state != EMPTY
-    rows = torch.nonzero(used.any(dim=1)).flatten()
-    if banded and rows.numel():
-        kv_order = used_first(used[rows])
-        whole = band_window(rows, kv_order, used[rows].gather(1, kv_order), waste)
-        if whole is not None:
-            return [_window_group(part, frame, whole, rows.numel())]
-    plans = []
-    for group in layout.row_groups(waste):
-        window = band_window(group.rows, group.kv_blocks, group.used, waste) if banded else None
-        if window is None:
-            plans.append(_group(part, frame, group.rows, group.kv_blocks, group.used, None))
-        else:
-            plans.append(_window_group(part, frame, window, group.rows.numel()))
+    windows, covered = _banded(layout, used, waste)
+    plans = [_band_group(part, frame, used, w, count, waste) for w, count in windows]
+    rest = BlockLayout(
+        torch.where(covered[:, None], EMPTY, layout.state), layout.block_q, layout.block_k
+    )
+    for group in rest.row_groups(waste):
+        plans.append(_group(part, frame, group.rows, group.kv_blocks, group.used))
     return plans

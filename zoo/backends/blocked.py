@@ -37,7 +37,8 @@ from ..checks import check_int
 from ..frames import Frame, build_frame
 from ..patterns import Pattern
 from .base import FLOATS, Backend, Capabilities, head_index, repeat_kv
-from .block_plan import GroupPlan, key_windows, plan
+from .block_plan import GroupPlan, plan
+from .blocked_merged import merged_blocked, merges_pieces
 from .blocked_routed import routed_attention, routed_pairs
 
 
@@ -190,6 +191,11 @@ class BlockedBackend(Backend):
                 [self._routed(call, p, dtype, fused) if p.routed else self._explicit(call, p, dtype)
                  for p in parts]
             )  # fmt: skip
+        elif merges_pieces(call):
+            out = merged_blocked(
+                call, [self._plan(call, p) for p in parts], self._frame_inputs(call, dtype), dtype
+            )
+            out = no_pairs(call, dtype) if out is None else out
         elif len(parts) == 1 and call.score.kind == "dot":
             out = self._fused(call, parts[0], dtype)
         else:
@@ -205,6 +211,16 @@ class BlockedBackend(Backend):
             padded = frame.k.gather(call.key_padding_mask[:, :, None])[..., 0]
         v = repeat_kv(call.v.to(dtype), k.shape[1] // call.v.shape[1])  # additive k is per head
         return Inputs(frame.q.gather(q), frame.k.gather(k), frame.k.gather(v), padded)
+
+    def _frame_inputs(self, call: AttentionCall, dtype: torch.dtype):
+        """q, k, v and the key padding in a frame's order, for ``merged_blocked``."""
+        q, k = call.q.to(dtype), call.k.to(dtype)
+
+        def inputs(frame: Frame) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+            i = self._inputs(call, frame, q, k, dtype)
+            return i.q, i.k, i.v, i.padded
+
+        return inputs
 
     # The fused path.
 
@@ -267,18 +283,20 @@ class BlockedBackend(Backend):
     def _windowed(
         call: AttentionCall, frame: Frame, group: GroupPlan, inputs: Inputs, b: int, mask: Tensor
     ) -> Tensor:
-        """Sequence b: (R, H, bq, Dv), its keys read as band windows of a strided view."""
-        rows, window = group.rows.numel(), group.window
+        """Sequence b: (R, H, bq, Dv), its keys read from the group's sources (``block_plan``),
+        concatenated where there are several (the CPU path, ``blocked_merged``, runs them apart)."""
         q = (
             inputs.q[b]
             .unflatten(1, (-1, frame.q.block))
-            .narrow(1, window.first, rows)
+            .narrow(1, group.window.first, group.rows.numel())
             .transpose(0, 1)
         )
-        keys = key_windows(inputs.k[b], window, rows, frame.k.block)
-        values = key_windows(inputs.v[b], window, rows, frame.k.block)
+        keys = group.key_sources(inputs.k[b], frame.k.block)
+        values = group.key_sources(inputs.v[b], frame.k.block)
+        if len(keys) > 1:
+            keys, values = [torch.cat(keys, dim=2)], [torch.cat(values, dim=2)]
         return scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, dropout_p=call.dropout_p, scale=call.scale,
+            q, keys[0], values[0], attn_mask=mask, dropout_p=call.dropout_p, scale=call.scale,
             enable_gqa=call.groups > 1,
         )  # fmt: skip
 

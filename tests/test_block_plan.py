@@ -1,0 +1,121 @@
+"""The blocked backend's plan reads every allowed pair exactly once, and its key sources merge by
+log-sum-exp to the attention over their concatenation, forward and backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import FIXED_VARIANTS, small_params
+
+import zoo
+from zoo.backends.block_plan import plan
+from zoo.backends.lse_merge import Piece, merged_attention
+from zoo.frames import build_frame
+from zoo.functional import prepare_call
+
+
+def read_pairs(variant, causal, q_len, kv_len, block, params):
+    """(Lq, Lk) how many times the plan's groups leave each (query, key) pair unmasked."""
+    q = torch.zeros(1, 1, q_len, 8)
+    k = torch.zeros(1, 1, kv_len, 8)
+    call = prepare_call(q, k, k, variant=variant, causal=causal, **params)
+    count = torch.zeros(q_len, kv_len, dtype=torch.int64)
+    for part in call.pattern.parts():
+        frame = build_frame(part.stride, q_len, kv_len, block, block, torch.device("cpu"))
+        for group in plan(part, frame, 0.25):
+            q_slot = (group.rows[:, None] * block + torch.arange(block)).flatten()
+            q_ok = frame.q.valid[q_slot]
+            q_tok = frame.q.index[q_slot]
+            read = ~group.masked.flatten(0, 1)  # (R * bq, width * bk)
+            read &= q_ok[:, None] & frame.k.valid[group.k_slot].repeat_interleave(block, 0)
+            rows, cols = torch.nonzero(read, as_tuple=True)
+            k_tok = frame.k.index[group.k_slot.repeat_interleave(block, 0)[rows, cols]]
+            count.index_put_((q_tok[rows], k_tok), torch.ones_like(rows), accumulate=True)
+    return count
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize(
+    "variant,params",
+    [
+        ("local", {"window_size": 40}),
+        ("longformer", {"window_size": 24, "global_tokens": [0, 5, 170]}),
+        ("bigbird", {"block_size": 16, "random_blocks": 2, "window_blocks": 3}),
+        ("strided", {"stride": 7}),
+        ("dilated", {"window_size": 6, "dilation": 3}),
+        ("block_local", {"block_size": 16}),
+    ],
+)
+@pytest.mark.parametrize("q_len,kv_len", [(200, 200), (150, 200)])
+def test_every_allowed_pair_is_read_once(variant, params, causal, q_len, kv_len):
+    params = {k: v for k, v in params.items() if k in zoo.get_spec(variant).parameters()}
+    count = read_pairs(variant, causal, q_len, kv_len, 16, params)
+    allowed = zoo.dense_mask(variant, q_len, kv_len, causal=causal, **params)
+    assert torch.equal(count, allowed.to(torch.int64))
+
+
+def test_registry_variants_are_read_once():
+    for variant in FIXED_VARIANTS:
+        params = small_params(variant)
+        count = read_pairs(variant, False, 100, 100, 16, params)
+        allowed = zoo.dense_mask(variant, 100, 100, **params)
+        assert torch.equal(count, allowed.to(torch.int64)), variant
+
+
+def test_longformer_and_bigbird_read_their_band_as_a_view():
+    """The band groups that make Longformer and BigBird fast: a band, the global columns as
+    shared blocks and (BigBird) the random blocks as extra ones."""
+    n = 1024
+    for variant, params, sources in [
+        ("longformer", {"window_size": 128}, (5, 1, 0)),
+        ("bigbird", {"block_size": 64, "random_blocks": 3}, (3, 2, 3)),
+    ]:
+        q = torch.zeros(1, 1, n, 8)
+        (part,) = prepare_call(q, q, q, variant=variant, **params).pattern.parts()
+        frame = build_frame(part.stride, n, n, 64, 64, torch.device("cpu"))
+        groups = plan(part, frame, 0.25)
+        banded = [g for g in groups if g.window is not None]
+        assert len(banded) == 1 and banded[0].sources == sources, variant
+        assert banded[0].rows.numel() >= n // 64 - 4
+
+
+def test_merged_pieces_equal_one_softmax_forward_and_backward():
+    """Three sources of keys for the same queries, and a fourth piece holding half the rows in
+    another order (as a second part in its own token order would): merged, they equal one
+    softmax over all keys, forward and backward, with rows that have no key in some pieces or in
+    all of them."""
+    torch.manual_seed(0)
+    q = torch.randn(3, 2, 16, 8, dtype=torch.float64, requires_grad=True)
+    widths = [24, 8, 16, 5]
+    keys = [torch.randn(3, 2, w, 8, dtype=torch.float64, requires_grad=True) for w in widths]
+    values = [torch.randn(3, 2, w, 8, dtype=torch.float64, requires_grad=True) for w in widths]
+    allowed = torch.rand(3, 1, 16, sum(widths)) < 0.4
+    allowed[0, 0, 3] = False  # a query with no key anywhere
+    allowed[1, 0, 5, :24] = False  # a query with no key in the first source
+    allowed[1, 0, 6, 24:] = False  # nor in the others
+    order = torch.randperm(16)[:8]  # the last piece holds these rows only
+    allowed[:, :, :, 48:] &= torch.isin(torch.arange(16), order)[None, None, :, None]
+    mask = torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, float("-inf"))
+    rows = torch.arange(3)[:, None] * 16 + torch.arange(16)
+    pieces = []
+    for i, m in enumerate(mask.split(widths, dim=-1)):
+        if i < 3:
+            pieces.append(Piece(q, keys[i], values[i], m, torch.isneginf(m).all(-1), rows))
+        else:
+            m = m[:, :, order]
+            none = torch.isneginf(m).all(-1)
+            pieces.append(Piece(q[:, :, order], keys[i], values[i], m, none, rows[:, order]))
+    out = merged_attention(pieces, 48, 0.3).unflatten(0, (3, 16)).transpose(1, 2)
+
+    k, v = torch.cat(keys, dim=2), torch.cat(values, dim=2)
+    scores = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~allowed, float("-inf"))
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    expected = weights @ v
+    assert torch.allclose(out, expected, atol=1e-12)
+    assert torch.equal(out[0, :, 3], torch.zeros_like(out[0, :, 3]))
+    grad = torch.randn_like(out)
+    inputs = [q, *keys, *values]
+    got = torch.autograd.grad(out, inputs, grad)
+    want = torch.autograd.grad(expected, inputs, grad)
+    for a, b in zip(got, want, strict=True):
+        assert torch.allclose(a, b, atol=1e-12)

@@ -1,0 +1,152 @@
+"""Attention computed in pieces, each a block of queries against one source of keys, merged
+exactly by log-sum-exp into one output.
+
+The blocked backend reads a query block's keys from up to three places (``block_plan``: a band
+that is a strided view, shared blocks, gathered blocks), and a pattern of several parts (a band
+and strided columns) in several token orders. Concatenating the sources would copy the band; and
+parts in different orders cannot share one kernel call. Instead each piece runs through the CPU
+FlashAttention kernel, which also returns every query's log-sum-exp, and the pieces merge into
+the rows of the output they belong to, as FlashAttention merges key blocks::
+
+    out[r] = sum_i exp(lse_i - lse[r]) * out_i        lse[r] = log sum_i exp(lse_i)
+
+over the pieces i that hold query row r. The backward gives each piece the merged output and
+log-sum-exp of its rows. With those, a piece's softmax is the whole row's softmax restricted to
+its keys, so the pieces' gradients add up to the exact gradient (the xformers backend merges its
+pieces the same way). The gradients of each piece's q, k and v flow back through their views and
+gathers by autograd.
+
+The kernels are ATen's ``_scaled_dot_product_flash_attention_for_cpu`` and its backward, the ops
+behind ``scaled_dot_product_attention`` on a CPU; they take a float mask, one head size for q, k
+and v, and no dropout. Grouped k and v (fewer heads than q) run with the query heads of a
+key/value head stacked as extra query rows, as FlashAttention packs them, so k and v are never
+repeated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+@dataclass
+class Piece:
+    """Queries (N, H, M, D) against keys and values (N, H, m, D) under an additive mask
+    (N or 1, H or 1, M, m); ``no_key`` (N or 1, 1, M) is True where the mask allows no key, and
+    ``rows`` (N, M) names each query's row in the merged output (``rows == total`` drops it)."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    mask: Tensor
+    no_key: Tensor
+    rows: Tensor
+
+
+def merged_attention(pieces: list[Piece], total: int, scale: float) -> Tensor:
+    """(total, H, Dv): each row's softmax over the keys of every piece that holds it, @ their
+    values; zeros for a row that no piece lets attend."""
+    # Each tensor goes in once (pieces share their queries, masks and rows; autograd.Function
+    # under torch.compile takes no tensor twice); ``layout`` says which is which.
+    tensors: list[Tensor] = []
+    seen: dict[int, int] = {}
+    layout = []
+    for p in pieces:
+        slots = []
+        for t in (p.q, p.k, p.v, p.mask, p.no_key, p.rows):
+            if id(t) not in seen:
+                seen[id(t)] = len(tensors)
+                tensors.append(t)
+            slots.append(seen[id(t)])
+        layout.append(tuple(slots))
+    return _Merged.apply(total, scale, tuple(layout), *tensors)
+
+
+def _fold(x: Tensor, groups: int) -> Tensor:
+    """(N, H, M, ...) -> (N, H / groups, groups * M, ...): the query heads that share a key/value
+    head as extra query rows. A mask or flag shared by the heads (dim 1 of size 1) is repeated
+    over the rows instead."""
+    if groups == 1:
+        return x
+    if x.shape[1] == 1:
+        return x.repeat(1, 1, groups, *([1] * (x.dim() - 3)))
+    return x.unflatten(1, (-1, groups)).flatten(2, 3)
+
+
+def _unfold(x: Tensor, groups: int) -> Tensor:
+    """The inverse of ``_fold`` for per-head tensors."""
+    if groups == 1:
+        return x
+    return x.unflatten(2, (groups, -1)).flatten(1, 2)
+
+
+def _flat(x: Tensor) -> Tensor:
+    """(N, H, M, ...) -> (N * M, H, ...): one entry per query row."""
+    return x.transpose(1, 2).flatten(0, 1)
+
+
+def _unflat(x: Tensor, like: Tensor) -> Tensor:
+    """The inverse of ``_flat`` for a piece shaped like ``like`` (N, H, M, ...)."""
+    return x.unflatten(0, (like.shape[0], like.shape[2])).transpose(1, 2)
+
+
+class _Merged(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, total, scale, layout, *tensors):
+        pieces = [Piece(*(tensors[i] for i in slots)) for slots in layout]
+        heads = pieces[0].q.shape[1]
+        parts = []
+        for p in pieces:
+            g = heads // p.k.shape[1]
+            out, lse = _forward(_fold(p.q, g), p.k, p.v, attn_mask=_fold(p.mask, g), scale=scale)
+            out, lse = _unfold(out, g), _unfold(lse, g)
+            lse = lse.masked_fill(p.no_key, -math.inf)  # the kernel says 0 there
+            parts.append((_flat(out), _flat(lse[..., None])[..., 0], p.rows.flatten()))
+        # The merged log-sum-exp per row, stable: the largest piece's first, then the sum.
+        peak = parts[0][1].new_full((total + 1, heads), -math.inf)
+        for _, lse, rows in parts:
+            peak.scatter_reduce_(0, rows[:, None].expand_as(lse), lse, "amax")
+        peak = torch.where(torch.isfinite(peak), peak, 0)
+        mass = torch.zeros_like(peak)
+        out = parts[0][0].new_zeros((total + 1, heads, parts[0][0].shape[-1]))
+        for piece_out, lse, rows in parts:
+            share = torch.exp(lse - peak[rows])
+            mass.index_add_(0, rows, share)
+            out.index_add_(0, rows, share[..., None] * piece_out)
+        out = (out / torch.where(mass > 0, mass, 1)[..., None])[:total]
+        lse = torch.where(mass > 0, peak + torch.log(mass), math.inf)  # inf: no key, p = 0
+        out = out.to(pieces[0].q.dtype)
+        ctx.save_for_backward(out, lse, *tensors)
+        ctx.scale, ctx.layout = scale, layout
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, lse, *tensors = ctx.saved_tensors
+        pieces = [Piece(*(tensors[i] for i in slots)) for slots in ctx.layout]
+        pad = grad.new_zeros((1, *grad.shape[1:]))
+        grad, out = torch.cat([grad, pad]), torch.cat([out, pad.to(out.dtype)])
+        grads: list[Tensor | None] = [None] * len(tensors)
+
+        def add(slot: int, value: Tensor) -> None:
+            grads[slot] = value if grads[slot] is None else grads[slot] + value
+
+        for slots, p in zip(ctx.layout, pieces, strict=True):
+            rows = p.rows.flatten()
+            g = _unflat(grad[rows], p.q).contiguous()
+            o = _unflat(out[rows], p.q).contiguous()
+            piece_lse = _unflat(lse[rows][..., None], p.q)[..., 0].contiguous()
+            n = p.q.shape[1] // p.k.shape[1]
+            dq, dk, dv = _backward(
+                _fold(g, n), _fold(p.q, n), p.k, p.v, _fold(o, n), _fold(piece_lse, n), 0.0, False,
+                attn_mask=_fold(p.mask, n), scale=ctx.scale,
+            )  # fmt: skip
+            for slot, value in zip(slots[:3], (_unfold(dq, n), dk, dv), strict=True):
+                add(slot, value)
+        return None, None, None, *grads
