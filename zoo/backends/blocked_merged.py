@@ -42,6 +42,12 @@ def masked_additive(group: GroupPlan, dtype: torch.dtype) -> Tensor:
     return mask.masked_fill(group.masked, float("-inf"))[None, :, None]
 
 
+@per_shape(maxsize=1024)
+def pattern_no_keys(group: GroupPlan, widths: tuple[int, ...]) -> list[Tensor]:
+    """Per source, (1, R, 1, bq) True where the pattern leaves a query no key in it."""
+    return [m.all(dim=-1)[None, :, None] for m in group.masked.split(widths, dim=-1)]
+
+
 def _mask(call: AttentionCall, group: GroupPlan, padded: Tensor | None, dtype) -> Tensor:
     """(B or 1, R, 1 or H, bq, width * bk): the pattern, the key padding and any score bias."""
     if padded is None and call.bias is None:
@@ -74,7 +80,10 @@ def group_pieces(
     rows = _rows(frame, group, B, call.q_len)
     widths = [blocks * bk for blocks in group.sources if blocks]
     masks = mask.split(widths, dim=-1)
-    no_keys = [torch.isneginf(m[:, :, :1]).all(dim=-1) for m in masks]  # (B or 1, R, 1, bq)
+    if padded is None:  # the pattern alone decides which queries have keys: once per shape
+        no_keys = pattern_no_keys(group, tuple(widths))
+    else:
+        no_keys = [m.all(dim=-1)[:, :, None] for m in group.masked_with(padded).split(widths, -1)]
     pieces = []
     if group.window is not None:  # keys are views of one sequence's keys
         for b in range(B):

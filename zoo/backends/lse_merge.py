@@ -96,32 +96,48 @@ def _unflat(x: Tensor, like: Tensor) -> Tensor:
     return x.unflatten(0, (like.shape[0], like.shape[2])).transpose(1, 2)
 
 
+def _combine(lses: list[Tensor], outs: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """Outputs of the same queries over disjoint keys, merged: (lse, out); -inf and 0 where no
+    part has a key."""
+    if len(lses) == 1:
+        return lses[0], outs[0]
+    lse = torch.stack(lses).logsumexp(dim=0)
+    safe = torch.where(torch.isfinite(lse), lse, 0)
+    out = sum(torch.exp(part - safe)[..., None] * o for part, o in zip(lses, outs, strict=True))
+    return lse, out
+
+
 class _Merged(torch.autograd.Function):
     @staticmethod
     def forward(ctx, total, scale, layout, *tensors):
         pieces = [Piece(*(tensors[i] for i in slots)) for slots in layout]
-        heads = pieces[0].q.shape[1]
-        parts = []
-        for p in pieces:
-            g = heads // p.k.shape[1]
-            out, lse = _forward(_fold(p.q, g), p.k, p.v, attn_mask=_fold(p.mask, g), scale=scale)
-            out, lse = _unfold(out, g), _unfold(lse, g)
-            lse = lse.masked_fill(p.no_key, -math.inf)  # the kernel says 0 there
-            parts.append((_flat(out), _flat(lse[..., None])[..., 0], p.rows.flatten()))
-        # The merged log-sum-exp per row, stable: the largest piece's first, then the sum.
-        peak = parts[0][1].new_full((total + 1, heads), -math.inf)
-        for _, lse, rows in parts:
-            peak.scatter_reduce_(0, rows[:, None].expand_as(lse), lse, "amax")
-        peak = torch.where(torch.isfinite(peak), peak, 0)
-        mass = torch.zeros_like(peak)
-        out = parts[0][0].new_zeros((total + 1, heads, parts[0][0].shape[-1]))
-        for piece_out, lse, rows in parts:
-            share = torch.exp(lse - peak[rows])
-            mass.index_add_(0, rows, share)
-            out.index_add_(0, rows, share[..., None] * piece_out)
-        out = (out / torch.where(mass > 0, mass, 1)[..., None])[:total]
-        lse = torch.where(mass > 0, peak + torch.log(mass), math.inf)  # inf: no key, p = 0
-        out = out.to(pieces[0].q.dtype)
+        first = pieces[0]
+        heads, dv = first.q.shape[1], first.v.shape[-1]
+        dtype = torch.float64 if first.q.dtype == torch.float64 else torch.float32
+        out = first.q.new_zeros((total + 1, heads, dv), dtype=dtype)
+        lse = out.new_full((total + 1, heads), -math.inf)
+        # Pieces that share their queries (the sources of one group) merge elementwise; each
+        # group then merges into its rows of the output, which another part may hold too.
+        groups: dict[tuple[int, int], list[Piece]] = {}
+        for slots, p in zip(layout, pieces, strict=True):
+            groups.setdefault((slots[0], slots[5]), []).append(p)
+        for members in groups.values():
+            lses, outs = [], []
+            for p in members:
+                g = heads // p.k.shape[1]
+                o, l = _forward(_fold(p.q, g), p.k, p.v, attn_mask=_fold(p.mask, g), scale=scale)
+                outs.append(_unfold(o, g).to(dtype))
+                lses.append(
+                    _unfold(l, g).to(dtype).masked_fill(p.no_key, -math.inf)
+                )  # the kernel says 0
+            group_lse, group_out = _combine(lses, outs)
+            rows = members[0].rows.flatten()
+            here = _flat(group_lse[..., None])[..., 0]
+            merged_lse, merged_out = _combine([lse[rows], here], [out[rows], _flat(group_out)])
+            lse.index_copy_(0, rows, merged_lse)
+            out.index_copy_(0, rows, merged_out)
+        out = out[:total].to(first.q.dtype)
+        lse = torch.where(torch.isfinite(lse), lse, math.inf)  # inf: no key, p = exp(s - inf) = 0
         ctx.save_for_backward(out, lse, *tensors)
         ctx.scale, ctx.layout = scale, layout
         return out
