@@ -38,6 +38,7 @@ from ..frames import Frame, build_frame
 from ..patterns import Pattern
 from .base import FLOATS, Backend, Capabilities, head_index, repeat_kv
 from .block_plan import GroupPlan, key_windows, plan
+from .blocked_by_key import attention_by_key, usable
 from .blocked_routed import routed_attention, routed_pairs
 
 
@@ -287,8 +288,11 @@ class BlockedBackend(Backend):
     def _routed(
         self, call: AttentionCall, part: Pattern, dtype: torch.dtype, fused: bool
     ) -> Partial:
-        frame = self._frame(call, part)
+        if usable(call):  # tiles by key block: the cost of the chosen pairs
+            result = attention_by_key(call, part, dtype, self.block_size)
+            return no_pairs_partial(call, dtype) if result is None else Partial(*result)
         q, k = call.q.to(dtype), call.k.to(dtype)
+        frame = self._frame(call, part)
         if not fused:
             q, k = call.score.prepare(q, k)
         inputs = self._inputs(call, frame, q, k, dtype)
