@@ -38,7 +38,7 @@ from ..frames import Frame, build_frame
 from ..patterns import Pattern
 from .base import FLOATS, Backend, Capabilities, head_index, repeat_kv
 from .block_plan import GroupPlan, key_windows, plan
-from .blocked_by_key import attention_by_key, usable
+from .blocked_by_key import attention_by_key, scored_by_key, usable
 from .blocked_routed import routed_attention, routed_pairs
 
 
@@ -171,12 +171,15 @@ class BlockedBackend(Backend):
 
     def scored_pairs(self, call: AttentionCall) -> int:
         B, H = call.q.shape[:2]
-        return sum(
-            routed_pairs(part, self._frame(call, part), B, H, self.waste)
-            if part.routed
-            else sum(g.masked.numel() for g in self._plan(call, part)[1])
-            for part in call.pattern.parts()
-        )
+
+        def pairs(part: Pattern) -> int:
+            if not part.routed:
+                return sum(g.masked.numel() for g in self._plan(call, part)[1])
+            if usable(call):
+                return scored_by_key(call, part, self.block_size)
+            return routed_pairs(part, self._frame(call, part), B, H, self.waste)
+
+        return sum(pairs(part) for part in call.pattern.parts())
 
     def forward(self, call: AttentionCall) -> tuple[Tensor, None]:
         dtype = self.compute_dtype

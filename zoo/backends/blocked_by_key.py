@@ -63,7 +63,6 @@ def usable(call: AttentionCall) -> bool:
         and call.score.kind == "dot"
         and call.bias is None
         and not call.dropout_p
-        and call.q.shape[-1] == call.v.shape[-1]
         and not torch.compiler.is_compiling()
     )
 
@@ -247,18 +246,23 @@ class _Attention(torch.autograd.Function):
 def attention_by_key(
     call: AttentionCall, part: Pattern, dtype: torch.dtype, block: int
 ) -> tuple[Tensor, Tensor, Tensor] | None:
-    """(output (B, H, Lq, D), softmax mass (B, H, Lq), row maximum (B, H, Lq)) over this part's
+    """(output (B, H, Lq, Dv), softmax mass (B, H, Lq), row maximum (B, H, Lq)) over this part's
     keys, as ``blocked``'s explicit path returns them; None when the part allows no pair."""
     p = runs(part, call, block, call.key_padding_mask, dtype)
     if p is None:
         return None
     B, H, Sq, _ = p.shape
     q, k = call.score.prepare(call.q.to(dtype), call.k.to(dtype))
+    v = call.v.to(dtype)
+    # The kernel wants one head size: zeros appended to q and k leave the scores, to v the
+    # output's first Dv columns.
+    width = max(q.shape[-1], v.shape[-1])
     q, k, v = (
-        axis.gather(x).contiguous()
-        for axis, x in ((p.frame.q, q), (p.frame.k, k), (p.frame.k, call.v.to(dtype)))
+        axis.gather(torch.nn.functional.pad(x, (0, width - x.shape[-1]))).contiguous()
+        for axis, x in ((p.frame.q, q), (p.frame.k, k), (p.frame.k, v))
     )
     out, lse = _Attention.apply(q, k, v, p)
+    out = out[:, : call.v.shape[-1]]
 
     def in_order(x: Tensor) -> Tensor:  # (B * H * Sq + 1, ...) -> (B, H, Lq, ...)
         return p.frame.q.scatter(x[: p.dump].unflatten(0, (B, H, Sq)), dim=2)
@@ -268,3 +272,13 @@ def attention_by_key(
     finite = torch.isfinite(peak)
     mass = torch.where(finite, torch.exp(lse - torch.where(finite, peak, 0)), 0)
     return out, mass, peak
+
+
+def scored_by_key(call: AttentionCall, part: Pattern, block: int) -> int:
+    """Scores the runs compute per sequence and head (their mean): each run's queries times
+    its key block."""
+    r = runs(part, call, block, call.key_padding_mask, call.q.dtype)
+    if r is None:
+        return 0
+    B, H = r.shape[:2]
+    return round(sum(rows.numel() for rows in r.rows) * r.frame.k.block / (B * H))
