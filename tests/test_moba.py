@@ -162,18 +162,9 @@ def test_blocked_by_key_block_gives_a_keyless_query_zeros():
     q, k, v = random_qkv(1, 2, 40, 40, dtype=torch.float64)
     key_padding = torch.zeros(1, 40, dtype=torch.bool)
     key_padding[0, :12] = True  # queries 0..11 see only padding in their own block
+    params = {"block_size": 16, "top_k": 2, "causal": True, "key_padding_mask": key_padding}
     outs = [
-        zoo.attention(
-            q,
-            k,
-            v,
-            variant="moba",
-            causal=True,
-            key_padding_mask=key_padding,
-            block_size=16,
-            top_k=2,
-            backend=backend,
-        )  # fmt: skip
+        zoo.attention(q, k, v, variant="moba", backend=backend, **params)
         for backend in (BlockedBackend(block_size=4), "reference")
     ]
     assert (outs[0][:, :, :12] == 0).all()
