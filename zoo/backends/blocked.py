@@ -14,6 +14,10 @@ gathered (``block_plan``). Two paths:
 
 Memory is O(B * H * computed pairs) in both: a query block against its keys, never n x n.
 
+Layouts chosen by content (MoBA) run key block by key block (``blocked_by_key``): the queries
+that chose a key block attend it in one kernel call and merge by log-sum-exp, so the cost is the
+chosen pairs; where that path does not apply, the union per query block (``blocked_routed``).
+
 Under ``torch.compile`` it traces as one graph (``fullgraph=True``), forward and backward: the
 plans, with their data-dependent row groups and band windows, are built once per shape outside
 the graph (``zoo.shape_cache``) and enter it as constant index tensors and Python ints.

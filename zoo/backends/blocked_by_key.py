@@ -1,41 +1,45 @@
 """The ``blocked`` backend on a layout chosen by content, key block by key block: the cost of
-the (query, key block) pairs that the queries chose, not of their union per query block.
+the (query, key) pairs that the queries chose, not of their union per query block.
 
-MoBA's own kernel works this way. Each query needs a few key blocks (its layout at one query
-per row: ``block_state`` on single-query spans). The (query, key block) pairs are sorted by key
-block and cut into tiles of ``TILE`` queries that share one key block; every tile runs in one
-call of PyTorch's CPU flash kernel, which returns each row's log-sum-exp, and the pairs of a
-query merge by log-sum-exp (as FlashAttention merges key blocks)::
+MoBA's own kernel works this way. Each query's layout is read at one query per row
+(``block_state`` on single-query spans). The (query, key block) pairs are grouped by key block;
+each key block is a *run*: the queries that need it, gathered, attend its keys (a view, no copy)
+in one call of PyTorch's CPU flash kernel, which also returns each row's log-sum-exp; a query's
+runs merge by log-sum-exp, as FlashAttention merges key blocks::
 
     q0 chose blocks {0, 2}, q1 {2, 3}, q2 {0, 2}
-    tiles (key block: queries)   0: q0 q2 | 2: q0 q1 q2 | 3: q1
-    q0 = merge(tile 0 row 0, tile 2 row 0)
+    runs (key block: queries)   0: q0 q2 | 2: q0 q1 q2 | 3: q1
+    q0 = merge(run 0 row 0, run 2 row 0)
 
-- Key blocks: the kernel block, coarsened (x2, x4, x8) while that adds at most ``waste`` of
-  scores: MoBA's 512-key blocks then run as 512-key tiles, which the kernel runs 1.5x faster
-  than 64-key ones. Frames in a regrouped token order keep the kernel block.
-- Masks: a pair whose key block is FULL for its query needs only the keys' own mask (padding,
-  slots past the sequence end), one row per tile; PARTIAL pairs (the query's own block under
-  causal rules, a window's edge) go to tiles of their own, masked per (query, key).
-- Grouped-query heads: the query heads of one key/value head share tiles, so a key block is
+- Key blocks of runs: the kernel block coarsened up to 8x (512 keys at the default 64) while
+  that fits the keys twice: MoBA's 512-key blocks are then one run each, and the kernel is 1.5x
+  faster per score on 512 keys than on 64.
+- FULL runs (every key of the block allowed for each of its queries) are masked by the keys'
+  own padding only, or not at all. PARTIAL runs (the query's own block under causal rules, a
+  window's edge) get a mask per row, read from the kernel blocks' states per 64-query block
+  (FULL or EMPTY there holds for each of its queries): only PARTIAL kernel blocks are asked
+  ``allowed_at`` key by key: 64 keys per query for the own block, not 512.
+- Grouped-query heads: the query heads of one key/value head share runs, so a key block is
   read once per key/value head.
-- Backward: the kernel's backward per tile with the query's merged output and log-sum-exp,
-  which gives each tile's share of the exact gradient. When the part's softmax mass is merged
+- Backward: the kernel's backward per run with the query's merged output and log-sum-exp,
+  which gives each run's share of the exact gradient. When the part's softmax mass is merged
   with other parts (``moba | strided``), the mass's gradient enters through an explicit
-  recomputation of the tiles' probabilities.
+  recomputation of the run's probabilities.
 
 Why by key block and not by query chunk: a chunk of queries against the union of what they
 chose costs the union, which for causal MoBA on random inputs approaches every earlier block
-(the ``blocked_routed`` path); a per-query gather of the chosen keys copies top_k * b keys per
-query. Tiles by key block cost the chosen pairs plus fewer than TILE padding rows per (sequence,
-key/value head, key block), and no scores are materialised. At 8K tokens on CPU (block 512,
-top_k 3, causal) the forward went from 9 s (union) to about 0.5 s, beside 1.1 s for dense SDPA
+(the ``blocked_routed`` path: 9 s at 8K, against 1.2 s for dense SDPA), and copying each
+query's chosen keys costs top_k * b * D per query. Runs by key block cost the chosen pairs plus
+the part of a PARTIAL run's block that is masked, gather only the queries, and materialise no
+scores; each is one dense product, which a 512-key block keeps efficient. Tiles of 128 queries
+x one key block in one batched kernel call were measured too: padding and key copies made them
+slower (2.0 s against 1.3 s at 8K causal, before the per-query-block states). Measured at 8K
 (``eval/results/bench-routed-cpu``).
 
-Eager and CPU only, dot-product scores with no score bias or dropout and equal q and v head
-sizes (``usable``): the tile count depends on the choice (a host synchronisation per call), and
-the kernel is the CPU one. Elsewhere the caller takes the union path. Memory: the tiles' q, k
-and v copies, O(chosen pairs / bk * (TILE + bk) * D), no scores.
+Eager and CPU only, dot-product scores without score bias or dropout (``usable``): the run
+count is data (a host synchronisation per call) and the kernel is the CPU one; elsewhere the
+caller takes the union path. Head sizes of q and v may differ (zeros widen the narrower).
+Memory: the gathered queries, a PARTIAL run's (n, bk) mask, no scores.
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ class Runs:
     has_key: Tensor  # (all runs' rows,) False for a query that the run's mask leaves keyless
 
     @property
-    def dump(self) -> int:
+    def queries(self) -> int:  # B * H * query slots: the rows of the flat outputs
         B, H, Sq, _ = self.shape
         return B * H * Sq
 
@@ -133,7 +137,7 @@ def runs(
         h = hk * group + g
         rows += ((b * H + h) * Sq + i).split(counts.tolist())
         blocks += run_blocks.tolist()
-        if kind is full:  # a FULL block leaves only padding out, and has a key that is not
+        if kind is full:  # masked by padding only, which is not all of it (routed_state)
             masks += [
                 None if every else _additive(ok.view(1, 1, 1, bk), dtype)
                 for every, ok in zip(key_ok.all(-1).tolist(), key_ok, strict=True)
@@ -173,7 +177,7 @@ def _additive(ok: Tensor, dtype: torch.dtype) -> Tensor:
 def _each(r: Runs, q: Tensor, k: Tensor, v: Tensor) -> Iterator[tuple]:
     """Each run: (rows, queries (1, 1, n, D), keys, values (1, 1, bk, D) (views), mask, block)."""
     k_blocks, v_blocks = (x.unflatten(2, (-1, r.frame.k.block)).flatten(0, 2) for x in (k, v))
-    queries = q.reshape(r.dump, -1).index_select(0, torch.cat(r.rows))
+    queries = q.reshape(r.queries, -1).index_select(0, torch.cat(r.rows))
     queries = queries.split([rows.numel() for rows in r.rows])
     for rows, qs, block, mask in zip(r.rows, queries, r.blocks, r.masks, strict=True):
         yield (
@@ -187,8 +191,8 @@ def _each(r: Runs, q: Tensor, k: Tensor, v: Tensor) -> Iterator[tuple]:
 
 
 class _Attention(torch.autograd.Function):
-    """(output (B*H*Sq + 1, D), log-sum-exp (B*H*Sq + 1)) of q (B, H, Sq, D) against k and v
-    (B, H_kv, Sk, D) on the runs; the last row is unused (as a run's padding is elsewhere)."""
+    """(output (B*H*Sq, D), log-sum-exp (B*H*Sq,)) of q (B, H, Sq, D) against k and v
+    (B, H_kv, Sk, D) on the runs; a query in no run gets zeros and -inf."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, r: Runs) -> tuple[Tensor, Tensor]:
@@ -200,13 +204,13 @@ class _Attention(torch.autograd.Function):
         rows = torch.cat(r.rows)
         # The kernel gives a keyless row lse 0 and output 0: its weight must be 0.
         lse = torch.cat(lses).masked_fill(~r.has_key, float("-inf"))
-        top = lse.new_full((r.dump + 1,), float("-inf")).scatter_reduce(0, rows, lse, "amax")
+        top = lse.new_full((r.queries,), float("-inf")).scatter_reduce(0, rows, lse, "amax")
         top = torch.where(torch.isfinite(top), top, 0)
         weight = torch.exp(lse - top[rows])  # 0 for keyless rows
-        total = weight.new_zeros(r.dump + 1).index_add_(0, rows, weight)
+        total = weight.new_zeros(r.queries).index_add_(0, rows, weight)
         share = (weight / torch.where(total > 0, total, 1)[rows]).to(q.dtype)
         out = torch.cat(outs) * share[:, None]
-        out = out.new_zeros(r.dump + 1, out.shape[-1]).index_add_(0, rows, out)
+        out = out.new_zeros(r.queries, out.shape[-1]).index_add_(0, rows, out)
         lse = top + torch.log(total)  # -inf where no key
         ctx.set_materialize_grads(False)
         ctx.runs = r
@@ -240,7 +244,7 @@ class _Attention(torch.autograd.Function):
             dq.index_add_(0, rows, dq_r[0, 0])
             dk_blocks[block] += dk_r[0, 0]
             dv_blocks[block] += dv_r[0, 0]
-        return dq[: r.dump].view(q.shape), dk, dv, None
+        return dq.view(q.shape), dk, dv, None
 
 
 def attention_by_key(
@@ -264,8 +268,8 @@ def attention_by_key(
     out, lse = _Attention.apply(q, k, v, p)
     out = out[:, : call.v.shape[-1]]
 
-    def in_order(x: Tensor) -> Tensor:  # (B * H * Sq + 1, ...) -> (B, H, Lq, ...)
-        return p.frame.q.scatter(x[: p.dump].unflatten(0, (B, H, Sq)), dim=2)
+    def in_order(x: Tensor) -> Tensor:  # (B * H * Sq, ...) -> (B, H, Lq, ...)
+        return p.frame.q.scatter(x.unflatten(0, (B, H, Sq)), dim=2)
 
     out, lse = in_order(out), in_order(lse)
     peak = lse.detach()
