@@ -33,8 +33,11 @@ query's chosen keys costs top_k * b * D per query. Runs by key block cost the ch
 the part of a PARTIAL run's block that is masked, gather only the queries, and materialise no
 scores; each is one dense product, which a 512-key block keeps efficient. Tiles of 128 queries
 x one key block in one batched kernel call were measured too: padding and key copies made them
-slower (2.0 s against 1.3 s at 8K causal, before the per-query-block states). Measured at 8K
-(``eval/results/bench-routed-cpu``).
+slower (2.0 s against 1.3 s at 8K causal, before the per-query-block states). At 8K, causal,
+one thread (``eval/results/bench-routed-cpu``): MoBA 0.51 s forward against 0.61 s for dense
+SDPA and 9.1 s for the union (1.25 s against 2.36 s forward and backward); not causal 0.33 s
+against 1.20 s. Unions with a fixed pattern take this path too: ``moba | local`` (a 1280-key
+window) ran 0.98 s forward against 7.0 s for the union per query block.
 
 Eager and CPU only, dot-product scores without score bias or dropout (``usable``): the run
 count is data (a host synchronisation per call) and the kernel is the CPU one; elsewhere the
