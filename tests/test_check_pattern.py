@@ -20,7 +20,7 @@ from helpers import FIXED_VARIANTS
 import zoo
 import zoo.patterns.registry
 from zoo.__main__ import main
-from zoo.patterns import FULL, Local, Pattern, Residue, Spans
+from zoo.patterns import FULL, ChosenBlocks, Local, Moba, Pattern, Residue, Spans
 from zoo.patterns.base import state_from
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,9 +121,31 @@ def test_every_registry_variant_passes(variant):
     assert zoo.check_pattern(variant, lengths=lengths) == 16  # 4 lengths x 4 q/k length pairs
 
 
-def test_a_pattern_chosen_by_content_is_refused_with_the_reason():
-    with pytest.raises(TypeError, match="'moba' is chosen by content"):
-        zoo.check_pattern("moba")
+def test_a_pattern_chosen_by_content_is_checked_on_a_bound_input():
+    """moba's views, bound to a seeded input, agree per sequence and head, causal and not."""
+    assert zoo.check_pattern("moba", block_size=8, top_k=2, lengths=(37, 100)) == 8
+
+
+@dataclass(frozen=True)
+class _FullEverywhere(ChosenBlocks):
+    def block_state(self, q: Spans, k: Spans):
+        return torch.full(
+            (*self.chosen.shape[:2], *torch.broadcast_shapes(q.lo.shape, k.lo.shape)), FULL
+        )
+
+
+@dataclass(frozen=True)
+class _LyingMoba(Moba):
+    """moba whose bound block_state claims every block FULL."""
+
+    def bind(self, inputs):
+        chosen = super().bind(inputs)
+        return _FullEverywhere(chosen.block_size, chosen.chosen, chosen.offset)
+
+
+def test_a_routed_block_state_that_claims_too_much_is_named():
+    with pytest.raises(zoo.check.PatternCheckError, match=r"block_state says FULL .* sequence"):
+        zoo.check_pattern(_LyingMoba(block_size=8, top_k=2), lengths=(37,))
 
 
 def test_a_correct_user_pattern_passes_at_the_shapes_asked():

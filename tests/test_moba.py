@@ -8,8 +8,9 @@ import torch
 from helpers import check_against_reference, padding_mask, random_qkv
 
 import zoo
-from zoo.backends import FlexBackend
+from zoo.backends import BlockedBackend, FlexBackend
 from zoo.backends.base import FLOATS, Capabilities
+from zoo.backends.blocked_routed import routed_pairs
 from zoo.functional import prepare_call
 from zoo.patterns import Causal, Local, Moba, RouteInputs, Spans
 from zoo.patterns.base import EMPTY, FULL
@@ -126,6 +127,66 @@ def test_backends_match_the_reference(backend, causal, padded, shape):
         "moba", backend, q_len=q_len, kv_len=kv_len, causal=causal, padded=padded,
         params={"block_size": 6, "top_k": 3}, heads=4, kv_heads=2,
     )  # fmt: skip
+
+
+BY_KEY = [  # (q_len, kv_len, block_size, top_k, v_dim) on kernel blocks of 4 keys
+    (70, 70, 32, 2, 16),  # whole chosen blocks: runs of 32 keys without a mask
+    (45, 70, 8, 3, 8),  # chosen blocks inside a 32-key run: masked per kernel block
+    (70, 37, 16, 9, 24),  # top_k above the blocks there are: every block
+]
+
+
+def _no_union(*args, **kwargs):
+    raise AssertionError("the union per query block ran, not the runs by key block")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("q_len,kv_len,block_size,top_k,v_dim", BY_KEY)
+def test_blocked_by_key_block_matches_the_reference(
+    q_len, kv_len, block_size, top_k, v_dim, causal, monkeypatch
+):
+    """``blocked`` runs the chosen pairs key block by key block (``blocked_by_key``): runs of
+    several kernel blocks, per-row masks inside them, GQA, key padding, ragged lengths, and
+    value heads narrower or wider than q's."""
+    monkeypatch.setattr(zoo.backends.blocked, "routed_attention", _no_union)
+    check_against_reference(
+        "moba", BlockedBackend(block_size=4), q_len=q_len, kv_len=kv_len, causal=causal,
+        padded=True, params={"block_size": block_size, "top_k": top_k}, heads=4, kv_heads=2,
+        v_dim=v_dim,
+    )  # fmt: skip
+
+
+def test_blocked_by_key_block_leaves_keyless_runs_out():
+    """A run whose allowed keys are all padding for a query adds nothing to it (the kernel
+    says 0 there, not "no mass"); a query with no key at all gets zeros; no NaN."""
+    q, k, v = random_qkv(2, 2, 30, 30, dtype=torch.float64)
+    key_padding = torch.zeros(2, 30, dtype=torch.bool)
+    key_padding[0, :12] = True  # queries 0..11: no key at all
+    key_padding[1, 16:28] = True  # queries 16..27: nothing in their own block, block 0 chosen
+    params = {"block_size": 16, "top_k": 2, "causal": True, "key_padding_mask": key_padding}
+    outs = [
+        zoo.attention(q, k, v, variant="moba", backend=backend, **params)
+        for backend in (BlockedBackend(block_size=4), "reference")  # runs of 16 keys
+    ]
+    assert (outs[0][0, :, :12] == 0).all()
+    assert (outs[0] - outs[1]).abs().max() < 1e-12
+    grads = [torch.autograd.grad(out.sum(), (q, k, v)) for out in outs]
+    for got, want in zip(*grads, strict=True):
+        assert (got - want).abs().max() < 1e-12
+
+
+def test_blocked_scores_follow_the_chosen_pairs():
+    """The scores ``blocked`` computes are the chosen pairs plus at most a run's width per
+    query (its own block under causal rules), well under the union per query block."""
+    q, k, v = random_qkv(1, 2, 256, 256)
+    call = prepare_call(q, k, v, variant="moba", causal=True, block_size=32, top_k=2)
+    backend = BlockedBackend(block_size=8)  # runs of 64 keys
+    allowed = int(call.pattern.dense(256, 256).sum()) / 2  # per head
+    scored = backend.scored_pairs(call)
+    assert allowed <= scored <= allowed + 256 * 63
+    part = call.pattern.parts()[0]
+    union = routed_pairs(part, backend._frame(call, part), 1, 2, backend.waste)
+    assert scored < 0.8 * union
 
 
 @pytest.mark.parametrize("backend", ["blocked", "sdpa"])

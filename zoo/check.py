@@ -14,7 +14,9 @@ those it calls FULL, so a wrong claim gives wrong outputs with no error. This mo
   and no padding slot, an EMPTY block has no pair allowed. PARTIAL is always acceptable: the mask
   then decides.
 
-Each check runs on the pattern as ``specialize`` returns it for the shape, on the CPU. The zoo's own
+Each check runs on the pattern as ``specialize`` returns it for the shape, on the CPU. A pattern
+chosen by content is bound to a seeded random input first and checked per sequence and head
+(``zoo.check_routed``). The zoo's own
 tests (tests/test_patterns.py) run the same function on every variant.
 """
 
@@ -25,6 +27,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
+from .check_routed import check_routed
 from .frames import Axis, Frame, build_frame
 from .patterns.base import EMPTY, FULL, PARTIAL, Pattern, query_positions
 from .patterns.compose import order_key
@@ -125,11 +128,10 @@ def check_pattern(
         return PatternCheckError(f"pattern {label}{verb}: {message}")
 
     _check_hashable(pattern, "it", fail)
-    if pattern.routed:
-        raise TypeError(
-            f"pattern {label} is chosen by content: it has no fixed views to hold to each other; "
-            "its chosen blocks are tested against their definition (tests/test_moba.py)"
-        )
+    if pattern.routed:  # chosen by content: the views of one bound input, per sequence and head
+        for q_len, kv_len in shapes:
+            check_routed(pattern, q_len, kv_len, blocks, fail)
+        return len(shapes)
     checked, skipped = 0, []
     for q_len, kv_len in shapes:
         try:

@@ -14,6 +14,10 @@ gathered (``block_plan``). Two paths:
 
 Memory is O(B * H * computed pairs) in both: a query block against its keys, never n x n.
 
+Layouts chosen by content (MoBA) run key block by key block (``blocked_by_key``): the queries
+that chose a key block attend it in one kernel call and merge by log-sum-exp, so the cost is the
+chosen pairs; where that path does not apply, the union per query block (``blocked_routed``).
+
 Under ``torch.compile`` it traces as one graph (``fullgraph=True``), forward and backward: the
 plans, with their data-dependent row groups and band windows, are built once per shape outside
 the graph (``zoo.shape_cache``) and enter it as constant index tensors and Python ints.
@@ -38,6 +42,7 @@ from ..frames import Frame, build_frame
 from ..patterns import Pattern
 from .base import FLOATS, Backend, Capabilities, head_index, repeat_kv
 from .block_plan import GroupPlan, plan
+from .blocked_by_key import attention_by_key, scored_by_key, usable
 from .blocked_merged import merged_blocked, merges_pieces
 from .blocked_routed import routed_attention, routed_pairs
 
@@ -171,12 +176,15 @@ class BlockedBackend(Backend):
 
     def scored_pairs(self, call: AttentionCall) -> int:
         B, H = call.q.shape[:2]
-        return sum(
-            routed_pairs(part, self._frame(call, part), B, H, self.waste)
-            if part.routed
-            else sum(g.masked.numel() for g in self._plan(call, part)[1])
-            for part in call.pattern.parts()
-        )
+
+        def pairs(part: Pattern) -> int:
+            if not part.routed:
+                return sum(g.masked.numel() for g in self._plan(call, part)[1])
+            if usable(call):
+                return scored_by_key(call, part, self.block_size)
+            return routed_pairs(part, self._frame(call, part), B, H, self.waste)
+
+        return sum(pairs(part) for part in call.pattern.parts())
 
     def forward(self, call: AttentionCall) -> tuple[Tensor, None]:
         dtype = self.compute_dtype
@@ -317,8 +325,11 @@ class BlockedBackend(Backend):
     def _routed(
         self, call: AttentionCall, part: Pattern, dtype: torch.dtype, fused: bool
     ) -> Partial:
-        frame = self._frame(call, part)
+        if usable(call):  # tiles by key block: the cost of the chosen pairs
+            result = attention_by_key(call, part, dtype, self.block_size)
+            return no_pairs_partial(call, dtype) if result is None else Partial(*result)
         q, k = call.q.to(dtype), call.k.to(dtype)
+        frame = self._frame(call, part)
         if not fused:
             q, k = call.score.prepare(q, k)
         inputs = self._inputs(call, frame, q, k, dtype)

@@ -1,4 +1,9 @@
-"""The ``blocked`` backend on a layout chosen by content (``zoo.patterns.routed``): per call.
+"""The ``blocked`` backend on a layout chosen by content (``zoo.patterns.routed``): the union
+per query block, the fallback path.
+
+``blocked`` runs a routed part key block by key block where it can (``blocked_by_key``: eager,
+CPU, dot-product scores without a score bias or dropout), at the cost of the chosen pairs. This
+path serves the rest: ``torch.compile``, CUDA, additive scores, score biases, dropout.
 
 A routed layout is a [B, H, query blocks, key blocks] state, made for one call's q and k. Each
 (sequence, head, query block) is a row; its key blocks (the union of the blocks its queries
@@ -9,12 +14,17 @@ head, padded to the widest row, and masked per query inside::
     q0 chose {0, 2}   q1 chose {2, 3}  ->  keys of blocks 0 2 3, q0 masked off block 3,
                                            q1 masked off block 0
 
+For causal MoBA on random inputs the union of a 64-query block approaches every earlier block,
+so this path costs about dense attention plus the masks (9 s against 1.2 s for dense SDPA at 8K
+on CPU, before ``blocked_by_key``).
+
 Query blocks are grouped by the widest row any sequence or head needs (``routed_groups``), so
 that causal rows, which need from one key block to all, are not all padded to the widest.
 
 Nothing here is cached per shape (the layout is data): eager calls read the groups' widths
 from the layout, a host synchronisation per call. Under ``torch.compile`` a graph cannot read it,
-so every key block is gathered and masked: correct, without a graph break, but dense. Memory is
+so every key block is gathered and masked: correct, without a graph break, but dense (the runs
+by key block are not traced either: their count is data). Memory is
 O(B * H * query blocks * widest row).
 """
 
