@@ -8,8 +8,8 @@ keys are a view of that sequence's keys); a gathered group runs all sequences at
 names the output row of every query it holds (its position in the caller's order, per sequence),
 so parts in different orders merge without being put back in order first.
 
-Used for dot-product scores without dropout, with one head size for q, k and v (what the CPU
-kernel takes); the other calls take the paths of ``blocked``.
+Used for dot-product scores without dropout or a learned score bias, with one head size for q,
+k and v (what the CPU kernel takes); the other calls take the paths of ``blocked``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ def merges_pieces(call: AttentionCall) -> bool:
         and call.score.kind == "dot"
         and not call.dropout_p
         and call.q.shape[-1] == call.v.shape[-1]
+        # the kernel's backward gives the mask no gradient: a learned bias (T5) needs one
+        and not any(t.requires_grad for t in call.learned)
     )
 
 
