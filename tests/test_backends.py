@@ -39,7 +39,7 @@ def test_backend_matches_reference(variant, backend, causal, padded, q_len, kv_l
     )
 
 
-@pytest.mark.parametrize("q_len,kv_len", SHAPES)
+@pytest.mark.parametrize("q_len,kv_len", [(100, 100), (70, 100)])  # eager flex: ~0.3 s a case
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize("variant", VARIANTS)
