@@ -269,12 +269,7 @@ def is_mechanism_name(name: object) -> bool:
 
 
 def get_mechanism_spec(name: str) -> MechanismSpec:
-    mechanisms = registry().mechanisms
-    if isinstance(name, str) and name in registry().unavailable["mechanisms"]:
-        raise registry().unavailable["mechanisms"][name].error()
-    if not isinstance(name, str) or name not in mechanisms:
-        raise ValueError(suggest("mechanism", str(name), mechanisms, "zoo.list_mechanisms()"))
-    return mechanisms[name]
+    return _lookup("mechanisms", "mechanism", name, "zoo.list_mechanisms()")
 
 
 def unavailable(section: str = "variants") -> dict[str, Unavailable]:
@@ -304,12 +299,7 @@ def list_modules(pattern: str = "*") -> list[str]:
 
 
 def get_module_spec(name: str) -> ModuleSpec:
-    modules = registry().modules
-    if isinstance(name, str) and name in registry().unavailable["modules"]:
-        raise registry().unavailable["modules"][name].error()
-    if not isinstance(name, str) or name not in modules:
-        raise ValueError(suggest("module", str(name), modules, "zoo.list_modules()"))
-    return modules[name]
+    return _lookup("modules", "module", name, "zoo.list_modules()")
 
 
 def list_encodings(pattern: str = "*") -> list[str]:
@@ -318,9 +308,15 @@ def list_encodings(pattern: str = "*") -> list[str]:
 
 
 def get_encoding_spec(name: str) -> EncodingSpec:
-    encodings = registry().positional
-    if isinstance(name, str) and name in registry().unavailable["positional"]:
-        raise registry().unavailable["positional"][name].error()
-    if not isinstance(name, str) or name not in encodings:
-        raise ValueError(suggest("encoding", str(name), encodings, "zoo.list_encodings()"))
-    return encodings[name]
+    return _lookup("positional", "encoding", name, "zoo.list_encodings()")
+
+
+def _lookup(section: str, kind: str, name: object, listing: str):
+    """The entry ``name`` of a registry section, or the import error of an entry that does not
+    load, or an error naming the unknown ``kind`` with the nearest names and where to list them."""
+    entries = getattr(registry(), section)
+    if isinstance(name, str) and name in registry().unavailable[section]:
+        raise registry().unavailable[section][name].error()
+    if not isinstance(name, str) or name not in entries:
+        raise ValueError(suggest(kind, str(name), entries, listing))
+    return entries[name]

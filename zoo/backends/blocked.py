@@ -45,6 +45,7 @@ from .block_plan import GroupPlan, plan
 from .blocked_by_key import attention_by_key, scored_by_key, usable
 from .blocked_merged import merged_blocked, merges_pieces
 from .blocked_routed import routed_attention, routed_pairs
+from .reference import exp_and_mass
 
 
 @dataclass
@@ -369,10 +370,7 @@ class BlockedBackend(Backend):
             bias = call.bias(heads, group.q_pos, group.k_pos)  # (H, R, bq, W*bk)
             scores = scores + by_kv_head(bias[None], kv_heads)
         masked = by_kv_head(group.masked_with(inputs.padded)[:, None], kv_heads)
-        scores = scores.masked_fill(masked, float("-inf"))
-        peak = scores.amax(dim=-1).detach()
-        exp = torch.exp(scores - torch.where(torch.isfinite(peak), peak, 0)[..., None])
-        denominator = exp.sum(dim=-1)
+        exp, denominator, peak = exp_and_mass(scores.masked_fill(masked, float("-inf")))
         if call.dropout_p:
             exp = dropout(exp, call.dropout_p)
         # Normalise after the product: a (bq, Dv) division instead of a (bq, W*bk) one.

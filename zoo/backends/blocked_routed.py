@@ -40,6 +40,7 @@ from ..call import AttentionCall
 from ..frames import Frame
 from ..layout import used_first
 from ..patterns import EMPTY, Pattern
+from .reference import exp_and_mass
 
 
 def routed_state(part: Pattern, frame: Frame, B: int, H: int, padded: Tensor | None) -> Tensor:
@@ -172,10 +173,7 @@ def _group(
     scores = call.score.pairwise(queries, keys)  # (B, H, R, bq, W*bk)
     if call.bias is not None:
         scores = scores + call.bias(h5, q_pos, k_pos).to(scores.dtype)
-    scores = scores.masked_fill(masked, float("-inf"))
-    peak = scores.amax(dim=-1).detach()
-    exp = torch.exp(scores - torch.where(torch.isfinite(peak), peak, 0)[..., None])
-    denominator = exp.sum(dim=-1)
+    exp, denominator, peak = exp_and_mass(scores.masked_fill(masked, float("-inf")))
     if call.dropout_p:
         exp = dropout(exp, call.dropout_p)
     output = exp.to(values.dtype) @ values

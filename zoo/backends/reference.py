@@ -19,12 +19,19 @@ def dense_mask(pattern: Pattern, q_len: int, kv_len: int, device: torch.device) 
     return pattern.dense(q_len, kv_len).to(device)
 
 
+def exp_and_mass(scores: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """exp(scores - the row's maximum), the row's sum of it and the maximum (detached), over the
+    last dim; a row of -inf only gives zeros, a sum of 0 and a maximum of -inf. The pieces from
+    which softmax outputs over disjoint keys merge exactly (``blocked.merge``)."""
+    peak = scores.amax(dim=-1).detach()
+    exp = torch.exp(scores - torch.where(torch.isfinite(peak), peak, 0)[..., None])
+    return exp, exp.sum(dim=-1), peak
+
+
 def safe_softmax(scores: Tensor) -> Tensor:
     """Softmax over the last dim that gives zeros, with zero gradients, for rows of -inf only."""
-    peak = scores.amax(dim=-1, keepdim=True).detach()
-    exp = torch.exp(scores - torch.where(torch.isfinite(peak), peak, 0))
-    total = exp.sum(dim=-1, keepdim=True)
-    return exp / torch.where(total > 0, total, 1)
+    exp, total, _ = exp_and_mass(scores)
+    return exp / torch.where(total > 0, total, 1)[..., None]
 
 
 def attention_mask(call: AttentionCall) -> Tensor:
