@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import FIXED_VARIANTS, small_params
+from helpers import FIXED_VARIANTS, check_against_reference, small_params
 
 import zoo
 from zoo.backends.block_plan import plan
+from zoo.backends.blocked import BlockedBackend
 from zoo.backends.lse_merge import Piece, merged_attention
 from zoo.frames import build_frame
 from zoo.functional import prepare_call
@@ -100,7 +101,8 @@ def test_merged_pieces_equal_one_softmax_forward_and_backward():
     pieces = []
     for i, m in enumerate(mask.split(widths, dim=-1)):
         if i < 3:
-            pieces.append(Piece(q, keys[i], values[i], m, torch.isneginf(m).all(-1), rows))
+            none = torch.isneginf(m).all(-1)  # the first three hold every row: written, not merged
+            pieces.append(Piece(q, keys[i], values[i], m, none, rows, fresh=True))
         else:
             m = m[:, :, order]
             none = torch.isneginf(m).all(-1)
@@ -119,3 +121,23 @@ def test_merged_pieces_equal_one_softmax_forward_and_backward():
     want = torch.autograd.grad(expected, inputs, grad)
     for a, b in zip(got, want, strict=True):
         assert torch.allclose(a, b, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_residue_groups_of_a_few_blocks_run_as_one_block_each(causal):
+    """A residue frame whose groups hold a few blocks' worth of keys takes one block per group
+    (stride 4 over 100 tokens: groups of 25 keys, blocks of 25, not 8): the plan is one block
+    per group, and the output and gradients match the reference, with padding, as a union with
+    a band in another order."""
+    backend = BlockedBackend(block_size=8)
+    q = torch.zeros(1, 1, 100, 8)
+    call = prepare_call(q, q, q, variant="strided", stride=4, window_size=3, causal=causal)
+    residue = [p for p in call.pattern.parts() if p.stride == 4]
+    assert len(residue) == 1
+    frame = backend._frame(call, residue[0])
+    assert frame.k.block == 25
+    assert all(g.width == 1 for g in plan(residue[0], frame, backend.waste))
+    check_against_reference(
+        "strided", backend, q_len=100, kv_len=100, causal=causal, padded=True,
+        params={"stride": 4, "window_size": 3}, v_dim=16,
+    )  # fmt: skip

@@ -168,8 +168,20 @@ class BlockedBackend(Backend):
         return f"BlockedBackend(block_size={self.block_size}{dtype}, waste={self.waste})"
 
     def _frame(self, call: AttentionCall, part: Pattern) -> Frame:
-        size = self.block_size
+        size = self._block(call, part)
         return build_frame(part.stride, call.q_len, call.kv_len, size, size, call.device)
+
+    def _block(self, call: AttentionCall, part: Pattern) -> int:
+        """The block of a part's frame: the backend's, except in a residue frame (stride s)
+        whose groups hold at most 4 blocks of keys: there one block is one group, so each group
+        is one dense (or causal) block read as a view. At 64-blocks a group of 128 keys ran as
+        a 1-block band plus a gathered block, two kernel calls and a merge (strided at 8K)."""
+        stride = part.stride
+        if isinstance(stride, int) and stride > 1:
+            group = -(-call.kv_len // stride)
+            if self.block_size < group <= 4 * self.block_size:
+                return group
+        return self.block_size
 
     def _plan(self, call: AttentionCall, part: Pattern) -> tuple[Frame, list[GroupPlan]]:
         frame = self._frame(call, part)

@@ -73,9 +73,10 @@ def _rows(frame: Frame, group: GroupPlan, batch: int, q_len: int) -> Tensor:
 
 def group_pieces(
     call: AttentionCall, frame: Frame, group: GroupPlan, q: Tensor, k: Tensor, v: Tensor,
-    padded: Tensor | None, dtype: torch.dtype,
+    padded: Tensor | None, dtype: torch.dtype, fresh: bool,
 ) -> list[Piece]:  # fmt: skip
-    """The pieces of one group, for q, k and v (B, H, slots, D) in the frame's order."""
+    """The pieces of one group, for q, k and v (B, H, slots, D) in the frame's order; ``fresh``
+    where no earlier group holds its rows (``Piece.fresh``)."""
     B = q.shape[0]
     bq, bk = frame.q.block, frame.k.block
     mask = _mask(call, group, padded, dtype)  # (B or 1, R, 1 or H, bq, width * bk)
@@ -94,7 +95,7 @@ def group_pieces(
             keys, values = group.key_sources(k[b], bk), group.key_sources(v[b], bk)
             for kb, vb, m, none in zip(keys, values, masks, no_keys, strict=True):
                 i = b % m.shape[0]
-                pieces.append(Piece(qb, kb, vb, m[i], none[i], rows[b]))
+                pieces.append(Piece(qb, kb, vb, m[i], none[i], rows[b], fresh))
         return pieces
     q_blocks, k_blocks, v_blocks = group.gather(q, k, v, frame)  # (B, H, R, ...)
 
@@ -104,8 +105,11 @@ def group_pieces(
     m = masks[0].expand(B, *masks[0].shape[1:]).flatten(0, 1)
     none = no_keys[0].expand(B, *no_keys[0].shape[1:]).flatten(0, 1)
     return [
-        Piece(batched(q_blocks), batched(k_blocks), batched(v_blocks), m, none, rows.flatten(0, 1))
-    ]
+        Piece(
+            batched(q_blocks), batched(k_blocks), batched(v_blocks), m, none, rows.flatten(0, 1),
+            fresh,
+        )
+    ]  # fmt: skip
 
 
 def merged_blocked(
@@ -114,10 +118,10 @@ def merged_blocked(
     """(B, H, Lq, Dv): the call's attention as merged pieces, or None where the pattern allows
     no pair; ``inputs(frame)`` gives q, k, v and the key padding in a frame's order."""
     pieces = []
-    for frame, groups in planned:
+    for part, (frame, groups) in enumerate(planned):
         q, k, v, padded = inputs(frame)
-        for group in groups:
-            pieces += group_pieces(call, frame, group, q, k, v, padded, dtype)
+        for group in groups:  # the groups of one part hold disjoint query blocks
+            pieces += group_pieces(call, frame, group, q, k, v, padded, dtype, fresh=part == 0)
     if not pieces:
         return None
     B, Lq = call.q.shape[0], call.q.shape[2]

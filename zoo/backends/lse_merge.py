@@ -39,7 +39,9 @@ _backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 class Piece:
     """Queries (N, H, M, D) against keys and values (N, H, m, D) under an additive mask
     (N or 1, H or 1, M, m); ``no_key`` (N or 1, 1, M) is True where the mask allows no key, and
-    ``rows`` (N, M) names each query's row in the merged output (``rows == total`` drops it)."""
+    ``rows`` (N, M) names each query's row in the merged output (``rows == total`` drops it).
+    ``fresh``: no piece before it (other than those with the same queries and rows) holds any of
+    its rows, so its result is written into them instead of merged with what they hold."""
 
     q: Tensor
     k: Tensor
@@ -47,6 +49,10 @@ class Piece:
     mask: Tensor
     no_key: Tensor
     rows: Tensor
+    fresh: bool = False
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return self.q, self.k, self.v, self.mask, self.no_key, self.rows
 
 
 def merged_attention(pieces: list[Piece], total: int, scale: float) -> Tensor:
@@ -59,12 +65,12 @@ def merged_attention(pieces: list[Piece], total: int, scale: float) -> Tensor:
     layout = []
     for p in pieces:
         slots = []
-        for t in (p.q, p.k, p.v, p.mask, p.no_key, p.rows):
+        for t in p.tensors():
             if id(t) not in seen:
                 seen[id(t)] = len(tensors)
                 tensors.append(t)
             slots.append(seen[id(t)])
-        layout.append(tuple(slots))
+        layout.append((*slots, p.fresh))
     return _Merged.apply(total, scale, tuple(layout), *tensors)
 
 
@@ -99,18 +105,31 @@ def _unflat(x: Tensor, like: Tensor) -> Tensor:
 def _combine(lses: list[Tensor], outs: list[Tensor]) -> tuple[Tensor, Tensor]:
     """Outputs of the same queries over disjoint keys, merged: (lse, out); -inf and 0 where no
     part has a key."""
-    if len(lses) == 1:
-        return lses[0], outs[0]
-    lse = torch.stack(lses).logsumexp(dim=0)
-    safe = torch.where(torch.isfinite(lse), lse, 0)
-    out = sum(torch.exp(part - safe)[..., None] * o for part, o in zip(lses, outs, strict=True))
+    lse, out = lses[0], outs[0]
+    for part_lse, part_out in zip(lses[1:], outs[1:], strict=True):
+        lse, out = _combine_two(lse, out, part_lse, part_out)
     return lse, out
+
+
+def _combine_two(
+    lse_a: Tensor, out_a: Tensor, lse_b: Tensor, out_b: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Two outputs merged: b's share of the mass is exp(lse_b) / (exp(lse_a) + exp(lse_b)) =
+    sigmoid(lse_b - lse_a), so the output is one ``lerp``, a single pass over the outputs (a
+    weighted sum of exponentials took four). Where neither has a key (-inf - -inf = nan) the
+    share is 0 and the output a's zeros."""
+    share = torch.sigmoid(lse_b - lse_a).nan_to_num(0.0)
+    return torch.logaddexp(lse_a, lse_b), torch.lerp(out_a, out_b, share[..., None])
+
+
+def _pieces(layout: tuple, tensors: tuple[Tensor, ...]) -> list[Piece]:
+    return [Piece(*(tensors[i] for i in entry[:-1]), fresh=entry[-1]) for entry in layout]
 
 
 class _Merged(torch.autograd.Function):
     @staticmethod
     def forward(ctx, total, scale, layout, *tensors):
-        pieces = [Piece(*(tensors[i] for i in slots)) for slots in layout]
+        pieces = _pieces(layout, tensors)
         first = pieces[0]
         heads, dv = first.q.shape[1], first.v.shape[-1]
         dtype = torch.float64 if first.q.dtype == torch.float64 else torch.float32
@@ -132,10 +151,11 @@ class _Merged(torch.autograd.Function):
                 )  # the kernel says 0
             group_lse, group_out = _combine(lses, outs)
             rows = members[0].rows.flatten()
-            here = _flat(group_lse[..., None])[..., 0]
-            merged_lse, merged_out = _combine([lse[rows], here], [out[rows], _flat(group_out)])
-            lse.index_copy_(0, rows, merged_lse)
-            out.index_copy_(0, rows, merged_out)
+            here_lse, here_out = _flat(group_lse[..., None])[..., 0], _flat(group_out)
+            if not members[0].fresh:
+                here_lse, here_out = _combine([lse[rows], here_lse], [out[rows], here_out])
+            lse.index_copy_(0, rows, here_lse)
+            out.index_copy_(0, rows, here_out)
         out = out[:total].to(first.q.dtype)
         lse = torch.where(torch.isfinite(lse), lse, math.inf)  # inf: no key, p = exp(s - inf) = 0
         ctx.save_for_backward(out, lse, *tensors)
@@ -145,7 +165,7 @@ class _Merged(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         out, lse, *tensors = ctx.saved_tensors
-        pieces = [Piece(*(tensors[i] for i in slots)) for slots in ctx.layout]
+        pieces = _pieces(ctx.layout, tensors)
         pad = grad.new_zeros((1, *grad.shape[1:]))
         grad, out = torch.cat([grad, pad]), torch.cat([out, pad.to(out.dtype)])
         grads: list[Tensor | None] = [None] * len(tensors)
