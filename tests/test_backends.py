@@ -39,6 +39,20 @@ def test_backend_matches_reference(variant, backend, causal, padded, q_len, kv_l
     )
 
 
+@pytest.mark.parametrize("q_len,kv_len", [(100, 100), (70, 100)])
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_blocked_merged_path_matches_reference(variant, causal, padded, q_len, kv_len):
+    """The blocked backend's CPU path for one head size in q, k and v (``blocked_merged``, what
+    models run on a CPU): its sources and parts merge by log-sum-exp. The test above, with values
+    narrower than keys, takes the fused and explicit paths (those of CUDA)."""
+    check_against_reference(
+        variant, BACKENDS["blocked-16"], q_len=q_len, kv_len=kv_len, causal=causal,
+        padded=padded, v_dim=16,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("q_len,kv_len", [(100, 100), (70, 100)])  # eager flex: ~0.3 s a case
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])

@@ -40,8 +40,9 @@ class Piece:
     """Queries (N, H, M, D) against keys and values (N, H, m, D) under an additive mask
     (N or 1, H or 1, M, m); ``no_key`` (N or 1, 1, M) is True where the mask allows no key, and
     ``rows`` (N, M) names each query's row in the merged output (``rows == total`` drops it).
-    ``fresh``: no piece before it (other than those with the same queries and rows) holds any of
-    its rows, so its result is written into them instead of merged with what they hold."""
+    Pieces with the same q and rows tensors (the same objects) are one group: the sources of a
+    group's keys. ``fresh``: no earlier group holds any of its rows, so the group's result is
+    written into them instead of merged with what they hold."""
 
     q: Tensor
     k: Tensor
