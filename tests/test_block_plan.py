@@ -68,15 +68,15 @@ def test_longformer_and_bigbird_read_their_band_as_a_view():
     shared blocks and (BigBird) the random blocks as extra ones."""
     n = 1024
     for variant, params, sources in [
-        ("longformer", {"window_size": 128}, (5, 1, 0)),
-        ("bigbird", {"block_size": 64, "random_blocks": 3}, (3, 2, 3)),
+        ("longformer", {"window_size": 128}, (5 * 64, 1, 0)),  # one global key, not its block
+        ("bigbird", {"block_size": 64, "random_blocks": 3}, (3 * 64, 2 * 64, 3 * 64)),
     ]:
         q = torch.zeros(1, 1, n, 8)
         (part,) = prepare_call(q, q, q, variant=variant, **params).pattern.parts()
         frame = build_frame(part.stride, n, n, 64, 64, torch.device("cpu"))
         groups = plan(part, frame, 0.25)
         banded = [g for g in groups if g.window is not None]
-        assert len(banded) == 1 and banded[0].sources == sources, variant
+        assert len(banded) == 1 and banded[0].widths == sources, variant
         assert banded[0].rows.numel() >= n // 64 - 4
 
 

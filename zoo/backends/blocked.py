@@ -243,7 +243,7 @@ class BlockedBackend(Backend):
         if len(parts) > 1:
             return True
         groups = self._plan(call, parts[0])[1]
-        return any(sum(1 for blocks in g.sources if blocks) > 1 for g in groups)
+        return any(sum(1 for columns in g.widths if columns) > 1 for g in groups)
 
     def _frame_inputs(self, call: AttentionCall, dtype: torch.dtype):
         """q, k, v and the key padding in a frame's order, for ``merged_blocked``."""

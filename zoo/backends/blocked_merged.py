@@ -81,7 +81,7 @@ def group_pieces(
     bq, bk = frame.q.block, frame.k.block
     mask = _mask(call, group, padded, dtype)  # (B or 1, R, 1 or H, bq, width * bk)
     rows = _rows(frame, group, B, call.q_len)
-    widths = [blocks * bk for blocks in group.sources if blocks]
+    widths = [columns for columns in group.widths if columns]
     masks = mask.split(widths, dim=-1)
     if padded is None:  # the pattern alone decides which queries have keys: once per shape
         no_keys = pattern_no_keys(group, tuple(widths))
