@@ -8,7 +8,7 @@ import torch
 from helpers import FIXED_VARIANTS, check_against_reference, small_params
 
 import zoo
-from zoo.backends.block_plan import plan
+from zoo.backends.block_plan import part_block, plan
 from zoo.backends.blocked import BlockedBackend
 from zoo.backends.lse_merge import Piece, merged_attention
 from zoo.frames import build_frame
@@ -140,4 +140,20 @@ def test_residue_groups_of_a_few_blocks_run_as_one_block_each(causal):
     check_against_reference(
         "strided", backend, q_len=100, kv_len=100, causal=causal, padded=True,
         params={"stride": 4, "window_size": 3}, v_dim=16,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("v_dim", [16, 8], ids=["merged", "fused"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_narrow_band_runs_at_half_the_block(causal, v_dim):
+    """A band narrow against the block (8 keys each side, 3 apart: 17 in a residue frame of
+    stride 3) runs at half the backend's block, where the plan computes half the pairs; output
+    and gradients match the reference on both CPU paths, with padding."""
+    params = {"window_size": 8, "dilation": 3}
+    q = torch.zeros(1, 1, 1000, 8)
+    (part,) = prepare_call(q, q, q, variant="dilated", causal=causal, **params).pattern.parts()
+    assert part_block(part, 1000, 1000, 64, 0.25, torch.device("cpu")) == 32
+    check_against_reference(
+        "dilated", BlockedBackend(), q_len=1000, kv_len=1000, causal=causal, padded=True,
+        params=params, v_dim=v_dim,
     )  # fmt: skip

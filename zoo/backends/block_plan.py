@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..frames import Frame
+from ..frames import Frame, build_frame
 from ..layout import BlockLayout, build_layout
 from ..patterns import EMPTY, Pattern
 from ..shape_cache import per_shape
@@ -279,3 +279,35 @@ def plan(part: Pattern, frame: Frame, waste: float) -> list[GroupPlan]:
     for group in rest.row_groups(waste):
         plans.append(_group(part, frame, group.rows, group.kv_blocks, group.used))
     return plans
+
+
+@per_shape(maxsize=256)
+def part_block(
+    part: Pattern, q_len: int, kv_len: int, block: int, waste: float, device: torch.device
+) -> int:
+    """The block a part runs at, from the backend's ``block``:
+
+    - in a residue frame (stride s) whose groups hold more than one and at most 4 blocks of
+      keys, the group's length: each group is then one dense (or causal) block read as a view.
+      At 64-blocks, strided's groups of 128 keys at 8K ran as a 1-block band plus a gathered
+      block: two kernel calls and a merge;
+    - half the block, not below 32, where its plan computes at most 3/4 of the pairs: a band
+      narrow against the block (dilated at 8K: 65 keys a query, of which 64-blocks compute 192,
+      32-blocks 96). The kernel runs as fast per pair at 32 as at 64 (CPU, 8K tokens: 54 and
+      56 GFLOP/s);
+    - otherwise ``block``.
+    """
+    stride = part.stride
+    if isinstance(stride, int) and stride > 1:
+        group = -(-kv_len // stride)
+        if block < group <= 4 * block:
+            return group
+    half = block // 2
+    if half < 32 or half % 8:
+        return block
+
+    def computed(size: int) -> int:
+        frame = build_frame(stride, q_len, kv_len, size, size, device)
+        return sum(g.masked.numel() for g in plan(part, frame, waste))
+
+    return half if 4 * computed(half) <= 3 * computed(block) else block

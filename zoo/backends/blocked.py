@@ -41,7 +41,7 @@ from ..checks import check_int
 from ..frames import Frame, build_frame
 from ..patterns import Pattern
 from .base import FLOATS, Backend, Capabilities, head_index, repeat_kv
-from .block_plan import GroupPlan, plan
+from .block_plan import GroupPlan, part_block, plan
 from .blocked_by_key import attention_by_key, scored_by_key, usable
 from .blocked_merged import merged_blocked, merges_pieces
 from .blocked_routed import routed_attention, routed_pairs
@@ -103,11 +103,12 @@ def in_order(frame: Frame, groups: list[GroupPlan], per_group: list[Tensor], fil
     whole = len(groups) == 1 and groups[0].window is not None
     if whole and groups[0].rows.numel() == frame.q.num_blocks:
         rows = first  # one band window over every query block, already in order
-    else:
+    else:  # each group's rows written in place: no concatenation of them first
         shape = (*first.shape[:2], frame.q.num_blocks, *first.shape[3:])
-        rows = first.new_full(shape, fill).index_copy(
-            2, torch.cat([g.rows for g in groups]), torch.cat(per_group, dim=2)
-        )
+        covered = sum(g.rows.numel() for g in groups) == frame.q.num_blocks
+        rows = first.new_empty(shape) if covered else first.new_full(shape, fill)
+        for group, out in zip(groups, per_group, strict=True):
+            rows.index_copy_(2, group.rows, out)
     return frame.q.scatter(rows.flatten(2, 3), dim=2)
 
 
@@ -132,7 +133,9 @@ class BlockedBackend(Backend):
     """Block-sparse attention in plain PyTorch.
 
     Args:
-        block_size: the kernel block, for queries and keys (64 by default).
+        block_size: the kernel block, for queries and keys (64 by default). A part may run at
+            another where that computes fewer pairs (``block_plan.part_block``): a residue
+            frame at its group length, a narrow band at half the block.
         compute_dtype: the dtype of the block computations. By default float32 for 16-bit inputs:
             a key block is gathered for several query blocks, so its gradient is a sum of
             per-block products, and rounding each of them to bfloat16 doubled the gradient error
@@ -168,20 +171,10 @@ class BlockedBackend(Backend):
         return f"BlockedBackend(block_size={self.block_size}{dtype}, waste={self.waste})"
 
     def _frame(self, call: AttentionCall, part: Pattern) -> Frame:
-        size = self._block(call, part)
+        size = self.block_size
+        if not part.routed:  # a layout chosen by content has no plan to compare blocks with
+            size = part_block(part, call.q_len, call.kv_len, size, self.waste, call.device)
         return build_frame(part.stride, call.q_len, call.kv_len, size, size, call.device)
-
-    def _block(self, call: AttentionCall, part: Pattern) -> int:
-        """The block of a part's frame: the backend's, except in a residue frame (stride s)
-        whose groups hold at most 4 blocks of keys: there one block is one group, so each group
-        is one dense (or causal) block read as a view. At 64-blocks a group of 128 keys ran as
-        a 1-block band plus a gathered block, two kernel calls and a merge (strided at 8K)."""
-        stride = part.stride
-        if isinstance(stride, int) and stride > 1:
-            group = -(-call.kv_len // stride)
-            if self.block_size < group <= 4 * self.block_size:
-                return group
-        return self.block_size
 
     def _plan(self, call: AttentionCall, part: Pattern) -> tuple[Frame, list[GroupPlan]]:
         frame = self._frame(call, part)
