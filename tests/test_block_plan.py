@@ -15,22 +15,25 @@ from zoo.frames import build_frame
 from zoo.functional import prepare_call
 
 
-def read_pairs(variant, causal, q_len, kv_len, block, params):
-    """(Lq, Lk) how many times the plan's groups leave each (query, key) pair unmasked."""
+def read_pairs(variant, causal, q_len, kv_len, block, params, split=False):
+    """(Lq, Lk) how many times the plan's groups leave each (query, key) pair unmasked (with
+    ``split``, global queries split from their blocks, as the CPU path plans)."""
     q = torch.zeros(1, 1, q_len, 8)
     k = torch.zeros(1, 1, kv_len, 8)
     call = prepare_call(q, k, k, variant=variant, causal=causal, **params)
     count = torch.zeros(q_len, kv_len, dtype=torch.int64)
     for part in call.pattern.parts():
         frame = build_frame(part.stride, q_len, kv_len, block, block, torch.device("cpu"))
-        for group in plan(part, frame, 0.25):
-            q_slot = (group.rows[:, None] * block + torch.arange(block)).flatten()
-            q_ok = frame.q.valid[q_slot]
-            q_tok = frame.q.index[q_slot]
-            read = ~group.masked.flatten(0, 1)  # (R * bq, width * bk)
-            read &= q_ok[:, None] & frame.k.valid[group.k_slot].repeat_interleave(block, 0)
+        for group in plan(part, frame, 0.25, split):
+            q_slot = group.query_slots(block)
+            per_row = q_slot.shape[1]
+            q_ok = frame.q.valid[q_slot.flatten()]
+            q_tok = frame.q.index[q_slot.flatten()]
+            read = ~group.masked.flatten(0, 1)  # (R * bq, columns)
+            k_slot = group.k_slot.repeat_interleave(per_row, 0)
+            read &= q_ok[:, None] & frame.k.valid[k_slot]
             rows, cols = torch.nonzero(read, as_tuple=True)
-            k_tok = frame.k.index[group.k_slot.repeat_interleave(block, 0)[rows, cols]]
+            k_tok = frame.k.index[k_slot[rows, cols]]
             count.index_put_((q_tok[rows], k_tok), torch.ones_like(rows), accumulate=True)
     return count
 
@@ -48,9 +51,10 @@ def read_pairs(variant, causal, q_len, kv_len, block, params):
     ],
 )
 @pytest.mark.parametrize("q_len,kv_len", [(200, 200), (150, 200)])
-def test_every_allowed_pair_is_read_once(variant, params, causal, q_len, kv_len):
+@pytest.mark.parametrize("split", [False, True], ids=["blocks", "split"])
+def test_every_allowed_pair_is_read_once(variant, params, causal, q_len, kv_len, split):
     params = {k: v for k, v in params.items() if k in zoo.get_spec(variant).parameters()}
-    count = read_pairs(variant, causal, q_len, kv_len, 16, params)
+    count = read_pairs(variant, causal, q_len, kv_len, 16, params, split)
     allowed = zoo.dense_mask(variant, q_len, kv_len, causal=causal, **params)
     assert torch.equal(count, allowed.to(torch.int64))
 
@@ -156,4 +160,22 @@ def test_narrow_band_runs_at_half_the_block(causal, v_dim):
     check_against_reference(
         "dilated", BlockedBackend(), q_len=1000, kv_len=1000, causal=causal, padded=True,
         params=params, v_dim=v_dim,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_global_queries_leave_their_blocks(causal):
+    """Global tokens inside blocks of ordinary queries (3 and 150 in blocks of 16) run as a query
+    group of their own on the CPU path, the rest of their blocks as ordinary rows: the group holds
+    exactly the global queries, and output and gradients match the reference, with padding."""
+    params = {"window_size": 8, "global_tokens": [3, 150]}
+    q = torch.zeros(1, 1, 320, 8)
+    (part,) = prepare_call(q, q, q, variant="longformer", **params).pattern.parts()
+    frame = build_frame(part.stride, 320, 320, 16, 16, torch.device("cpu"))
+    groups = plan(part, frame, 0.25, True)  # split_queries
+    assert groups[-1].q_slot.tolist() == [[3, 150]]
+    assert all(g.q_slot is None for g in groups[:-1])
+    check_against_reference(
+        "longformer", BlockedBackend(block_size=16), q_len=320, kv_len=320, causal=causal,
+        padded=True, params=params, v_dim=16,
     )  # fmt: skip

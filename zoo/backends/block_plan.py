@@ -23,7 +23,7 @@ first and last few) are grouped apart (``BlockLayout.row_groups``) and gathered 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -32,6 +32,7 @@ from ..frames import Frame, build_frame
 from ..layout import BlockLayout, build_layout
 from ..patterns import EMPTY, Pattern
 from ..shape_cache import per_shape
+from .wide_queries import WideSplit, split_wide_queries
 
 
 @dataclass(frozen=True)
@@ -94,21 +95,35 @@ class GroupPlan:
     widths: tuple[int, int, int]  # columns from the band (W * bk), shared (P), extra (E * bk)
     window: Window | None = None  # the band; rows are then consecutive
     shared: Tensor | None = None  # (P,) the key slots of the shared blocks that some row uses
+    q_slot: Tensor | None = None  # (1, G) a query group's query slots (``wide_queries``);
+    # its ``rows`` then holds the block of the first one only
+    all_keys: bool = False  # one row reading every key slot in order: k itself, not a copy
 
     @property
     def width(self) -> int:
         """Key blocks per row."""
         return self.kv_blocks.shape[1]
 
+    def query_slots(self, block: int) -> Tensor:
+        """(R, bq or G) the frame slot of each query."""
+        if self.q_slot is not None:
+            return self.q_slot
+        return self.rows[:, None] * block + torch.arange(block, device=self.rows.device)
+
     def gather(
         self, q: Tensor, k: Tensor, v: Tensor, frame: Frame
     ) -> tuple[Tensor, Tensor, Tensor]:
         """(B, H, slots, D) each -> this group's query blocks (B, H, R, bq, D) and keys and
         values (B, H, R, C, D), every source copied."""
-        q_blocks = q.unflatten(2, (-1, frame.q.block)).index_select(2, self.rows)
+        if self.q_slot is None:
+            q_rows = q.unflatten(2, (-1, frame.q.block)).index_select(2, self.rows)
+        else:
+            q_rows = q.index_select(2, self.q_slot.flatten()).unflatten(2, self.q_slot.shape)
+        if self.all_keys:
+            return q_rows, k.unsqueeze(2), v.unsqueeze(2)
         index = self.k_slot.flatten()
         k_cols, v_cols = (x.index_select(2, index).unflatten(2, self.k_slot.shape) for x in (k, v))
-        return q_blocks, k_cols, v_cols
+        return q_rows, k_cols, v_cols
 
     def key_sources(self, x: Tensor, block: int) -> list[Tensor]:
         """One sequence's keys or values (H, slots, D) as the group's sources, each (R, H,
@@ -157,13 +172,18 @@ def _group(
     usable: Tensor,
     window: Window | None = None,
     shared: Tensor | None = None,
+    q_slot: Tensor | None = None,
 ) -> GroupPlan:
-    """A group reading ``kv_blocks`` (R, width), of which ``usable`` (R, width) may hold pairs."""
+    """A group reading ``kv_blocks`` (R, width), of which ``usable`` (R, width) may hold pairs;
+    its queries are the blocks ``rows``, or the slots ``q_slot`` (1, G)."""
     bq, bk = frame.q.block, frame.k.block
     kv_blocks = kv_blocks.clamp(0, frame.k.num_blocks - 1)
     offsets = torch.arange(bk, device=kv_blocks.device)
     k_slot = (kv_blocks[..., None] * bk + offsets).flatten(1)
-    q_pos = frame.q.position.view(-1, bq)[rows][:, :, None]
+    if q_slot is None:
+        q_pos = frame.q.position.view(-1, bq)[rows][:, :, None]
+    else:
+        q_pos = frame.q.position[q_slot][:, :, None]
     k_pos = frame.k.position[k_slot][:, None, :]
     usable = usable.repeat_interleave(bk, dim=1) & frame.k.valid[k_slot]  # (R, width * bk)
     masked = ~(part.allowed(q_pos, k_pos) & usable[:, None, :])
@@ -171,7 +191,11 @@ def _group(
     if window is not None:
         widths = (window.width * bk, 0 if shared is None else shared.numel() * bk, 0)
         widths = (*widths[:2], k_slot.shape[1] - sum(widths))
-    group = GroupPlan(rows, kv_blocks, k_slot, q_pos, k_pos, masked, widths, window)
+    every = torch.arange(frame.k.slots, device=k_slot.device)
+    all_keys = k_slot.shape == (1, frame.k.slots) and bool((k_slot[0] == every).all())
+    group = GroupPlan(
+        rows, kv_blocks, k_slot, q_pos, k_pos, masked, widths, window, None, q_slot, all_keys
+    )
     return group if shared is None else _used_shared_slots(group)
 
 
@@ -189,6 +213,7 @@ def _used_shared_slots(group: GroupPlan) -> GroupPlan:
         group.rows, group.kv_blocks, group.k_slot[:, columns], group.q_pos,
         group.k_pos[:, :, columns], group.masked[:, :, columns], (band, used, extra),
         group.window, group.k_slot[0, band : band + shared][~unused] if used else None,
+        group.q_slot,
     )  # fmt: skip
 
 
@@ -254,7 +279,8 @@ def _banded(
     if layout.block_q != layout.block_k or not rows.numel():
         return [], covered
     typical = counts[rows].float().median()
-    narrow = rows[counts[rows] <= 2 * typical]  # global rows read (nearly) every block
+    narrow = rows[counts[rows] <= 2 * typical]  # global rows read (nearly) every block (see
+    # wide_queries, which the CPU path uses to split them at the query)
     band = find_band(used, narrow, waste) if narrow.numel() else None
     if band is None:
         return [], covered
@@ -265,20 +291,58 @@ def _banded(
 
 
 @per_shape(maxsize=256)
-def plan(part: Pattern, frame: Frame, waste: float) -> list[GroupPlan]:
+def plan(part: Pattern, frame: Frame, waste: float, split_queries: bool = False) -> list[GroupPlan]:
     """The row groups of a part's layout in its frame: band groups where consecutive rows share a
     band of key blocks, and row groups (``BlockLayout.row_groups``) gathered whole for the rest
-    (global rows, the first and last rows of a band, patterns without one)."""
+    (global rows, the first and last rows of a band, patterns without one).
+
+    With ``split_queries`` (the CPU path, which merges groups that share output rows), the
+    queries that read most keys leave their blocks for a query group of their own, last in the
+    list (``wide_queries``); the rest of their blocks plan as ordinary rows."""
     layout = build_layout(part, frame)
-    used = layout.state != EMPTY
+    state = layout.state
+    split = _split(part, frame, state != EMPTY) if split_queries else None
+    if split is not None:  # the split rows read what their other queries read
+        rows = torch.zeros(state.shape[0], dtype=torch.bool, device=state.device)
+        rows[split.rows] = True
+        narrowed = torch.zeros_like(rows[:, None].expand(state.shape))
+        narrowed[split.rows] = split.narrow_used
+        state = torch.where(rows[:, None] & ~narrowed, EMPTY, state)
+        layout = BlockLayout(state, layout.block_q, layout.block_k)
+    used = state != EMPTY
     windows, covered = _banded(layout, used, waste)
     plans = [_band_group(part, frame, used, w, count, waste) for w, count in windows]
-    rest = BlockLayout(
-        torch.where(covered[:, None], EMPTY, layout.state), layout.block_q, layout.block_k
-    )
+    rest = BlockLayout(torch.where(covered[:, None], EMPTY, state), layout.block_q, layout.block_k)
     for group in rest.row_groups(waste):
         plans.append(_group(part, frame, group.rows, group.kv_blocks, group.used))
-    return plans
+    if split is None:
+        return plans
+    hidden = torch.zeros(frame.q.slots, dtype=torch.bool, device=state.device)
+    hidden[split.wide_slots] = True  # their pairs are the query group's
+    plans = [_hide(g, hidden[g.query_slots(frame.q.block)]) for g in plans]
+    blocks = torch.nonzero(split.wide_used).flatten()[None]
+    everything = torch.ones_like(blocks, dtype=torch.bool)
+    queries = split.wide_slots[None]
+    return [*plans, _group(part, frame, split.rows[:1], blocks, everything, q_slot=queries)]
+
+
+def _split(part: Pattern, frame: Frame, used: Tensor) -> WideSplit | None:
+    """``split_wide_queries`` for the rows that read more than twice the typical number of key
+    blocks, as ``_banded`` counts them."""
+    counts = used.sum(dim=1)
+    rows = torch.nonzero(counts).flatten()
+    if not rows.numel():
+        return None
+    typical = float(counts[rows].float().median())
+    wide = rows[counts[rows] > 2 * typical]
+    return split_wide_queries(part, frame, wide, typical) if wide.numel() else None
+
+
+def _hide(group: GroupPlan, hidden: Tensor) -> GroupPlan:
+    """The group with the queries ``hidden`` (R, bq) masked from every key."""
+    if not bool(hidden.any()):
+        return group
+    return replace(group, masked=group.masked | hidden[:, :, None])
 
 
 @per_shape(maxsize=256)

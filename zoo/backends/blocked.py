@@ -176,16 +176,20 @@ class BlockedBackend(Backend):
             size = part_block(part, call.q_len, call.kv_len, size, self.waste, call.device)
         return build_frame(part.stride, call.q_len, call.kv_len, size, size, call.device)
 
-    def _plan(self, call: AttentionCall, part: Pattern) -> tuple[Frame, list[GroupPlan]]:
+    def _plan(
+        self, call: AttentionCall, part: Pattern, split_queries: bool = False
+    ) -> tuple[Frame, list[GroupPlan]]:
         frame = self._frame(call, part)
-        return frame, plan(part, frame, self.waste)
+        return frame, plan(part, frame, self.waste, split_queries)
 
     def scored_pairs(self, call: AttentionCall) -> int:
         B, H = call.q.shape[:2]
 
+        split = self._merges(call, call.pattern.parts())
+
         def pairs(part: Pattern) -> int:
             if not part.routed:
-                return sum(g.masked.numel() for g in self._plan(call, part)[1])
+                return sum(g.masked.numel() for g in self._plan(call, part, split)[1])
             if usable(call):
                 return scored_by_key(call, part, self.block_size)
             return routed_pairs(part, self._frame(call, part), B, H, self.waste)
@@ -206,9 +210,8 @@ class BlockedBackend(Backend):
                  for p in parts]
             )  # fmt: skip
         elif self._merges(call, parts):
-            out = merged_blocked(
-                call, [self._plan(call, p) for p in parts], self._frame_inputs(call, dtype), dtype
-            )
+            planned = [self._plan(call, p, split_queries=True) for p in parts]
+            out = merged_blocked(call, planned, self._frame_inputs(call, dtype), dtype)
             out = no_pairs(call, dtype) if out is None else out
         elif len(parts) == 1 and call.score.kind == "dot":
             out = self._fused(call, parts[0], dtype)
@@ -229,14 +232,17 @@ class BlockedBackend(Backend):
     def _merges(self, call: AttentionCall, parts: tuple[Pattern, ...]) -> bool:
         """Whether the call runs as merged pieces (``blocked_merged``): where the kernel can
         (``merges_pieces``) and there is something to merge, several parts or a group whose keys
-        come from several sources. One band alone runs faster as one fused call on its view:
-        the merge would only add copies (local at 8K on a CPU: 62 ms fused, 88 ms merged)."""
-        if not merges_pieces(call):
+        come from several sources, or queries split from their blocks (``wide_queries``). One
+        band alone runs faster as one fused call on its view: the merge would only add copies
+        (local at 8K on a CPU: 62 ms fused, 88 ms merged)."""
+        if not merges_pieces(call) or call.pattern.routed:
             return False
         if len(parts) > 1:
             return True
-        groups = self._plan(call, parts[0])[1]
-        return any(sum(1 for columns in g.widths if columns) > 1 for g in groups)
+        groups = self._plan(call, parts[0], split_queries=True)[1]
+        return any(
+            g.q_slot is not None or sum(1 for columns in g.widths if columns) > 1 for g in groups
+        )
 
     def _frame_inputs(self, call: AttentionCall, dtype: torch.dtype):
         """q, k, v and the key padding in a frame's order, for ``merged_blocked``."""

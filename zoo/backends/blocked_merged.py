@@ -64,8 +64,7 @@ def _mask(call: AttentionCall, group: GroupPlan, padded: Tensor | None, dtype) -
 
 def _rows(frame: Frame, group: GroupPlan, batch: int, q_len: int) -> Tensor:
     """(B, R, bq): each query slot's row in the (B * Lq) output; padding slots get B * Lq."""
-    offsets = torch.arange(frame.q.block, device=group.rows.device)
-    slots = group.rows[:, None] * frame.q.block + offsets
+    slots = group.query_slots(frame.q.block)
     rows = torch.where(frame.q.valid[slots], frame.q.index[slots], q_len)
     offsets = torch.arange(batch, device=rows.device)[:, None, None] * q_len
     return torch.where(rows < q_len, rows + offsets, batch * q_len)
@@ -122,7 +121,9 @@ def merged_blocked(
     for part, (frame, groups) in enumerate(planned):
         q, k, v, padded = inputs(frame)
         for group in groups:  # the groups of one part hold disjoint query blocks
-            pieces += group_pieces(call, frame, group, q, k, v, padded, dtype, fresh=part == 0)
+            # a query group (``wide_queries``) merges with its queries' blocks, listed before it
+            fresh = part == 0 and group.q_slot is None
+            pieces += group_pieces(call, frame, group, q, k, v, padded, dtype, fresh)
     if not pieces:
         return None
     B, Lq = call.q.shape[0], call.q.shape[2]
