@@ -123,6 +123,32 @@ def _combine_two(
     return torch.logaddexp(lse_a, lse_b), torch.lerp(out_a, out_b, share[..., None])
 
 
+# A piece with at most this many keys (Longformer's global column: one) runs as plain matrix
+# products: the kernel's fixed cost per (row, head) made a 1-key piece at 8K tokens take 4 ms.
+SMALL_KEYS = 16
+
+
+def _piece_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float):
+    """(out, lse) of one piece, q folded to k's heads; lse -inf or 0 where a row has no key."""
+    if k.shape[2] > SMALL_KEYS:
+        return _forward(q, k, v, attn_mask=mask, scale=scale)
+    scores = (q @ k.transpose(-1, -2)) * scale + mask
+    lse = scores.logsumexp(dim=-1)
+    weights = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0)[..., None])
+    return weights @ v, lse
+
+
+def _piece_backward(g, q, k, v, out, lse, mask, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of one piece given the merged output and log-sum-exp of its rows (lse = inf
+    where a row has no key): its softmax is the whole row's, restricted to its keys."""
+    if k.shape[2] > SMALL_KEYS:
+        return _backward(g, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
+    weights = torch.exp((q @ k.transpose(-1, -2)) * scale + mask - lse[..., None])
+    dv = weights.transpose(-1, -2) @ g
+    d_scores = weights * (g @ v.transpose(-1, -2) - (g * out).sum(dim=-1, keepdim=True))
+    return (d_scores @ k) * scale, (d_scores.transpose(-1, -2) @ q) * scale, dv
+
+
 def _pieces(layout: tuple, tensors: tuple[Tensor, ...]) -> list[Piece]:
     return [Piece(*(tensors[i] for i in entry[:-1]), fresh=entry[-1]) for entry in layout]
 
@@ -145,7 +171,7 @@ class _Merged(torch.autograd.Function):
             lses, outs = [], []
             for p in members:
                 g = heads // p.k.shape[1]
-                o, l = _forward(_fold(p.q, g), p.k, p.v, attn_mask=_fold(p.mask, g), scale=scale)
+                o, l = _piece_forward(_fold(p.q, g), p.k, p.v, _fold(p.mask, g), scale)
                 outs.append(_unfold(o, g).to(dtype))
                 lses.append(
                     _unfold(l, g).to(dtype).masked_fill(p.no_key, -math.inf)
@@ -174,15 +200,20 @@ class _Merged(torch.autograd.Function):
         def add(slot: int, value: Tensor) -> None:
             grads[slot] = value if grads[slot] is None else grads[slot] + value
 
+        rows_of: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # a group's rows, read once
         for slots, p in zip(ctx.layout, pieces, strict=True):
-            rows = p.rows.flatten()
-            g = _unflat(grad[rows], p.q).contiguous()
-            o = _unflat(out[rows], p.q).contiguous()
-            piece_lse = _unflat(lse[rows][..., None], p.q)[..., 0].contiguous()
+            if slots[5] not in rows_of:
+                rows = p.rows.flatten()
+                rows_of[slots[5]] = (
+                    _unflat(grad[rows], p.q).contiguous(),
+                    _unflat(out[rows], p.q).contiguous(),
+                    _unflat(lse[rows][..., None], p.q)[..., 0].contiguous(),
+                )
+            g, o, piece_lse = rows_of[slots[5]]
             n = p.q.shape[1] // p.k.shape[1]
-            dq, dk, dv = _backward(
-                _fold(g, n), _fold(p.q, n), p.k, p.v, _fold(o, n), _fold(piece_lse, n), 0.0, False,
-                attn_mask=_fold(p.mask, n), scale=ctx.scale,
+            dq, dk, dv = _piece_backward(
+                _fold(g, n), _fold(p.q, n), p.k, p.v, _fold(o, n), _fold(piece_lse, n),
+                _fold(p.mask, n), ctx.scale,
             )  # fmt: skip
             for slot, value in zip(slots[:3], (_unfold(dq, n), dk, dv), strict=True):
                 add(slot, value)
