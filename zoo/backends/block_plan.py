@@ -273,14 +273,12 @@ def _banded(
     layout: BlockLayout, used: Tensor, waste: float
 ) -> tuple[list[tuple[Window, int]], Tensor]:
     """The band windows of a layout with their row counts, and which rows they cover."""
-    counts = used.sum(dim=1)
-    rows = torch.nonzero(counts).flatten()
+    rows, wide, _ = _wide_rows(used)
     covered = torch.zeros(used.shape[0], dtype=torch.bool, device=used.device)
     if layout.block_q != layout.block_k or not rows.numel():
         return [], covered
-    typical = counts[rows].float().median()
-    narrow = rows[counts[rows] <= 2 * typical]  # global rows read (nearly) every block (see
-    # wide_queries, which the CPU path uses to split them at the query)
+    narrow = rows[~wide]  # global rows read (nearly) every block (see wide_queries, which the
+    # CPU path uses to split them at the query)
     band = find_band(used, narrow, waste) if narrow.numel() else None
     if band is None:
         return [], covered
@@ -303,11 +301,9 @@ def plan(part: Pattern, frame: Frame, waste: float, split_queries: bool = False)
     state = layout.state
     split = _split(part, frame, state != EMPTY) if split_queries else None
     if split is not None:  # the split rows read what their other queries read
-        rows = torch.zeros(state.shape[0], dtype=torch.bool, device=state.device)
-        rows[split.rows] = True
-        narrowed = torch.zeros_like(rows[:, None].expand(state.shape))
-        narrowed[split.rows] = split.narrow_used
-        state = torch.where(rows[:, None] & ~narrowed, EMPTY, state)
+        keep = torch.ones_like(state, dtype=torch.bool)
+        keep[split.rows] = split.narrow_used
+        state = torch.where(keep, state, EMPTY)
         layout = BlockLayout(state, layout.block_q, layout.block_k)
     used = state != EMPTY
     windows, covered = _banded(layout, used, waste)
@@ -326,16 +322,20 @@ def plan(part: Pattern, frame: Frame, waste: float, split_queries: bool = False)
     return [*plans, _group(part, frame, split.rows[:1], blocks, everything, q_slot=queries)]
 
 
-def _split(part: Pattern, frame: Frame, used: Tensor) -> WideSplit | None:
-    """``split_wide_queries`` for the rows that read more than twice the typical number of key
-    blocks, as ``_banded`` counts them."""
+def _wide_rows(used: Tensor) -> tuple[Tensor, Tensor, float]:
+    """The query blocks that read any key block, which of them read more than twice the typical
+    number (the median), and that number."""
     counts = used.sum(dim=1)
     rows = torch.nonzero(counts).flatten()
-    if not rows.numel():
-        return None
-    typical = float(counts[rows].float().median())
-    wide = rows[counts[rows] > 2 * typical]
-    return split_wide_queries(part, frame, wide, typical) if wide.numel() else None
+    typical = float(counts[rows].float().median()) if rows.numel() else 0.0
+    return rows, counts[rows] > 2 * typical, typical
+
+
+def _split(part: Pattern, frame: Frame, used: Tensor) -> WideSplit | None:
+    """``split_wide_queries`` for the wide rows of ``_wide_rows``."""
+    rows, wide, typical = _wide_rows(used)
+    wide_rows = rows[wide]
+    return split_wide_queries(part, frame, wide_rows, typical) if wide_rows.numel() else None
 
 
 def _hide(group: GroupPlan, hidden: Tensor) -> GroupPlan:

@@ -57,6 +57,7 @@ from ..call import AttentionCall
 from ..frames import Frame, build_frame
 from ..patterns import EMPTY, FULL, PARTIAL, Pattern
 from .blocked_routed import routed_state
+from .lse_merge import explicit_backward
 
 COARSE = 8  # kernel blocks per key block of a run (512 keys at the default 64)
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -238,12 +239,9 @@ class _Attention(torch.autograd.Function):
                     d_o, queries, keys, values, o, m, 0.0, False, attn_mask=mask, scale=1.0
                 )
             else:  # the mass's gradient enters: d lse / d score = probability, explicitly
-                scores = queries @ keys.transpose(-1, -2)
-                prob = torch.exp((scores if mask is None else scores + mask) - m[..., None])
-                row = (d_o * o).sum(-1) - grad_lse[rows]
-                ds = prob * (d_o @ values.transpose(-1, -2) - row[..., None])
-                dq_r, dk_r = ds @ keys, ds.transpose(-1, -2) @ queries
-                dv_r = prob.transpose(-1, -2) @ d_o
+                dq_r, dk_r, dv_r = explicit_backward(
+                    d_o, queries, keys, values, o, m, mask, 1.0, grad_lse[rows][None, None]
+                )
             dq.index_add_(0, rows, dq_r[0, 0])
             dk_blocks[block] += dk_r[0, 0]
             dv_blocks[block] += dv_r[0, 0]

@@ -143,9 +143,24 @@ def _piece_backward(g, q, k, v, out, lse, mask, scale: float) -> tuple[Tensor, T
     where a row has no key): its softmax is the whole row's, restricted to its keys."""
     if k.shape[2] > SMALL_KEYS:
         return _backward(g, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
-    weights = torch.exp((q @ k.transpose(-1, -2)) * scale + mask - lse[..., None])
+    return explicit_backward(g, q, k, v, out, lse, mask, scale)
+
+
+def explicit_backward(
+    g: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    mask: Tensor | None, scale: float, grad_lse: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """dq, dk, dv of softmax(scale * q kᵀ + mask) v over some keys, from the probabilities
+    recomputed against the row's merged ``lse`` (inf where a row has no key): what the kernel's
+    backward computes, in plain products. ``grad_lse``: the gradient of the log-sum-exp itself,
+    where a caller uses it (d lse / d score = probability)."""
+    scores = (q @ k.transpose(-1, -2)) * scale
+    weights = torch.exp((scores if mask is None else scores + mask) - lse[..., None])
+    row = (g * out).sum(dim=-1)
+    if grad_lse is not None:
+        row = row - grad_lse
+    d_scores = weights * (g @ v.transpose(-1, -2) - row[..., None])
     dv = weights.transpose(-1, -2) @ g
-    d_scores = weights * (g @ v.transpose(-1, -2) - (g * out).sum(dim=-1, keepdim=True))
     return (d_scores @ k) * scale, (d_scores.transpose(-1, -2) @ q) * scale, dv
 
 
