@@ -89,6 +89,22 @@ def test_strided_regrouping_makes_blocks_dense():
     assert bool((grouped.state[grouped.state != EMPTY] == FULL).all())
 
 
+@pytest.mark.parametrize("stride", [1, 3, 8])
+@pytest.mark.parametrize("q_len,kv_len", [(64, 64), (50, 50), (20, 50), (21, 50)])
+def test_frame_gather_places_each_token_in_its_slot(stride, q_len, kv_len):
+    """gather (a transposing copy where the frame allows one) puts token index[s] in slot s and
+    scatter brings every token back, for aligned and unaligned queries, padded or not."""
+    frame = build_frame(stride, q_len, kv_len, 4, 4, CPU)
+    for axis in (frame.q, frame.k):
+        x = torch.randn(2, axis.length, 3)
+        slots = axis.gather(x, dim=1)
+        assert slots.shape == (2, axis.slots, 3)
+        assert torch.equal(slots[:, axis.valid], x[:, axis.index[axis.valid]])
+        assert torch.equal(axis.scatter(slots, dim=1), x)
+    if stride == 8 and q_len == kv_len:
+        assert frame.q.aligned  # the fast path is the one tested here
+
+
 def positions(q_len, kv_len):
     return query_positions(q_len, kv_len)[:, None], torch.arange(kv_len)[None, :]
 

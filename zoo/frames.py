@@ -38,6 +38,9 @@ class Axis:
     block: int
     step: int
     tiles: Tiles | None = None  # the grid order whose tiles the blocks are, if any
+    # stride frame whose first group starts at the first token: slot r * G + t holds token
+    # t * step + r, so the order is a transpose of the tokens padded to step * G (see gather)
+    aligned: bool = False
 
     @property
     def slots(self) -> int:
@@ -62,21 +65,35 @@ class Axis:
         return Spans(lo, hi, self.step, valid.all(dim=1), box)
 
     def gather(self, x: Tensor, dim: int = -2) -> Tensor:
-        """Tokens of ``x`` (original order along ``dim``) placed into this frame's slots."""
+        """Tokens of ``x`` (original order along ``dim``) placed into this frame's slots; padding
+        slots hold zeros, or the last token where the frame is not a transpose."""
         if self.identity:
-            if self.slots == self.length:
-                return x
-            # cat, not F.pad: on a busy CPU, pad's threaded fill was 100x slower (17 ms for 1 MB).
-            tail = list(x.shape)
-            tail[dim] = self.slots - self.length
-            return torch.cat([x, x.new_zeros(tail)], dim=dim)
+            return _padded(x, dim, self.slots)
+        if self.aligned:  # a transposing copy: 4x faster than index_select on a CPU (8 MB)
+            dim, groups = dim % x.dim(), self.slots // self.step
+            x = _padded(x, dim, self.slots).unflatten(dim, (groups, self.step))
+            return x.transpose(dim, dim + 1).flatten(dim, dim + 1)
         return x.index_select(dim, self.index)
 
     def scatter(self, x: Tensor, dim: int = -2) -> Tensor:
         """Slots of ``x`` back into the original order (padding slots dropped)."""
         if self.identity:
             return x.narrow(dim, 0, self.length)
+        if self.aligned:
+            dim, groups = dim % x.dim(), self.slots // self.step
+            x = x.unflatten(dim, (self.step, groups)).transpose(dim, dim + 1).flatten(dim, dim + 1)
+            return x.narrow(dim, 0, self.length)
         return x.index_select(dim, self.slot_of)
+
+
+def _padded(x: Tensor, dim: int, length: int) -> Tensor:
+    """``x`` with zeros appended along ``dim`` up to ``length``."""
+    if x.shape[dim] == length:
+        return x
+    # cat, not F.pad: on a busy CPU, pad's threaded fill was 100x slower (17 ms for 1 MB).
+    tail = list(x.shape)
+    tail[dim] = length - x.shape[dim]
+    return torch.cat([x, x.new_zeros(tail)], dim=dim)
 
 
 def _axis(length: int, start: int, stride: int | Tiles, block: int, device: torch.device) -> Axis:
@@ -98,7 +115,7 @@ def _axis(length: int, start: int, stride: int | Tiles, block: int, device: torc
     index = (position - start).clamp(0, length - 1)
     p = torch.arange(length, device=device) + start - base
     slot_of = (p % stride) * padded + p // stride
-    return Axis(length, index, position, valid, slot_of, block, stride)
+    return Axis(length, index, position, valid, slot_of, block, stride, aligned=base == start)
 
 
 @dataclass(frozen=True, eq=False)
