@@ -8,8 +8,10 @@ import torch
 from helpers import FIXED_VARIANTS, check_against_reference, small_params
 
 import zoo
+from zoo.backends import lse_merge
 from zoo.backends.block_plan import part_block, plan
 from zoo.backends.blocked import BlockedBackend
+from zoo.backends.key_windows import KeyWindows
 from zoo.backends.lse_merge import Piece, merged_attention
 from zoo.frames import build_frame
 from zoo.functional import prepare_call
@@ -161,6 +163,31 @@ def test_narrow_band_runs_at_half_the_block(causal, v_dim):
         "dilated", BlockedBackend(), q_len=1000, kv_len=1000, causal=causal, padded=True,
         params=params, v_dim=v_dim,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("chunk_blocks", [1, 3])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_band_backward_in_chunks_of_query_blocks(causal, chunk_blocks, monkeypatch):
+    """The CPU path runs a band's backward a few query blocks at a time and adds each chunk's
+    window gradient into the keys' (``lse_merge.CHUNK_BYTES``): with chunks of 1 and of 3 blocks
+    (the last one short), grouped-query heads and padding, output and gradients match the
+    reference, and the band's backward did run in that many chunks."""
+    width = (3 if causal else 5) * 16  # the band: blocks r - 2 .. r (+ 2) of 16 keys
+    monkeypatch.setattr(lse_merge, "CHUNK_BYTES", chunk_blocks * 2 * width * 16 * 4)
+    chunks = []
+    add_grad = KeyWindows.add_grad
+
+    def counted(self, grad_x, grad, first=0):
+        chunks.append(grad.shape[0])
+        return add_grad(self, grad_x, grad, first)
+
+    monkeypatch.setattr(KeyWindows, "add_grad", counted)
+    check_against_reference(
+        "longformer", BlockedBackend(block_size=16), q_len=320, kv_len=320, causal=causal,
+        padded=True, params={"window_size": 24, "global_tokens": [0]}, v_dim=16, heads=4,
+        kv_heads=2,
+    )  # fmt: skip
+    assert chunks and max(chunks) == chunk_blocks
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])

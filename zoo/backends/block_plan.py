@@ -10,7 +10,7 @@ A group's keys come from up to three sources, side by side in one mask::
 
 - the **band** (``Window``): where consecutive rows need the blocks of a sliding band (local and
   sliding-window patterns, the window of Longformer and BigBird), read as overlapping windows of
-  the keys (``unfold``) instead of copying W blocks per row;
+  the keys (``key_windows``) instead of copying W blocks per row;
 - **shared** blocks: key blocks most of the group's rows need outside the band (the global
   columns of Longformer and BigBird), read once and expanded over the rows; only their slots
   that some query uses are read (Longformer's one global token: one column, not a block);
@@ -32,6 +32,7 @@ from ..frames import Frame, build_frame
 from ..layout import BlockLayout, build_layout
 from ..patterns import EMPTY, Pattern
 from ..shape_cache import per_shape
+from .key_windows import KeyWindows, key_windows
 from .wide_queries import WideSplit, split_wide_queries
 
 
@@ -43,42 +44,6 @@ class Window:
     first: int
     lo: int
     width: int
-
-
-def key_windows(x: Tensor, window: Window, rows: int, block: int) -> Tensor:
-    """(H, slots, D) -> (rows, H, width * block, D): overlapping windows as a strided view of x,
-    without copying them; row r reads blocks first + lo + r .. first + lo + r + width - 1."""
-    start = (window.first + window.lo) * block
-    return _Windows.apply(x, start, rows, window.width, block)
-
-
-def _window_view(x: Tensor, start: int, rows: int, width: int, block: int) -> Tensor:
-    span = x.narrow(1, start, (rows + width - 1) * block)
-    windows = span.unflatten(1, (-1, block)).unfold(1, width, 1)  # (H, rows, bk, D, W)
-    return windows.permute(1, 0, 4, 2, 3).flatten(2, 3)  # (rows, H, W * bk, D)
-
-
-class _Windows(torch.autograd.Function):
-    """``key_windows`` with a backward that adds each window offset's gradient, one strided
-    slice of x per offset, into a single buffer of x's size. Autograd through the view would
-    run ``unfold_backward`` and then fill and copy a buffer per view in the chain (narrow,
-    select): local at 8K on a CPU spent 62 ms there, against 173 ms in the attention kernel's
-    own backward."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, start: int, rows: int, width: int, block: int) -> Tensor:
-        ctx.shape, ctx.layout = x.shape, (start, rows, width, block)
-        return _window_view(x, start, rows, width, block)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        start, rows, width, block = ctx.layout
-        grad_x = grad.new_zeros(ctx.shape)  # (H, slots, D)
-        per_offset = grad.unflatten(2, (width, block)).transpose(0, 1)  # (H, rows, W, bk, D)
-        for w in range(width):  # offset w of row r is block r + w of the span
-            span = grad_x.narrow(1, start + w * block, rows * block).unflatten(1, (rows, block))
-            span.add_(per_offset[:, :, w])  # in place through a view: no copy of the slice
-        return grad_x, None, None, None, None
 
 
 @dataclass(frozen=True, eq=False)
@@ -125,14 +90,21 @@ class GroupPlan:
         k_cols, v_cols = (x.index_select(2, index).unflatten(2, self.k_slot.shape) for x in (k, v))
         return q_rows, k_cols, v_cols
 
-    def key_sources(self, x: Tensor, block: int) -> list[Tensor]:
+    def band(self, block: int) -> KeyWindows | None:
+        """The band source as key windows, one per row of the group; None without a band."""
+        if not self.widths[0]:
+            return None
+        return KeyWindows((self.window.first + self.window.lo) * block, self.window.width, block)
+
+    def key_sources(self, x: Tensor, block: int, band_view: bool = True) -> list[Tensor]:
         """One sequence's keys or values (H, slots, D) as the group's sources, each (R, H,
-        columns, D): the band as a view, the shared slots expanded, the extra blocks gathered."""
+        columns, D): the band as a view (or, without ``band_view``, x itself, which the caller
+        reads through ``band``), the shared slots expanded, the extra blocks gathered."""
         band, shared, extra = self.widths
         rows = self.rows.numel()
         out = []
         if band:
-            out.append(key_windows(x, self.window, rows, block))
+            out.append(key_windows(x, self.band(block), rows) if band_view else x)
         if shared:
             cols = x.index_select(1, self.shared)
             out.append(cols.expand(rows, *cols.shape))

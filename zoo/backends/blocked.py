@@ -232,16 +232,23 @@ class BlockedBackend(Backend):
     def _merges(self, call: AttentionCall, parts: tuple[Pattern, ...]) -> bool:
         """Whether the call runs as merged pieces (``blocked_merged``): where the kernel can
         (``merges_pieces``) and there is something to merge, several parts or a group whose keys
-        come from several sources, or queries split from their blocks (``wide_queries``). One
-        band alone runs faster as one fused call on its view: the merge would only add copies
-        (local at 8K on a CPU: 62 ms fused, 88 ms merged)."""
+        come from several sources, or queries split from their blocks (``wide_queries``); or a
+        gradient through overlapping key windows, which the merged path computes a chunk of rows
+        at a time (``lse_merge.CHUNK_BYTES``; local at 8K on a CPU, forward + backward: 300-330
+        ms fused, 255-290 ms merged). Otherwise one fused call on the band's view is as fast
+        (local's forward) or faster (block_local's forward + backward: 50-70 ms fused, 85-100
+        ms merged)."""
         if not merges_pieces(call) or call.pattern.routed:
             return False
         if len(parts) > 1:
             return True
         groups = self._plan(call, parts[0], split_queries=True)[1]
+        grad = any(t.requires_grad for t in (call.q, call.k, call.v))
         return any(
-            g.q_slot is not None or sum(1 for columns in g.widths if columns) > 1 for g in groups
+            g.q_slot is not None
+            or sum(1 for columns in g.widths if columns) > 1
+            or (grad and g.window is not None and g.window.width > 1)
+            for g in groups
         )
 
     def _frame_inputs(self, call: AttentionCall, dtype: torch.dtype):

@@ -91,11 +91,13 @@ def group_pieces(
         for b in range(B):
             qb = q[b].unflatten(1, (-1, bq)).narrow(1, group.window.first, group.rows.numel())
             qb = qb.transpose(0, 1)  # (R, H, bq, D)
-            keys, values = group.key_sources(k[b], bk), group.key_sources(v[b], bk)
+            keys = group.key_sources(k[b], bk, band_view=False)
+            values = group.key_sources(v[b], bk, band_view=False)
+            windows = [group.band(bk)] + [None] * (len(keys) - 1)  # the band comes first
             rows_b = rows[b]  # one object for the sources: they merge as one group (Piece)
-            for kb, vb, m, none in zip(keys, values, masks, no_keys, strict=True):
+            for kb, vb, m, none, w in zip(keys, values, masks, no_keys, windows, strict=True):
                 i = b % m.shape[0]
-                pieces.append(Piece(qb, kb, vb, m[i], none[i], rows_b, fresh))
+                pieces.append(Piece(qb, kb, vb, m[i], none[i], rows_b, fresh, w))
         return pieces
     q_blocks, k_blocks, v_blocks = group.gather(q, k, v, frame)  # (B, H, R, ...)
 

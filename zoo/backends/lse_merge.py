@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .key_windows import KeyWindows
+
 _forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
@@ -42,7 +44,10 @@ class Piece:
     ``rows`` (N, M) names each query's row in the merged output (``rows == total`` drops it).
     Pieces with the same q and rows tensors (the same objects) are one group: the sources of a
     group's keys. ``fresh``: no earlier group holds any of its rows, so the group's result is
-    written into them instead of merged with what they hold."""
+    written into them instead of merged with what they hold. ``window``: k and v are one
+    sequence's keys and values (H, slots, D), which query block n reads as its window n (a band:
+    no copy in the forward, and in the backward each chunk of rows adds its gradient straight
+    into the keys')."""
 
     q: Tensor
     k: Tensor
@@ -51,9 +56,17 @@ class Piece:
     no_key: Tensor
     rows: Tensor
     fresh: bool = False
+    window: KeyWindows | None = None
 
     def tensors(self) -> tuple[Tensor, ...]:
         return self.q, self.k, self.v, self.mask, self.no_key, self.rows
+
+    def keys(self, first: int = 0, rows: int | None = None) -> tuple[Tensor, Tensor]:
+        """k and v (N, H, m, D) as the kernel reads them, for query blocks first .. + rows - 1."""
+        rows = self.q.shape[0] - first if rows is None else rows
+        if self.window is None:
+            return self.k.narrow(0, first, rows), self.v.narrow(0, first, rows)
+        return self.window.view(self.k, rows, first), self.window.view(self.v, rows, first)
 
 
 def merged_attention(pieces: list[Piece], total: int, scale: float) -> Tensor:
@@ -71,7 +84,7 @@ def merged_attention(pieces: list[Piece], total: int, scale: float) -> Tensor:
                 seen[id(t)] = len(tensors)
                 tensors.append(t)
             slots.append(seen[id(t)])
-        layout.append((*slots, p.fresh))
+        layout.append((*slots, p.fresh, p.window))
     return _Merged.apply(total, scale, tuple(layout), *tensors)
 
 
@@ -138,9 +151,40 @@ def _piece_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float):
     return weights @ v, lse
 
 
-def _piece_backward(g, q, k, v, out, lse, mask, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv of one piece given the merged output and log-sum-exp of its rows (lse = inf
-    where a row has no key): its softmax is the whole row's, restricted to its keys."""
+# A band's backward runs on at most this many bytes of window gradient at a time. The kernel
+# returns zero-filled gradients of the k and v it read: for Longformer's band at 8K, windows of
+# 70 MB each, which cost more in fresh pages than the products that fill them (a CPU, 2
+# threads: 240 ms in one call against 150-170 ms in chunks of 8 query blocks). A chunk's
+# gradient stays in cache and is added into the keys' at once. Gathered pieces run whole: their
+# gradients are the size of what they gathered, so chunks would only add a concatenation.
+CHUNK_BYTES = 4 << 20
+
+
+def _piece_backward(
+    p: Piece, g: Tensor, out: Tensor, lse: Tensor, groups: int, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of one piece (dk, dv shaped as p.k, p.v) given the merged output and
+    log-sum-exp of its rows (lse = inf where a row has no key): its softmax is the whole row's,
+    restricted to its keys. g, out and lse are the piece's rows, q's heads folded to k's."""
+    q, mask = _fold(p.q, groups), _fold(p.mask, groups)
+    if p.window is None:
+        return _rows_backward(g, q, *p.keys(), out, lse, mask, scale)
+    n = q.shape[0]
+    step = max(1, CHUNK_BYTES // (p.keys(0, 1)[0].numel() * p.k.element_size()))
+    dq, dk, dv = [], p.k.new_zeros(p.k.shape), p.v.new_zeros(p.v.shape)
+    for first in range(0, n, step):
+        rows = slice(first, min(first + step, n))
+        k, v = p.keys(first, rows.stop - first)
+        mask_rows = mask[rows] if mask.shape[0] > 1 else mask
+        grads = _rows_backward(g[rows], q[rows], k, v, out[rows], lse[rows], mask_rows, scale)
+        dq.append(grads[0])
+        p.window.add_grad(dk, grads[1], first)
+        p.window.add_grad(dv, grads[2], first)
+    return torch.cat(dq), dk, dv
+
+
+def _rows_backward(g, q, k, v, out, lse, mask, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``_piece_backward`` for queries against the keys as the kernel reads them."""
     if k.shape[2] > SMALL_KEYS:
         return _backward(g, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
     return explicit_backward(g, q, k, v, out, lse, mask, scale)
@@ -165,7 +209,10 @@ def explicit_backward(
 
 
 def _pieces(layout: tuple, tensors: tuple[Tensor, ...]) -> list[Piece]:
-    return [Piece(*(tensors[i] for i in entry[:-1]), fresh=entry[-1]) for entry in layout]
+    return [
+        Piece(*(tensors[i] for i in entry[:-2]), fresh=entry[-2], window=entry[-1])
+        for entry in layout
+    ]
 
 
 class _Merged(torch.autograd.Function):
@@ -185,8 +232,8 @@ class _Merged(torch.autograd.Function):
         for members in groups.values():
             lses, outs = [], []
             for p in members:
-                g = heads // p.k.shape[1]
-                o, l = _piece_forward(_fold(p.q, g), p.k, p.v, _fold(p.mask, g), scale)
+                g = heads // p.k.shape[-3]
+                o, l = _piece_forward(_fold(p.q, g), *p.keys(), _fold(p.mask, g), scale)
                 outs.append(_unfold(o, g).to(dtype))
                 lses.append(
                     _unfold(l, g).to(dtype).masked_fill(p.no_key, -math.inf)
@@ -225,11 +272,10 @@ class _Merged(torch.autograd.Function):
                     _unflat(lse[rows][..., None], p.q)[..., 0].contiguous(),
                 )
             g, o, piece_lse = rows_of[slots[5]]
-            n = p.q.shape[1] // p.k.shape[1]
+            n = p.q.shape[1] // p.k.shape[-3]
             dq, dk, dv = _piece_backward(
-                _fold(g, n), _fold(p.q, n), p.k, p.v, _fold(o, n), _fold(piece_lse, n),
-                _fold(p.mask, n), ctx.scale,
-            )  # fmt: skip
+                p, _fold(g, n), _fold(o, n), _fold(piece_lse, n), n, ctx.scale
+            )
             for slot, value in zip(slots[:3], (_unfold(dq, n), dk, dv), strict=True):
                 add(slot, value)
         return None, None, None, *grads
