@@ -9,6 +9,7 @@ import torch
 
 import zoo
 from zoo.backends import FlexBackend
+from zoo.block_sums import block_sums
 
 PARAMS = {
     "sliding_window": {"window_size": 5},
@@ -60,6 +61,48 @@ def test_moba_decodes_as_its_causal_forward(backend):
                                  pos="rope").double()  # fmt: skip
     with torch.no_grad():  # not causal attention in disguise: blocks were left out
         assert not torch.allclose(attn(x[:1]), dense(x[:1]), atol=1e-3)
+
+
+def test_moba_steps_read_only_the_chosen_keys(monkeypatch):
+    """A MoBA step on sdpa gathers each query head's chosen slots (a per-head choice, grouped
+    heads, an ALiBi bias at the gathered keys' positions): the kernel sees (B, H, K, D) with K
+    the most slots any head chose, not the 64 slots of the cache, and the output equals the
+    reference decoding path."""
+    seen = []
+    kernel = torch.nn.functional.scaled_dot_product_attention
+
+    def recorded(q, k, v, **kwargs):
+        seen.append((q.shape[2], tuple(k.shape)))
+        return kernel(q, k, v, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
+    torch.manual_seed(5)
+    attn = zoo.create_attention(
+        "moba", dim=24, num_heads=6, num_kv_heads=2, causal=True, pos="alibi", backend="sdpa",
+        block_size=4, top_k=2,
+    ).double().eval()  # fmt: skip
+    x, lens = torch.randn(2, 40, 24, dtype=torch.float64), [12, 5]
+    got = _decoded_rows(attn, x, lens)[1]
+    steps = [shape for t, shape in seen if t == 1]
+    assert steps and all(shape[:2] == (2, 6) and shape[2] <= 2 * 4 for shape in steps), steps
+    attn.backend = "reference"
+    for g, w in zip(got, _decoded_rows(attn, x, lens)[1], strict=True):
+        assert torch.allclose(g, w, atol=1e-10, rtol=0)
+
+
+def test_cache_keeps_block_sums_of_its_keys():
+    """The cache's running block sums (``KVCache.key_block_sums``) equal the sums of its kept
+    keys computed at once, after a padded prefill and steps, and start over after ``reset``."""
+    attn = zoo.create_attention("moba", dim=24, num_heads=6, num_kv_heads=2, causal=True,
+                                block_size=4, top_k=2).double().eval()  # fmt: skip
+    x = torch.randn(2, 20, 24, dtype=torch.float64)
+    cache, _ = _decoded_rows(attn, x, [12, 3], prefill=12, chunk=3)
+    sums, counts = cache.key_block_sums(4)
+    want_sums, want_counts = block_sums(cache.keys, cache.slot_pos >= 0, 4)
+    assert torch.allclose(sums, want_sums, atol=1e-5) and torch.equal(counts, want_counts)
+    assert counts.sum(1).tolist() == [20, 11]
+    cache.reset()
+    assert cache.key_block_sums(4)[1].sum() == 0
 
 
 @pytest.mark.parametrize(

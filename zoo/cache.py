@@ -32,6 +32,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
+from .block_sums import RunningBlockSums
 from .patterns import Pattern
 from .patterns.retention import Retention, retention
 from .shape_cache import per_shape
@@ -80,6 +81,7 @@ class KVCache:
         )
         self.slot_pos = torch.full((batch_size, slots), -1, dtype=torch.long, device=device)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self._block_sums: dict[int, RunningBlockSums] = {}  # by block size, made on first use
 
     @property
     def batch_size(self) -> int:
@@ -87,14 +89,29 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the cache's tensors (keys, values, slot positions, lengths, pins)."""
-        tensors = (self.keys, self.values, self.slot_pos, self.lengths, self.plan.pinned)
+        """Bytes held by the cache's tensors (keys, values, slot positions, lengths, pins, and
+        the block sums of ``key_block_sums``)."""
+        tensors = [self.keys, self.values, self.slot_pos, self.lengths, self.plan.pinned]
+        for sums in self._block_sums.values():
+            tensors += [sums.sums, sums.counts, sums.summed]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def key_block_sums(self, block: int) -> tuple[Tensor, Tensor] | None:
+        """The float32 sums (B, H_kv, blocks, D) of the kept keys in each block of ``block``
+        slots and (B, blocks) their counts (``zoo.block_sums``), kept from step to step so that
+        a pattern scoring blocks by their mean key does not read every key at every step; None
+        for a cache with a ring, whose slots do not stay at one position."""
+        if self.plan.ring:
+            return None
+        if block not in self._block_sums:
+            self._block_sums[block] = RunningBlockSums(self.keys, block)
+        return self._block_sums[block].update(self.keys, self.slot_pos)
 
     def reset(self) -> KVCache:
         """Forget every token (lengths back to 0), keeping the memory for the next sequences."""
         self.slot_pos.fill_(-1)
         self.lengths.zero_()
+        self._block_sums.clear()
         self.keys, self.values = self.keys.detach(), self.values.detach()  # no graph of old steps
         return self
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..block_sums import block_sums
 from ..checks import check_int
 from .base import Pattern
 from .registry import register_pattern
@@ -53,24 +54,25 @@ def moba_choice(
     causal: bool,
     key_padding_mask: Tensor | None = None,
     q_pos: Tensor | None = None,
+    sums: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """(B, H, Lq, key blocks) bool: the blocks each query chooses (see the module docstring).
 
     q (B, H, Lq, D), k (B, H_kv, Lk, D) with H_kv dividing H; key_padding_mask (B, Lk), True
-    where a key is padding; q_pos (B, Lq) the queries' positions (None: bottom-right aligned).
+    where a key is padding; q_pos (B, Lq) the queries' positions (None: bottom-right aligned);
+    ``sums``: the block sums of k's unpadded keys and their counts (``zoo.block_sums``) where the
+    caller keeps them, else computed here.
     """
     B, H, q_len, _ = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
-    blocks = -(-kv_len // block_size)
-    tail = blocks * block_size - kv_len
-    keep = torch.ones(B, kv_len, dtype=torch.bool, device=k.device)
-    if key_padding_mask is not None:
-        keep = ~key_padding_mask
-    keep = torch.nn.functional.pad(keep, (0, tail)).view(B, blocks, block_size)
-    keys = torch.nn.functional.pad(k.float(), (0, 0, 0, tail)).unflatten(2, (blocks, block_size))
-    keys = keys * keep[:, None, :, :, None]  # (B, H_kv, blocks, bs, D), padded keys zero
-    counts = keep.sum(-1)  # (B, blocks)
-    means = keys.sum(3) / counts.clamp(min=1)[:, None, :, None]  # (B, H_kv, blocks, D)
+    if sums is None:
+        keep = torch.ones(B, kv_len, dtype=torch.bool, device=k.device)
+        if key_padding_mask is not None:
+            keep = ~key_padding_mask
+        sums = block_sums(k, keep, block_size)
+    totals, counts = sums  # (B, H_kv, blocks, D), (B, blocks)
+    blocks = counts.shape[1]
+    means = totals / counts.clamp(min=1)[:, None, :, None]  # (B, H_kv, blocks, D)
     means = means.repeat_interleave(H // kv_heads, dim=1)
     scores = q.float() @ means.transpose(-1, -2)  # (B, H, Lq, blocks)
 
@@ -113,6 +115,7 @@ class Moba(Pattern):
             causal=inputs.causal,
             key_padding_mask=inputs.key_padding_mask,
             q_pos=inputs.q_pos,
+            sums=inputs.block_sums(self.block_size) if inputs.block_sums else None,
         )
         return ChosenBlocks(self.block_size, chosen, inputs.offset())
 

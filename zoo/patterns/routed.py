@@ -23,6 +23,7 @@ keys does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -41,6 +42,10 @@ class RouteInputs:
     ``q_pos`` (B, Lq), the queries' positions, for a call against a ``KVCache`` whose slot j
     holds position j, each sequence at its own length: row b's queries sit at q_pos[b], which
     must be consecutive (q_pos[b, 0] + i). None: bottom-right alignment, q_pos = i + Lk - Lq.
+
+    ``block_sums(block)``: where the caller keeps them (a ``KVCache``), the float32 sums of k's
+    unpadded keys per block of ``block`` and their counts (``zoo.block_sums``), so that a choice
+    by block means need not read every key; None (or a None answer): computed from k.
     """
 
     q: Tensor
@@ -49,6 +54,7 @@ class RouteInputs:
     causal: bool = False
     q_pos: Tensor | None = None
     edge_index: object = None
+    block_sums: Callable[[int], tuple[Tensor, Tensor] | None] | None = None
 
     def offset(self) -> int | Tensor:
         """Query i's position minus i: kv_len - q_len, or (B,) one per sequence (``q_pos``)."""

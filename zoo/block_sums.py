@@ -1,0 +1,51 @@
+"""Sums of keys per block of ``block`` positions: what a pattern that scores key blocks by their
+mean key (MoBA) reads, computed at once for a call's keys or kept up to date in a ``KVCache``.
+
+Scoring blocks from the keys themselves reads every key, O(keys * D) per call. For one decoding
+step that is as much as dense attention reads, so a cache keeps the sums and adds only the keys
+written since the last step (``RunningBlockSums``): a step then scores blocks in O(blocks * D).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+@torch.no_grad()
+def block_sums(k: Tensor, keep: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """k (B, H_kv, L, D), keep (B, L) True where a key counts -> the float32 sums (B, H_kv,
+    blocks, D) of the kept keys in each block of ``block`` positions (the last one shorter when
+    L is not a multiple) and (B, blocks) how many keys each holds."""
+    blocks = -(-k.shape[2] // block)
+    tail = blocks * block - k.shape[2]
+    keep = torch.nn.functional.pad(keep, (0, tail)).view(keep.shape[0], blocks, block)
+    keys = torch.nn.functional.pad(k.float(), (0, 0, 0, tail)).unflatten(2, (blocks, block))
+    sums = (keys * keep[:, None, :, :, None]).sum(3)  # (B, H_kv, blocks, D)
+    return sums, keep.sum(-1)
+
+
+class RunningBlockSums:
+    """``block_sums`` of a cache's keys, slot j at position j (a cache without a ring: no slot is
+    ever overwritten), updated with the slots written since the last call."""
+
+    def __init__(self, keys: Tensor, block: int) -> None:
+        B, kv_heads, slots, dim = keys.shape
+        blocks = -(-slots // block)
+        self.block = block
+        self.sums = torch.zeros(B, kv_heads, blocks, dim, dtype=torch.float32, device=keys.device)
+        self.counts = torch.zeros(B, blocks, dtype=torch.long, device=keys.device)
+        self.summed = torch.zeros(B, slots, dtype=torch.bool, device=keys.device)
+
+    @torch.no_grad()
+    def update(self, keys: Tensor, slot_pos: Tensor) -> tuple[Tensor, Tensor]:
+        """Add the slots written (``slot_pos`` >= 0) and not yet summed; the sums and counts."""
+        new = (slot_pos >= 0) & ~self.summed
+        rows, slots = new.nonzero(as_tuple=True)
+        if rows.numel():
+            blocks = slots // self.block
+            added = keys[rows, :, slots].float()  # (N, H_kv, D)
+            self.sums.transpose(1, 2).index_put_((rows, blocks), added, accumulate=True)
+            self.counts.index_put_((rows, blocks), torch.ones_like(rows), accumulate=True)
+            self.summed |= new
+        return self.sums, self.counts
