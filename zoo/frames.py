@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .index_rows import index_rows
 from .patterns.base import Spans
 from .patterns.grid import Tiles
 from .shape_cache import per_shape
@@ -73,7 +74,7 @@ class Axis:
             dim, groups = dim % x.dim(), self.slots // self.step
             x = _padded(x, dim, self.slots).unflatten(dim, (groups, self.step))
             return x.transpose(dim, dim + 1).flatten(dim, dim + 1)
-        return x.index_select(dim, self.index)
+        return index_rows(x, dim, self.index)
 
     def scatter(self, x: Tensor, dim: int = -2) -> Tensor:
         """Slots of ``x`` back into the original order (padding slots dropped)."""
@@ -83,7 +84,7 @@ class Axis:
             dim, groups = dim % x.dim(), self.slots // self.step
             x = x.unflatten(dim, (self.step, groups)).transpose(dim, dim + 1).flatten(dim, dim + 1)
             return x.narrow(dim, 0, self.length)
-        return x.index_select(dim, self.slot_of)
+        return index_rows(x, dim, self.slot_of)
 
 
 def _padded(x: Tensor, dim: int, length: int) -> Tensor:

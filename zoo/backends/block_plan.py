@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from ..frames import Frame, build_frame
+from ..index_rows import index_rows
 from ..layout import BlockLayout, build_layout
 from ..patterns import EMPTY, Pattern
 from ..shape_cache import per_shape
@@ -81,13 +82,13 @@ class GroupPlan:
         """(B, H, slots, D) each -> this group's query blocks (B, H, R, bq, D) and keys and
         values (B, H, R, C, D), every source copied."""
         if self.q_slot is None:
-            q_rows = q.unflatten(2, (-1, frame.q.block)).index_select(2, self.rows)
+            q_rows = index_rows(q.unflatten(2, (-1, frame.q.block)), 2, self.rows)
         else:
-            q_rows = q.index_select(2, self.q_slot.flatten()).unflatten(2, self.q_slot.shape)
+            q_rows = index_rows(q, 2, self.q_slot.flatten()).unflatten(2, self.q_slot.shape)
         if self.all_keys:
             return q_rows, k.unsqueeze(2), v.unsqueeze(2)
         index = self.k_slot.flatten()
-        k_cols, v_cols = (x.index_select(2, index).unflatten(2, self.k_slot.shape) for x in (k, v))
+        k_cols, v_cols = (index_rows(x, 2, index).unflatten(2, self.k_slot.shape) for x in (k, v))
         return q_rows, k_cols, v_cols
 
     def band(self, block: int) -> KeyWindows | None:
@@ -106,11 +107,11 @@ class GroupPlan:
         if band:
             out.append(key_windows(x, self.band(block), rows) if band_view else x)
         if shared:
-            cols = x.index_select(1, self.shared)
+            cols = index_rows(x, 1, self.shared)
             out.append(cols.expand(rows, *cols.shape))
         if extra:
             index = self.k_slot[:, band + shared :].flatten()
-            out.append(x.index_select(1, index).unflatten(1, (rows, extra)).transpose(0, 1))
+            out.append(index_rows(x, 1, index).unflatten(1, (rows, extra)).transpose(0, 1))
         return out
 
     def masked_with(self, padded: Tensor | None) -> Tensor:

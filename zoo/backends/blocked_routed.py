@@ -38,6 +38,7 @@ from torch.nn.functional import dropout, scaled_dot_product_attention
 
 from ..call import AttentionCall
 from ..frames import Frame
+from ..index_rows import index_rows
 from ..layout import used_first
 from ..patterns import EMPTY, Pattern
 from .reference import exp_and_mass
@@ -151,7 +152,7 @@ def _group(
         return x.unflatten(2, (-1, bk))[b4, kv_head, kv_blocks].flatten(3, 4)
 
     keys, values = gather(k), gather(v)
-    queries = q.unflatten(2, (-1, bq)).index_select(2, group.rows)  # (B, H, R, bq, D)
+    queries = index_rows(q.unflatten(2, (-1, bq)), 2, group.rows)  # (B, H, R, bq, D)
     k_slot = (kv_blocks[..., None] * bk + torch.arange(bk, device=device)).flatten(-2)
     usable = slot_used.repeat_interleave(bk, dim=-1) & frame.k.valid[k_slot]  # (B, H, R, W*bk)
     if padded is not None:
