@@ -42,6 +42,7 @@ from .backends.flex import FlexBackend
 from .backends.reference import safe_softmax
 from .cache import KVCache
 from .decode_flex import flex_decode
+from .index_rows import index_rows
 from .patterns import Pattern, RouteInputs
 from .positional import PositionalEncoding
 from .scores import AdditiveScore, DotProduct
@@ -175,10 +176,10 @@ def cache_attention(
         key_ok = torch.cat((cache.slot_pos >= 0, valid), dim=1)
     pattern = cache.pattern
     if pattern.routed:  # chosen here from the cache's keys, slot j at position j (retention)
-        sums = cache.key_block_sums if write_first else None  # they cover the cache's slots
-        pattern = pattern.bind(
-            RouteInputs(q, keys, ~key_ok, causal=True, q_pos=positions, block_sums=sums)
-        )
+        pattern = pattern.bind(  # a cache with a ring has no block sums (key_block_sums)
+            RouteInputs(q, keys, ~key_ok, causal=True, q_pos=positions,
+                        block_sums=cache.key_block_sums)
+        )  # fmt: skip
     mask = step_mask(pattern, positions, key_pos, key_ok, valid, q.shape[1])
     bias = encoding.bias if encoding is not None and encoding.kind == "bias" else None
     if isinstance(backend, FlexBackend):
@@ -240,14 +241,12 @@ def _gather_allowed(
         by_kv_head = index.expand(B, kv_heads, width)
     else:  # query head h reads key/value head h // groups: its groups' rows side by side
         by_kv_head = index.unflatten(1, (kv_heads, -1)).flatten(2, 3)  # (B, H_kv, G * K)
-    # Whole rows of D by index_select on (B * H_kv * S, D): a gather along S with the index
-    # expanded over D, or advanced indexing, copies element by element (one CPU thread, 8200
-    # rows of 64: 1.8 and 1.4 ms against 0.15).
-    offsets = torch.arange(B * kv_heads, device=mask.device).view(B, kv_heads, 1) * S
-    flat = (by_kv_head + offsets).flatten()
+    # Whole rows of D (``index_rows``): a gather along S with the index expanded over D, or
+    # advanced indexing, copies element by element (one CPU thread, 8200 rows of 64: 1.8 and
+    # 1.4 ms against 0.15).
 
     def take(t: Tensor) -> Tensor:
-        return t.reshape(-1, t.shape[-1]).index_select(0, flat).view(B, -1, width, t.shape[-1])
+        return index_rows(t, 2, by_kv_head).view(B, -1, width, t.shape[-1])
 
     return packed, take(keys), take(values), key_pos.expand(B, L, S).gather(2, index)
 

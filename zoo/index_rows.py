@@ -15,15 +15,20 @@ from torch import Tensor
 
 
 def index_rows(x: Tensor, dim: int, index: Tensor) -> Tensor:
-    """``x.index_select(dim, index)``: the dimensions after ``dim`` are one row, those before it
-    fold into the index, and one ``index_select`` on the first dimension of the (leading * n,
-    row) view copies whole rows. A tensor that is not contiguous takes ``index_select`` itself
-    (viewing it so would copy it whole)."""
+    """``x.index_select(dim, index)`` for ``index`` (K,), or, for ``index`` shaped like x's
+    dimensions before ``dim`` then (K,), each leading entry its own K rows (a gather of whole
+    rows). The dimensions after ``dim`` are one row, those before it fold into the index, and
+    one ``index_select`` on the first dimension of the (leading * n, row) view copies whole
+    rows. A tensor that is not contiguous takes ``index_select`` itself for a shared index
+    (viewing it so would copy it whole), and is made contiguous for one index per entry."""
     dim = dim % x.dim()
-    if dim == 0 or not x.is_contiguous():
+    shared = index.dim() == 1
+    if shared and (dim == 0 or not x.is_contiguous()):
         return x.index_select(dim, index)
+    x = x.contiguous()
     lead, n = x.shape[:dim], x.shape[dim]
     count = math.prod(lead)
     offsets = torch.arange(count, device=x.device)[:, None] * n
-    rows = x.view(count * n, -1).index_select(0, (offsets + index).flatten())
-    return rows.view(*lead, index.numel(), *x.shape[dim + 1 :])
+    flat = offsets + index.reshape(-1, index.shape[-1])  # (count, K): shared rows broadcast
+    rows = x.view(count * n, -1).index_select(0, flat.flatten())
+    return rows.view(*lead, index.shape[-1], *x.shape[dim + 1 :])
