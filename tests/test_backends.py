@@ -66,6 +66,21 @@ def test_flex_forward_matches_reference(variant, causal, padded, q_len, kv_len):
     )
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "blocked"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_empty_batch_gives_empty_output_and_gradients(variant, backend, causal):
+    """No sequences (a batch that a loader or a generation step left empty), as SDPA takes
+    them: an empty output and empty gradients, not a crash in a backend's plan."""
+    q, k, v = (torch.randn(0, 2, 40, 16, requires_grad=True) for _ in range(3))
+    out = zoo.attention(
+        q, k, v, variant=variant, backend=backend, causal=causal, **small_params(variant)
+    )
+    assert out.shape == (0, 2, 40, 16)
+    out.sum().backward()
+    assert all(t.grad is not None and t.grad.shape == t.shape for t in (q, k, v))
+
+
 @pytest.mark.parametrize("variant", ["full", "local", "strided", "bigbird"])
 def test_registry_defaults_match_reference(variant):
     """The registry's own parameters (windows of 128, blocks of 64), at a length where they are

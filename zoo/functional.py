@@ -352,11 +352,23 @@ def attention(
         edge_index=edge_index,
         **params,
     )
-    out, weights = resolve_backend(backend, call).forward(call)
+    runner = resolve_backend(backend, call)
+    out, weights = _empty_batch(call) if call.q.shape[0] == 0 else runner.forward(call)
     if call.order is not None:  # a graph run in its node order: back to the caller's
         out = call.order.scatter(out)
         weights = None if weights is None else call.order.scatter(call.order.scatter(weights), 3)
     return (out, weights) if return_weights else out
+
+
+def _empty_batch(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
+    """(out, weights) of a call with no sequences, as SDPA answers one: empty, on every
+    backend (the blocked one has no plan for zero sequences), and joined to q, k and v so that a
+    backward gives them empty gradients."""
+    q, k, v = call.q, call.k, call.v
+    link = (q.sum() + k.sum() + v.sum()).to(q.dtype)  # 0, with a path back to each
+    out = q.new_zeros(0, q.shape[1], q.shape[2], v.shape[3]) + link
+    weights = q.new_zeros(0, q.shape[1], q.shape[2], k.shape[2]) if call.return_weights else None
+    return out, weights
 
 
 def _cached_attention(q, k, v, cache: KVCache, *, variant, backend, causal, key_padding_mask,
