@@ -130,10 +130,11 @@ def _combine_two(
 ) -> tuple[Tensor, Tensor]:
     """Two outputs merged: b's share of the mass is exp(lse_b) / (exp(lse_a) + exp(lse_b)) =
     sigmoid(lse_b - lse_a), so the output is one ``lerp``, a single pass over the outputs (a
-    weighted sum of exponentials took four). Where neither has a key (-inf - -inf = nan) the
-    share is 0 and the output a's zeros."""
+    weighted sum of exponentials took four), written into out_a (a kernel's output or a gather,
+    used nowhere else: a fresh output would cost its pages). Where neither has a key
+    (-inf - -inf = nan) the share is 0 and the output a's zeros."""
     share = torch.sigmoid(lse_b - lse_a).nan_to_num(0.0)
-    return torch.logaddexp(lse_a, lse_b), torch.lerp(out_a, out_b, share[..., None])
+    return torch.logaddexp(lse_a, lse_b), out_a.lerp_(out_b, share[..., None])
 
 
 # A piece with at most this many keys (Longformer's global column: one) runs as plain matrix
@@ -242,10 +243,12 @@ class _Merged(torch.autograd.Function):
             rows = members[0].rows.flatten()
             here_lse, here_out = _flat(group_lse[..., None])[..., 0], _flat(group_out)
             if not members[0].fresh:
-                here_lse, here_out = _combine([lse[rows], here_lse], [out[rows], here_out])
+                held = lse.index_select(0, rows), out.index_select(0, rows)
+                here_lse, here_out = _combine([held[0], here_lse], [held[1], here_out])
             lse.index_copy_(0, rows, here_lse)
             out.index_copy_(0, rows, here_out)
         out = out[:total].to(first.q.dtype)
+        lse[total] = -math.inf  # the row that dropped rows wrote: none of the output's
         lse = torch.where(torch.isfinite(lse), lse, math.inf)  # inf: no key, p = exp(s - inf) = 0
         ctx.save_for_backward(out, lse, *tensors)
         ctx.scale, ctx.layout = scale, layout
@@ -255,21 +258,24 @@ class _Merged(torch.autograd.Function):
     def backward(ctx, grad):
         out, lse, *tensors = ctx.saved_tensors
         pieces = _pieces(ctx.layout, tensors)
-        pad = grad.new_zeros((1, *grad.shape[1:]))
-        grad, out = torch.cat([grad, pad]), torch.cat([out, pad.to(out.dtype)])
+        total = grad.shape[0]
         grads: list[Tensor | None] = [None] * len(tensors)
 
-        def add(slot: int, value: Tensor) -> None:
-            grads[slot] = value if grads[slot] is None else grads[slot] + value
+        def add(slot: int, value: Tensor) -> None:  # each value is a fresh tensor of ours
+            grads[slot] = value if grads[slot] is None else grads[slot].add_(value)
 
         rows_of: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # a group's rows, read once
         for slots, p in zip(ctx.layout, pieces, strict=True):
             if slots[5] not in rows_of:
+                # A dropped row (rows == total) reads the last row's g and out, not a zero
+                # row appended to copies of both: its lse is inf, so every probability, and
+                # with it every gradient it adds, is 0.
                 rows = p.rows.flatten()
+                real = rows.clamp(max=max(total - 1, 0))
                 rows_of[slots[5]] = (
-                    _unflat(grad[rows], p.q).contiguous(),
-                    _unflat(out[rows], p.q).contiguous(),
-                    _unflat(lse[rows][..., None], p.q)[..., 0].contiguous(),
+                    _unflat(grad.index_select(0, real), p.q).contiguous(),
+                    _unflat(out.index_select(0, real), p.q).contiguous(),
+                    _unflat(lse.index_select(0, rows)[..., None], p.q)[..., 0].contiguous(),
                 )
             g, o, piece_lse = rows_of[slots[5]]
             n = p.q.shape[1] // p.k.shape[-3]
