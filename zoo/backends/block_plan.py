@@ -328,10 +328,12 @@ def part_block(
       keys, the group's length: each group is then one dense (or causal) block read as a view.
       At 64-blocks, strided's groups of 128 keys at 8K ran as a 1-block band plus a gathered
       block: two kernel calls and a merge;
-    - half the block, not below 32, where its plan computes at most 3/4 of the pairs: a band
+    - half the block, not below 32, where its plan computes at least 3% fewer pairs: a band
       narrow against the block (dilated at 8K: 65 keys a query, of which 64-blocks compute 192,
-      32-blocks 96). The kernel runs as fast per pair at 32 as at 64 (CPU, 8K tokens: 54 and
-      56 GFLOP/s);
+      32-blocks 96), or a wide one (local's 513 keys: 576 at 64, 544 at 32). The kernel runs
+      as fast per pair at 32 as at 64 (CPU, 8K tokens: 54 and 56 GFLOP/s); local's forward
+      at 8K took 0.97 of the time at 32 (causal 0.94, Longformer 0.94; forward+backward 1.0,
+      medians of 5 alternating runs), which a threshold of 3/4 used to leave at 64;
     - otherwise ``block``.
     """
     stride = part.stride
@@ -347,4 +349,4 @@ def part_block(
         frame = build_frame(stride, q_len, kv_len, size, size, device)
         return sum(g.masked.numel() for g in plan(part, frame, waste))
 
-    return half if 4 * computed(half) <= 3 * computed(block) else block
+    return half if 100 * computed(half) <= 97 * computed(block) else block
