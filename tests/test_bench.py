@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +16,7 @@ import yaml
 import eval.bench.cell as bench_cell
 from eval.bench import run as bench
 from eval.bench.config import BenchConfig
-from eval.bench.measure import CudaClock, is_oom, peak_memory_mb
+from eval.bench.measure import MAX_RUNS, CudaClock, is_oom, peak_memory_mb, time_runs
 from eval.bench.report import all_pairs, fit_exponent, goal_line, sparsity_realization
 from eval.harness.config import load_config
 from zoo.backends import Backend, Capabilities
@@ -214,6 +215,22 @@ def test_cpu_peak_memory_follows_the_allocations():
             lambda n=n: torch.randn(n, 64) @ torch.randn(64, n), torch.device("cpu")
         )
         assert peak == (2 * n * 64 + n * n) * 4 / 2**20
+
+
+def test_min_time_adds_runs_to_fast_cells_only():
+    """repeats runs at least; more while they took under min_time_ms; never past MAX_RUNS."""
+    cpu = torch.device("cpu")
+    calls = []
+
+    def sleeper(ms: float):
+        return lambda: (calls.append(1), time.sleep(ms / 1e3))
+
+    assert len(time_runs(sleeper(0), cpu, 0, 3, None)) == 3
+    calls.clear()
+    fast = time_runs(sleeper(1), cpu, 1, 3, None, min_time_ms=40)
+    assert len(fast) >= 10 and sum(fast) >= 40 and len(calls) == len(fast) + 1
+    assert len(time_runs(sleeper(30), cpu, 0, 3, None, min_time_ms=40)) == 3
+    assert len(time_runs(lambda: None, cpu, 0, 3, None, min_time_ms=1e9)) == MAX_RUNS
 
 
 def test_out_of_memory_errors_are_recognised():

@@ -57,6 +57,7 @@ class Settings:
 
     warmup: int
     repeats: int
+    min_time_ms: float = 0.0  # more runs while the timed ones took less (``time_runs``)
 
 
 def useful_tflops(
@@ -139,10 +140,11 @@ def _measure(impl: Any, point: Point, settings: Settings, record: dict[str, Any]
     del outputs
     record["peak_memory_mb"] = peak_memory_mb(lambda: point.step(prepared.run), point.device)
     times = time_runs(
-        lambda: point.step(prepared.run), point.device, settings.warmup, settings.repeats, None
-    )
+        lambda: point.step(prepared.run), point.device, settings.warmup, settings.repeats, None,
+        settings.min_time_ms,
+    )  # fmt: skip
     record.update(times_ms=times, time_ms=median(times))
-    record.update(repeats=settings.repeats, warmup=settings.warmup, status="ok")
+    record.update(repeats=len(times), warmup=settings.warmup, status="ok")
     if record["allowed_pairs"] is not None:
         batch, heads, head_dim = record["batch"], record["heads"], record["head_dim"]
         record["useful_tflops"] = useful_tflops(

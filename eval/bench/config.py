@@ -20,7 +20,7 @@ PASSES = ("fwd", "fwd+bwd")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICES = ("auto", "cpu", "cuda")
 MINIMUMS = {"batch": 1, "heads": 1, "head_dim": 1, "repeats": 1, "warmup": 0, "check_max_len": 0,
-            "fit_points": 2, "threads": 0}  # fmt: skip
+            "fit_points": 2, "threads": 0, "min_time_s": 0}  # fmt: skip
 
 
 @dataclass
@@ -40,6 +40,9 @@ class BenchConfig:
     dtype: str = "auto"  # bfloat16 on CUDA, float32 on CPU
     warmup: int = 5
     repeats: int = 30
+    # and more timed runs while those so far took less than this in all: a fast cell's median
+    # then spans more than one noisy moment of a shared machine (0: exactly ``repeats``)
+    min_time_s: float = 0.0
     check_max_len: int = 4096  # the largest n whose cells are checked against the reference
     params: dict[str, dict] = field(default_factory=dict)  # variant -> parameter overrides
     out: str = "eval/results/bench-{device}-{timestamp}"

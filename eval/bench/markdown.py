@@ -160,7 +160,7 @@ def render(
         f"{shared['threads']} CPU threads; {load}",
         f"- q, k, v: batch {config['batch']}, heads {config['heads']}"
         f"{grouped_heads(config)}, head_dim "
-        f"{config['head_dim']}, {header['dtype']}; median of {config['repeats']} runs after "
+        f"{config['head_dim']}, {header['dtype']}; median of {runs_of(config)} runs after "
         f"{config['warmup']} warm-up runs; reference check up to n = "
         f"{config.get('check_max_len', per_piece)} (normalised error <= {header['tolerance']:g})",
         f"- command: `{header['command']}`",
@@ -197,3 +197,11 @@ def grouped_heads(config: dict) -> str:
     if kv_heads in (None, config["heads"]):
         return ""
     return f", k/v heads {kv_heads} (grouped-query attention)"
+
+
+def runs_of(config: dict) -> str:
+    """How many runs each median takes: ``repeats``, or at least that many where ``min_time_s``
+    adds runs to fast cells."""
+    if not config.get("min_time_s"):
+        return str(config["repeats"])
+    return f"at least {config['repeats']} (more while they took under {config['min_time_s']:g} s)"

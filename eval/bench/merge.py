@@ -30,7 +30,7 @@ from .run import write_report
 COMPARABLE = (
     "device", "device_type", "torch", "dtype",
     "config.batch", "config.heads", "config.kv_heads", "config.head_dim", "config.warmup",
-    "config.repeats",
+    "config.repeats", "config.min_time_s",
 )  # fmt: skip
 KEY = ("variant", "backend", "pass", "causal", "n", "params")
 DERIVED = ("dense_time_ms", "sparsity_realization")  # recomputed from the merged cells
@@ -73,8 +73,8 @@ def check_comparable(paths: list[Path], datas: list[dict[str, Any]]) -> None:
                 raise MergeError(
                     f"{path}: header field {name} is {theirs!r}, but {paths[0]} has {ours!r}; "
                     "pieces of one report must share the device, torch version, dtype, batch, "
-                    "heads, kv_heads, head_dim, warmup and repeats (run the pieces with the same "
-                    "config on the same machine)"
+                    "heads, kv_heads, head_dim, warmup, repeats and min_time_s (run the pieces "
+                    "with the same config on the same machine)"
                 )
 
 

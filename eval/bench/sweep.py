@@ -140,7 +140,7 @@ def run_cells(sweep: Sweep, save: Callable[[list[dict]], None]) -> list[dict[str
     point, so an interrupted sweep keeps what it measured."""
     config = sweep.config
     impls = sweep.implementations()
-    runner = Runner(Settings(config.warmup, config.repeats))
+    runner = Runner(Settings(config.warmup, config.repeats, 1e3 * config.min_time_s))
     total = len(config.lengths) * len(config.causal) * len(config.passes) * len(impls)
     cells: list[dict[str, Any]] = []
     for n in sorted(config.lengths):
