@@ -5,9 +5,10 @@ realization it would reach if nothing else cost anything: the ceiling the kernel
 
 Variants, parameters and shapes are those of ``eval/configs/bench_cpu.yaml`` (#18's sweep) at one
 length (8192 by default), causal and not, forward and forward+backward, float32. Per cell: the
-median wall time of 5 runs; the kernel time, the median over 3 profiled runs of the self time of
-the CPU FlashAttention ops (forward and backward) and of the matrix products that small pieces
-run instead (``lse_merge.SMALL_KEYS``); the realization, (dense time / time) / (all pairs /
+median wall time of at least 5 runs (more while they took under 0.5 s); the kernel time, the
+median over 3 profiled runs of the self time of the CPU FlashAttention ops (forward and
+backward) and of the matrix products that small pieces run instead (``lse_merge.SMALL_KEYS``);
+the realization, (dense time / time) / (all pairs /
 allowed pairs); and the ceiling, the same with the kernel time in place of the time. Where the
 ceiling is below a goal, no plan that runs the same tiles through the same kernel meets it.
 """
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from functools import partial
 
@@ -26,6 +26,7 @@ from torch.nn.functional import scaled_dot_product_attention
 from torch.profiler import profile
 
 import zoo
+from eval.bench.measure import time_runs
 from eval.bench.report import all_pairs
 from eval.bench.sweep import allowed_pairs_for
 
@@ -41,13 +42,10 @@ def _run(fn: Callable[[], torch.Tensor], backward: bool) -> None:
 
 
 def measure(fn: Callable[[], torch.Tensor], backward: bool) -> tuple[float, float]:
-    """(median wall ms of 5 runs, median kernel ms of 3 profiled runs) after one warm-up."""
-    _run(fn, backward)
-    walls, kernels = [], []
-    for _ in range(5):
-        start = time.perf_counter()
-        _run(fn, backward)
-        walls.append(1e3 * (time.perf_counter() - start))
+    """(median wall ms of at least 5 runs, more while they took under half a second, as the
+    CPU sweep times them; median kernel ms of 3 profiled runs) after one warm-up."""
+    walls = time_runs(lambda: _run(fn, backward), torch.device("cpu"), 1, 5, None, 500.0)
+    kernels = []
     for _ in range(3):
         with profile() as prof:
             _run(fn, backward)
