@@ -96,7 +96,7 @@ def test_an_interrupted_piece_counts_and_the_report_says_so(pieces, tmp_path, ca
 @pytest.mark.parametrize(
     "name,value",
     [("device", "Some GPU"), ("torch", "0.0.1"), ("dtype", "bfloat16"),
-     ("config.heads", 16), ("config.repeats", 50)],
+     ("config.heads", 16), ("config.repeats", 50), ("config.min_time_s", 0.5)],
 )  # fmt: skip
 def test_pieces_that_are_not_comparable_are_refused(pieces, tmp_path, capsys, name, value):
     def change(data):
@@ -111,6 +111,12 @@ def test_pieces_that_are_not_comparable_are_refused(pieces, tmp_path, capsys, na
     error = capsys.readouterr().err
     assert f"{other}: header field {name} is {value!r}" in error and str(pieces[0]) in error
     assert not (tmp_path / "out").exists()
+
+
+def test_a_piece_written_before_min_time_s_merges_with_one_that_ran_without_it(pieces, tmp_path):
+    """A header without config.min_time_s (files from before it) ran with 0: as a default run."""
+    old = copy_with(pieces[1], tmp_path, lambda data: data["header"]["config"].pop("min_time_s"))
+    assert bench_merge.main([str(pieces[0]), old, f"out={tmp_path / 'out'}"]) == 0
 
 
 def test_a_cell_in_two_pieces_is_refused_unless_identical(pieces, tmp_path, capsys):

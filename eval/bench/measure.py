@@ -136,10 +136,8 @@ def time_runs(
         fn()
     synchronize(device)
     clock = clock if clock is not None else make_clock(device)
-    start, runs = time.perf_counter(), 0
-    while runs < repeats or (
-        runs < MAX_RUNS and (time.perf_counter() - start) * 1e3 < min_time_ms
-    ):
+    deadline, runs = time.perf_counter() + min_time_ms / 1e3, 0
+    while runs < repeats or (runs < MAX_RUNS and time.perf_counter() < deadline):
         clock.start()
         fn()
         clock.stop()

@@ -55,11 +55,17 @@ def load(path: Path) -> dict[str, Any]:
     return data
 
 
+# Fields that files written before them lack, with the value those files ran with.
+ADDED_LATER = {"config.min_time_s": 0.0}
+
+
 def header_field(header: dict[str, Any], name: str) -> Any:
     """A header field by its dotted name ("config.heads")."""
     value: Any = header
     for part in name.split("."):
         value = value.get(part) if isinstance(value, dict) else None
+    if value is None and name in ADDED_LATER:
+        return ADDED_LATER[name]
     return value
 
 
