@@ -3,12 +3,12 @@ bench.json files of a sweep run in pieces (one command each, e.g. ``lengths=[...
 ``variants=[...]`` overrides), or a report re-rendered from one file.
 
 Pieces must agree on what makes their times comparable side by side (COMPARABLE: the device, the
-torch version, the dtype, the shape of q, k and v, warm-up and repeats); a piece interrupted before
-its end (complete=false) counts with the cells it wrote. A cell is keyed by (variant, backend,
-pass, causal, n, params): a key in two files is an error unless both records are the same. The
-dense peer's time at each (n, causal, pass) is looked up across all the pieces, so a piece run
-without ``sdpa_dense`` gets its sparsity realization from another; a cell whose dense peer is in
-no piece has none. The merged header keeps the fields all pieces share; ``pieces`` lists each
+torch version, the dtype, the shape of q, k and v, warm-up, repeats and min_time_s); a piece
+interrupted before its end (complete=false) counts with the cells it wrote. A cell is keyed by
+(variant, backend, pass, causal, n, params): a key in two files is an error unless both records are
+the same. The dense peer's time at each (n, causal, pass) is looked up across all the pieces, so a
+piece run without ``sdpa_dense`` gets its sparsity realization from another; a cell whose dense peer
+is in no piece has none. The merged header keeps the fields all pieces share; ``pieces`` lists each
 one's file, command, wall time and the fields it differs in; exponents are fitted over the shared
 fit_points (3 where the pieces differ). A merged bench.json can be an input again: its pieces are
 carried over. One file is re-rendered with its header as it is; ``out`` defaults to its folder.
