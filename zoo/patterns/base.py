@@ -136,6 +136,12 @@ class Pattern:
         """Whether its pairs are chosen by content (from q and k), not by position alone."""
         return False
 
+    def listed_pairs(self, batch: int) -> tuple[Tensor, Tensor, Tensor] | None:
+        """(sequence, query position, key position) of every allowed pair, for a layout that
+        holds its pairs as a list (a graph): a mask is then filled from the list in O(pairs)
+        instead of asking ``allowed_at`` key by key. None (the default): not a list."""
+        return None
+
     def bind(self, inputs: object) -> Pattern:
         """The pattern for one call's inputs (a ``zoo.patterns.routed.RouteInputs``): a routed
         pattern chooses its blocks here; a fixed pattern is its own layout for any input."""

@@ -179,6 +179,14 @@ class GraphLayout(Pattern):
         slot = self.slot.expand(self.graphs, -1)
         return g, slot[g, q], slot[g, k]
 
+    def listed_pairs(self, batch: int) -> tuple[Tensor, Tensor, Tensor]:
+        """``slot_pairs`` for each of ``batch`` sequences (one graph shared by all, or its own)."""
+        g, q, k = self.slot_pairs()
+        if self.graphs > 1:
+            return g, q, k
+        seq = torch.arange(batch, device=g.device).repeat_interleave(g.numel())
+        return seq, q.repeat(batch), k.repeat(batch)
+
     def allowed(self, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
         if self.graphs > 1:
             raise TypeError("one graph per sequence: use allowed_at(b, h, ...)")
