@@ -18,6 +18,7 @@ from helpers import (
 )
 
 import zoo
+from eval.bench import graph_timing
 from zoo.backends import BlockedBackend, FlexBackend
 from zoo.frames import build_frame
 from zoo.node_order import bandwidth, block_density, cuthill_mckee, in_node_order
@@ -223,3 +224,13 @@ def test_errors_name_the_value():
         call()
     with pytest.raises(ValueError, match="variant 'local' reads no graph"):
         zoo.attention(x, x, x, variant="local", edge_index=torch.zeros(2, 1, dtype=torch.long))
+
+
+def test_graph_timing_rows_time_every_backend():
+    """``python -m eval.bench.graph_timing``'s table on a tiny size: one row per family and
+    pass, a positive time per backend."""
+    lines = graph_timing.rows(sizes=(64,), batch=1, repeats=1)
+    assert len(lines) == 2 * len(graph_timing.FAMILIES)
+    for line in lines:
+        cells = line.strip("| ").split(" | ")[-len(graph_timing.BACKENDS) :]
+        assert all(float(cell) > 0 for cell in cells)
