@@ -53,16 +53,21 @@ FAMILIES = {"random geometric (degree ~8)": geometric, "grid (4-neighbour)": gri
             "random 8-regular": regular}  # fmt: skip
 
 
+def shuffled(make, n: int) -> tuple[torch.Tensor, int]:
+    """(edge_index (2, E) with every edge both ways, nodes): a family's graph of about n nodes,
+    its nodes numbered at random (seed 0)."""
+    rng = np.random.default_rng(0)
+    edges = make(n, rng)
+    n = int(edges.max()) + 1
+    edges = torch.from_numpy(rng.permutation(n)[edges])
+    return torch.cat([edges, edges.flip(0)], dim=1), n
+
+
 def rows(sizes=(1024, 4096), blocks=(64, 128)) -> list[str]:
     out = []
     for name, make in FAMILIES.items():
         for n in sizes:
-            rng = np.random.default_rng(0)
-            edges = make(n, rng)
-            n = int(edges.max()) + 1
-            shuffle = rng.permutation(n)
-            edges = torch.from_numpy(shuffle[edges])
-            both = torch.cat([edges, edges.flip(0)], dim=1)
+            both, n = shuffled(make, n)
             x = torch.zeros(1, 1, n, 1)
             layout = graph().bind(RouteInputs(x, x, edge_index=both))
             ordered, _ = in_node_order(layout)

@@ -15,11 +15,10 @@ from __future__ import annotations
 import statistics
 import sys
 
-import numpy as np
 import torch
 
 import zoo
-from eval.bench.graph_density import FAMILIES
+from eval.bench.graph_density import FAMILIES, shuffled
 from eval.bench.measure import time_runs
 
 BACKENDS = ("blocked", "sdpa", "auto")
@@ -41,11 +40,7 @@ def rows(sizes=(1024, 4096), batch: int = 8, repeats: int = 5) -> list[str]:
     out = []
     for name, make in FAMILIES.items():
         for n in sizes:
-            rng = np.random.default_rng(0)
-            edges = make(n, rng)
-            n = int(edges.max()) + 1
-            edges = torch.from_numpy(rng.permutation(n)[edges])
-            edges = torch.cat([edges, edges.flip(0)], dim=1)
+            edges, n = shuffled(make, n)
             for backward in (False, True):
                 times = [_time(edges, n, b, backward, batch, repeats) for b in BACKENDS]
                 cells = " | ".join(f"{t:.1f}" for t in times)
