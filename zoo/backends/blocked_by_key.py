@@ -159,7 +159,8 @@ def runs(
         has_key.append(ok.any(-1))
     if not rows:
         return None
-    has_key = torch.cat(has_key) if has_key else torch.zeros(0, dtype=torch.bool)
+    none = torch.zeros(0, dtype=torch.bool, device=call.device)  # counted without masks
+    has_key = torch.cat(has_key) if has_key else none
     return Runs(frame, factor, (B, H, Sq, Kb), rows, blocks, masks, has_key)
 
 
