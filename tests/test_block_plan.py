@@ -13,6 +13,7 @@ from zoo.backends.block_plan import part_block, plan
 from zoo.backends.blocked import BlockedBackend
 from zoo.backends.key_windows import KeyWindows
 from zoo.backends.lse_merge import Piece, merged_attention
+from zoo.backends.row_grid import RowGrid, row_grid
 from zoo.frames import build_frame
 from zoo.functional import prepare_call
 
@@ -206,3 +207,50 @@ def test_global_queries_leave_their_blocks(causal):
         "longformer", BlockedBackend(block_size=16), q_len=320, kv_len=320, causal=causal,
         padded=True, params=params, v_dim=16,
     )  # fmt: skip
+
+
+def test_rows_on_a_grid_merge_in_place_as_gathered_rows_do():
+    """``row_grid`` finds the grid of a band's rows and of a residue order's (token r + 64 t at
+    (r, t)), and none for rows off a grid, decreasing or with a dropped row; pieces that carry
+    their grid (written and merged through views of the output) give the same output and
+    gradients as the same pieces gathered by index."""
+    band = torch.arange(2, 10)[:, None] * 4 + torch.arange(4)  # blocks 2..9 of 4 queries
+    residues = torch.arange(64)[:, None] + torch.arange(128) * 64
+    assert row_grid(band, 64) == RowGrid(8, 4, 1)
+    assert row_grid(residues, 8192) == RowGrid(0, 1, 64)
+    assert row_grid(band.flip(1), 64) is None  # decreasing rows: no view of them
+    assert row_grid(band[:1], 64) == RowGrid(8, 4, 1)
+    assert row_grid(residues[:, :1], 8192) == RowGrid(0, 1, 64)
+    assert row_grid(band[:, :1], 64) == RowGrid(8, 4, 32)
+    assert row_grid(band[:, ::2], 64) == RowGrid(8, 4, 2)
+    spaced = torch.arange(4)[:, None] * 5 + torch.arange(2) * 2  # rows 0 2, 5 7, 10 12, ...
+    assert row_grid(spaced, 64) is None  # a grid, but in neither order that a view reads
+    off = band.clone()
+    off[3, 2] = 0
+    assert row_grid(off, 64) is None
+    assert row_grid(band, 39) is None  # rows 39 and up are dropped rows
+
+    torch.manual_seed(0)
+    q = torch.randn(4, 2, 6, 8, dtype=torch.float64, requires_grad=True)
+    keys = [torch.randn(4, 2, w, 8, dtype=torch.float64, requires_grad=True) for w in (5, 7)]
+    values = [torch.randn(4, 2, w, 8, dtype=torch.float64, requires_grad=True) for w in (5, 7)]
+    masks = [torch.zeros(4, 1, 6, w, dtype=torch.float64) for w in (5, 7)]
+    for m in masks:
+        m.masked_fill_(torch.rand(m.shape) < 0.5, float("-inf"))
+    rows = [torch.arange(24).view(4, 6), torch.arange(4)[:, None] + torch.arange(6) * 4]
+
+    grad = torch.randn(24, 2, 8, dtype=torch.float64)
+
+    def merged(grids: bool):
+        pieces = [
+            Piece(q, k, v, m, torch.isneginf(m).all(-1), r, fresh=i == 0,
+                  grid=row_grid(r, 24) if grids else None)
+            for i, (k, v, m, r) in enumerate(zip(keys, values, masks, rows, strict=True))
+        ]  # fmt: skip
+        out = merged_attention(pieces, 24, 0.3)
+        return out, torch.autograd.grad(out, [q, *keys, *values], grad)
+
+    (out, grads), (want, want_grads) = merged(True), merged(False)
+    assert torch.allclose(out, want, atol=1e-12)
+    for a, b in zip(grads, want_grads, strict=True):
+        assert torch.allclose(a, b, atol=1e-12)

@@ -23,6 +23,7 @@ from ..shape_cache import per_shape
 from .base import head_index
 from .block_plan import GroupPlan
 from .lse_merge import Piece, merged_attention
+from .row_grid import RowGrid, row_grid
 
 
 def merges_pieces(call: AttentionCall) -> bool:
@@ -62,12 +63,18 @@ def _mask(call: AttentionCall, group: GroupPlan, padded: Tensor | None, dtype) -
     return bias.masked_fill(masked, float("-inf"))
 
 
-def _rows(frame: Frame, group: GroupPlan, batch: int, q_len: int) -> Tensor:
-    """(B, R, bq): each query slot's row in the (B * Lq) output; padding slots get B * Lq."""
+@per_shape(maxsize=1024)
+def _rows(
+    frame: Frame, group: GroupPlan, batch: int, q_len: int
+) -> tuple[Tensor, list[RowGrid | None], RowGrid | None]:
+    """(B, R, bq): each query slot's row in the (B * Lq) output, padding slots B * Lq; and the
+    rows' grids (``RowGrid``), of each sequence's and of all sequences' (flattened to B * R)."""
     slots = group.query_slots(frame.q.block)
     rows = torch.where(frame.q.valid[slots], frame.q.index[slots], q_len)
     offsets = torch.arange(batch, device=rows.device)[:, None, None] * q_len
-    return torch.where(rows < q_len, rows + offsets, batch * q_len)
+    rows = torch.where(rows < q_len, rows + offsets, batch * q_len)
+    total = batch * q_len
+    return rows, [row_grid(r, total) for r in rows], row_grid(rows.flatten(0, 1), total)
 
 
 def group_pieces(
@@ -79,7 +86,7 @@ def group_pieces(
     B = q.shape[0]
     bq, bk = frame.q.block, frame.k.block
     mask = _mask(call, group, padded, dtype)  # (B or 1, R, 1 or H, bq, width * bk)
-    rows = _rows(frame, group, B, call.q_len)
+    rows, grids, grid = _rows(frame, group, B, call.q_len)
     widths = [columns for columns in group.widths if columns]
     masks = mask.split(widths, dim=-1)
     if padded is None:  # the pattern alone decides which queries have keys: once per shape
@@ -97,7 +104,7 @@ def group_pieces(
             rows_b = rows[b]  # one object for the sources: they merge as one group (Piece)
             for kb, vb, m, none, w in zip(keys, values, masks, no_keys, windows, strict=True):
                 i = b % m.shape[0]
-                pieces.append(Piece(qb, kb, vb, m[i], none[i], rows_b, fresh, w))
+                pieces.append(Piece(qb, kb, vb, m[i], none[i], rows_b, fresh, w, grids[b]))
         return pieces
     q_blocks, k_blocks, v_blocks = group.gather(q, k, v, frame)  # (B, H, R, ...)
 
@@ -109,7 +116,7 @@ def group_pieces(
     return [
         Piece(
             batched(q_blocks), batched(k_blocks), batched(v_blocks), m, none, rows.flatten(0, 1),
-            fresh,
+            fresh, grid=grid,
         )
     ]  # fmt: skip
 

@@ -10,7 +10,10 @@ the rows of the output they belong to, as FlashAttention merges key blocks::
 
     out[r] = sum_i exp(lse_i - lse[r]) * out_i        lse[r] = log sum_i exp(lse_i)
 
-over the pieces i that hold query row r. The backward gives each piece the merged output and
+over the pieces i that hold query row r. Where a piece's rows lie on a grid of the output (rows
+offset + n * across + m * along: a band's consecutive query blocks, a residue order's strided
+tokens), it reads and writes them as a strided view of the output (``RowGrid``), in place; other
+pieces gather and scatter them by index. The backward gives each piece the merged output and
 log-sum-exp of its rows. With those, a piece's softmax is the whole row's softmax restricted to
 its keys, so the pieces' gradients add up to the exact gradient (the xformers backend merges its
 pieces the same way). The gradients of each piece's q, k and v flow back through their views and
@@ -32,6 +35,7 @@ import torch
 from torch import Tensor
 
 from .key_windows import KeyWindows
+from .row_grid import RowGrid
 
 _forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -47,7 +51,7 @@ class Piece:
     written into them instead of merged with what they hold. ``window``: k and v are one
     sequence's keys and values (H, slots, D), which query block n reads as its window n (a band:
     no copy in the forward, and in the backward each chunk of rows adds its gradient straight
-    into the keys')."""
+    into the keys'). ``grid``: the rows as a ``RowGrid``, where they lie on one."""
 
     q: Tensor
     k: Tensor
@@ -57,6 +61,7 @@ class Piece:
     rows: Tensor
     fresh: bool = False
     window: KeyWindows | None = None
+    grid: RowGrid | None = None
 
     def tensors(self) -> tuple[Tensor, ...]:
         return self.q, self.k, self.v, self.mask, self.no_key, self.rows
@@ -84,7 +89,7 @@ def merged_attention(pieces: list[Piece], total: int, scale: float) -> Tensor:
                 seen[id(t)] = len(tensors)
                 tensors.append(t)
             slots.append(seen[id(t)])
-        layout.append((*slots, p.fresh, p.window))
+        layout.append((*slots, p.fresh, p.window, p.grid))
     return _Merged.apply(total, scale, tuple(layout), *tensors)
 
 
@@ -209,9 +214,50 @@ def explicit_backward(
     return (d_scores @ k) * scale, (d_scores.transpose(-1, -2) @ q) * scale, dv
 
 
+def _merge_into(out: Tensor, lse: Tensor, p: Piece, group_out: Tensor, group_lse: Tensor) -> None:
+    """A group's output (N, H, M, Dv) and log-sum-exp (N, H, M) merged into the rows of out
+    (total + 1, H, Dv) and lse (total + 1, H) that p's rows name: written where the group is
+    ``fresh``, merged with what they hold otherwise."""
+    if p.grid is not None:  # views of the output's rows: merged in place, never gathered
+        n, m = p.rows.shape
+        held_out, held_lse = p.grid.view(out, n, m), p.grid.view(lse, n, m)  # (N, M, H, ...)
+        here_out, here_lse = group_out.transpose(1, 2), group_lse.transpose(1, 2)
+        if p.fresh:
+            held_out.copy_(here_out)
+            held_lse.copy_(here_lse)
+        else:  # _combine_two lerps into held_out, the output's rows
+            held_lse.copy_(_combine_two(held_lse, held_out, here_lse, here_out)[0])
+        return
+    rows = p.rows.flatten()
+    here_lse, here_out = _flat(group_lse[..., None])[..., 0], _flat(group_out)
+    if not p.fresh:
+        held = lse.index_select(0, rows), out.index_select(0, rows)
+        here_lse, here_out = _combine([held[0], here_lse], [held[1], here_out])
+    lse.index_copy_(0, rows, here_lse)
+    out.index_copy_(0, rows, here_out)
+
+
+def _rows_of(p: Piece, grad: Tensor, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The merged gradient, output and log-sum-exp of p's rows, shaped (N, H, M, ...) as p.q:
+    strided views where the rows lie on a grid, gathered otherwise."""
+    if p.grid is not None:
+        n, m = p.rows.shape
+        return tuple(p.grid.view(x, n, m).transpose(1, 2) for x in (grad, out, lse))
+    # A dropped row (rows == total) reads the last row's g and out, not a zero row appended to
+    # copies of both: its lse is inf, so every probability, and with it every gradient it
+    # adds, is 0.
+    rows = p.rows.flatten()
+    real = rows.clamp(max=max(grad.shape[0] - 1, 0))
+    return (
+        _unflat(grad.index_select(0, real), p.q).contiguous(),
+        _unflat(out.index_select(0, real), p.q).contiguous(),
+        _unflat(lse.index_select(0, rows)[..., None], p.q)[..., 0].contiguous(),
+    )
+
+
 def _pieces(layout: tuple, tensors: tuple[Tensor, ...]) -> list[Piece]:
     return [
-        Piece(*(tensors[i] for i in entry[:-2]), fresh=entry[-2], window=entry[-1])
+        Piece(*(tensors[i] for i in entry[:-3]), fresh=entry[-3], window=entry[-2], grid=entry[-1])
         for entry in layout
     ]
 
@@ -240,13 +286,7 @@ class _Merged(torch.autograd.Function):
                     _unfold(l, g).to(dtype).masked_fill(p.no_key, -math.inf)
                 )  # the kernel says 0
             group_lse, group_out = _combine(lses, outs)
-            rows = members[0].rows.flatten()
-            here_lse, here_out = _flat(group_lse[..., None])[..., 0], _flat(group_out)
-            if not members[0].fresh:
-                held = lse.index_select(0, rows), out.index_select(0, rows)
-                here_lse, here_out = _combine([held[0], here_lse], [held[1], here_out])
-            lse.index_copy_(0, rows, here_lse)
-            out.index_copy_(0, rows, here_out)
+            _merge_into(out, lse, members[0], group_out, group_lse)
         out = out[:total].to(first.q.dtype)
         lse[total] = -math.inf  # the row that dropped rows wrote: none of the output's
         lse = torch.where(torch.isfinite(lse), lse, math.inf)  # inf: no key, p = exp(s - inf) = 0
@@ -258,7 +298,7 @@ class _Merged(torch.autograd.Function):
     def backward(ctx, grad):
         out, lse, *tensors = ctx.saved_tensors
         pieces = _pieces(ctx.layout, tensors)
-        total = grad.shape[0]
+        grad = grad if grad.is_contiguous() else grad.contiguous()
         grads: list[Tensor | None] = [None] * len(tensors)
 
         def add(slot: int, value: Tensor) -> None:  # each value is a fresh tensor of ours
@@ -267,16 +307,7 @@ class _Merged(torch.autograd.Function):
         rows_of: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # a group's rows, read once
         for slots, p in zip(ctx.layout, pieces, strict=True):
             if slots[5] not in rows_of:
-                # A dropped row (rows == total) reads the last row's g and out, not a zero
-                # row appended to copies of both: its lse is inf, so every probability, and
-                # with it every gradient it adds, is 0.
-                rows = p.rows.flatten()
-                real = rows.clamp(max=max(total - 1, 0))
-                rows_of[slots[5]] = (
-                    _unflat(grad.index_select(0, real), p.q).contiguous(),
-                    _unflat(out.index_select(0, real), p.q).contiguous(),
-                    _unflat(lse.index_select(0, rows)[..., None], p.q)[..., 0].contiguous(),
-                )
+                rows_of[slots[5]] = _rows_of(p, grad, out, lse)
             g, o, piece_lse = rows_of[slots[5]]
             n = p.q.shape[1] // p.k.shape[-3]
             dq, dk, dv = _piece_backward(
