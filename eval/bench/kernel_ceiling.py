@@ -6,11 +6,15 @@ realization it would reach if nothing else cost anything: the ceiling the kernel
 Variants, parameters and shapes are those of ``eval/configs/bench_cpu.yaml`` (#18's sweep) at one
 length (8192 by default), causal and not, forward and forward+backward, float32. Per cell: the
 median wall time of at least 5 runs (more while they took under 0.5 s); the kernel time, the
-median over 3 profiled runs of the self time of the CPU FlashAttention ops (forward and
-backward) and of the matrix products that small pieces run instead (``lse_merge.SMALL_KEYS``);
-the realization, (dense time / time) / (all pairs /
-allowed pairs); and the ceiling, the same with the kernel time in place of the time. Where the
-ceiling is below a goal, no plan that runs the same tiles through the same kernel meets it.
+median over 3 profiled runs of the time in the CPU FlashAttention ops (forward and backward)
+and in the matrix products that small pieces run instead (``lse_merge.SMALL_KEYS``), with what
+they call themselves: the backward kernel allocates and zero-fills the gradients it returns, a
+cost no caller avoids (before, counting self time only, dilated's forward+backward kernel took
+18.7 ms, its ceiling 0.51; with those fills 25 ms); the realization, (dense time / time) / (all
+pairs / allowed pairs); and the ceiling, the same with the kernel time in place of the time.
+Where the ceiling is below a goal, no plan that runs the same tiles through the same kernel
+meets it. The backward pass is timed as the sweep times it (``torch.autograd.grad`` with a
+fixed output gradient, so no gradient accumulates into the inputs' ``.grad``).
 """
 
 from __future__ import annotations
@@ -33,24 +37,30 @@ from eval.bench.sweep import allowed_pairs_for
 KERNEL_OPS = ("flash_attention_for_cpu", "aten::bmm", "aten::mm")
 
 
-def _run(fn: Callable[[], torch.Tensor], backward: bool) -> None:
+def _run(fn: Callable[[], torch.Tensor], backward: bool, inputs: list[torch.Tensor]) -> None:
+    """One run; with the backward pass, the gradients of ``inputs`` for an all-ones output
+    gradient, as ``out.sum()`` would give, but returned, not accumulated into ``.grad``."""
     if backward:
-        fn().sum().backward()
+        out = fn()
+        torch.autograd.grad(out, inputs, torch.ones_like(out))
     else:
         with torch.no_grad():
             fn()
 
 
-def measure(fn: Callable[[], torch.Tensor], backward: bool) -> tuple[float, float]:
+def measure(
+    fn: Callable[[], torch.Tensor], backward: bool, inputs: list[torch.Tensor]
+) -> tuple[float, float]:
     """(median wall ms of at least 5 runs, more while they took under half a second, as the
     CPU sweep times them; median kernel ms of 3 profiled runs) after one warm-up."""
-    walls = time_runs(lambda: _run(fn, backward), torch.device("cpu"), 1, 5, None, 500.0)
+    run = partial(_run, fn, backward, inputs)
+    walls = time_runs(run, torch.device("cpu"), 1, 5, None, 500.0)
     kernels = []
     for _ in range(3):
         with profile() as prof:
-            _run(fn, backward)
-        events = prof.key_averages()
-        kernels.append(sum(e.self_cpu_time_total for e in events if _is_kernel(e.key)) / 1e3)
+            run()
+        events = prof.key_averages()  # a kernel op's total includes the fills it calls
+        kernels.append(sum(e.cpu_time_total for e in events if _is_kernel(e.key)) / 1e3)
     return statistics.median(walls), statistics.median(kernels)
 
 
@@ -63,7 +73,8 @@ def main(n: int = 8192) -> None:
         config = yaml.safe_load(f)
     heads, head_dim = config["heads"], config["head_dim"]
     torch.manual_seed(0)
-    q, k, v = (torch.randn(1, heads, n, head_dim, requires_grad=True) for _ in range(3))
+    qkv = [torch.randn(1, heads, n, head_dim, requires_grad=True) for _ in range(3)]
+    q, k, v = qkv
     print(f"# Kernel ceiling of the blocked backend: n = {n}, B = 1, H = {heads}, D = {head_dim}")
     command = f"python -m eval.bench.kernel_ceiling {n}"
     print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads; `{command}`")
@@ -73,7 +84,7 @@ def main(n: int = 8192) -> None:
         for backward in (False, True):
             step = "fwd+bwd" if backward else "fwd"
             dense, dense_kernel = measure(
-                partial(scaled_dot_product_attention, q, k, v, is_causal=causal), backward
+                partial(scaled_dot_product_attention, q, k, v, is_causal=causal), backward, qkv
             )
             print(f"| dense SDPA | {causal} | {step} | {dense:.1f} | {dense_kernel:.1f} | | |")
             for variant in config["variants"]:
@@ -83,7 +94,7 @@ def main(n: int = 8192) -> None:
                     zoo.attention, q, k, v, variant=variant, backend="blocked", causal=causal,
                     **params,
                 )  # fmt: skip
-                wall, kernel = measure(call, backward)
+                wall, kernel = measure(call, backward, qkv)
                 print(
                     f"| {variant} | {causal} | {step} | {wall:.1f} | {kernel:.1f} "
                     f"| {dense / wall / ideal:.2f} | {dense / kernel / ideal:.2f} |",
