@@ -254,3 +254,25 @@ def test_rows_on_a_grid_merge_in_place_as_gathered_rows_do():
     assert torch.allclose(out, want, atol=1e-12)
     for a, b in zip(grads, want_grads, strict=True):
         assert torch.allclose(a, b, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_band_and_residue_groups_merge_on_a_grid(causal):
+    """Strided at 2048 tokens, as the blocked backend plans it on a CPU: the band's group of
+    consecutive query blocks and the residue order's group (one block per residue, stride 64)
+    find their rows' grids, so their merge reads and writes views, not gathers."""
+    from zoo.backends.blocked_merged import _rows
+
+    q = torch.zeros(1, 1, 2048, 8)
+    call = prepare_call(q, q, q, variant="strided", causal=causal)
+    backend = BlockedBackend()
+    for part in call.pattern.parts():
+        frame, groups = backend._plan(call, part, split_queries=True)
+        banded = [g for g in groups if g.window is not None]
+        assert banded, part
+        for group in banded:
+            rows, grids, _ = _rows(frame, group, 1, 2048)
+            assert grids[0] is not None, (part, group.rows)
+            n, m = rows[0].shape
+            got = grids[0].view(torch.arange(2049), n, m)
+            assert torch.equal(got, rows[0])
