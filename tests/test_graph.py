@@ -89,25 +89,28 @@ BACKENDS = {
 }
 
 
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
 @pytest.mark.parametrize("per_sequence", [False, True], ids=["shared", "per-sequence"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize("backend", list(BACKENDS))
-def test_backends_match_the_reference(backend, causal, per_sequence):
-    """Forward and backward (flex eager: forward), key padding on, nodes in RCM order inside."""
+def test_backends_match_the_reference(backend, causal, per_sequence, padded):
+    """Forward and backward (flex eager: forward), with key padding or without (then blocked
+    reads a graph shared by the batch once for every sequence and head: ``Runs.shared``), with
+    grouped-query heads, nodes in RCM order inside."""
     graphs = [random_graph(N, s) for s in range(3)]
     edge_index = graphs if per_sequence else graphs[0]
     params = dict(edge_index=edge_index, global_nodes=(2,))
-    q, k, v = random_qkv(3, 2, N, N, v_dim=8)
-    padding = padding_mask(3, N)
+    q, k, v = random_qkv(3, 4, N, N, v_dim=8, kv_heads=2)
+    padding = padding_mask(3, N) if padded else torch.zeros(3, N, dtype=torch.bool)
     masks = [expected_mask(graphs[b if per_sequence else 0], N, causal, global_nodes=(2,))
              for b in range(3)]  # fmt: skip
     allowed = torch.stack(masks)[:, None] & ~padding[:, None, None, :]
-    grad_out = torch.randn(3, 2, N, 8, generator=torch.Generator().manual_seed(1))
+    grad_out = torch.randn(3, 4, N, 8, generator=torch.Generator().manual_seed(1))
 
     def run(choice):
         def fn(q, k, v):
             return zoo.attention(q, k, v, variant="graph", backend=choice, causal=causal,
-                                 key_padding_mask=padding, **params)  # fmt: skip
+                                 key_padding_mask=padding if padded else None, **params)  # fmt: skip
 
         return fn
 

@@ -47,6 +47,12 @@ from .reference import exp_and_mass
 def routed_state(part: Pattern, frame: Frame, B: int, H: int, padded: Tensor | None) -> Tensor:
     """[B, H, query blocks, key blocks] layout; key blocks that are all padding are EMPTY."""
     state = part.block_state(frame.q.spans().column(), frame.k.spans().row())
+    return with_padding(state, frame, B, H, padded)
+
+
+def with_padding(state: Tensor, frame: Frame, B: int, H: int, padded: Tensor | None) -> Tensor:
+    """A layout's block states (B or 1, H or 1, ...) for B sequences and H heads, EMPTY where
+    a key block is all padding."""
     state = state.expand(B, H, *state.shape[-2:])
     if padded is not None:
         all_padding = padded.view(B, -1, frame.k.block).all(-1)[:, None, None, :]
