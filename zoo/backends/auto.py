@@ -11,24 +11,36 @@ dtype, variant, causality, pass and length, that backend leads the order. The fa
   mask; then reference. Measured on a 2-core CPU (float32, 4 heads of 64, eval/configs/
   bench_cpu.yaml): per scored pair the blocked backend costs about 1.4x a dense SDPA pair
   forward and 2.6x forward and backward, plus a fixed cost that dominates below ~1K tokens; so
-  it goes first from 1024 keys when it scores under 40% of the pairs. Compiled flex is left out
-  on CPU: it has no backward there and compiles for seconds on first use.
+  it goes first from 1024 keys when it scores under 40% of the pairs. A layout the same for
+  every sequence and head that runs key block by key block (one graph for the batch: runs
+  shared by all, ``blocked_by_key``) costs 1.2-1.8x a dense pair forward and 1.1-1.3x forward
+  and backward (eval/results/graph-timing-cpu.md, 4096 and 1024 nodes); it goes first under
+  70%. Compiled flex is left out on CPU: it has no backward there and compiles for seconds on
+  first use.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from ..call import AttentionCall
 from .auto_table import lookup
 from .base import Backend
 
+if TYPE_CHECKING:
+    from .blocked import BlockedBackend
+
 CPU_SPARSE_MIN_KEYS = 1024
 CPU_SPARSE_MAX_DENSITY = 0.4
+CPU_SHARED_RUNS_MAX_DENSITY = 0.7
 
 
-def blocked_wins_on_cpu(call: AttentionCall, blocked: Backend) -> bool:
+def blocked_wins_on_cpu(call: AttentionCall, blocked: BlockedBackend) -> bool:
     if call.kv_len < CPU_SPARSE_MIN_KEYS or blocked.reason_against(call) is not None:
         return False
-    return blocked.scored_pairs(call) <= CPU_SPARSE_MAX_DENSITY * call.q_len * call.kv_len
+    scored, shared = blocked.scored_and_shared(call)
+    limit = CPU_SHARED_RUNS_MAX_DENSITY if shared else CPU_SPARSE_MAX_DENSITY
+    return scored <= limit * call.q_len * call.kv_len
 
 
 def fallback_order(call: AttentionCall, backends: dict[str, Backend]) -> list[str]:

@@ -183,18 +183,25 @@ class BlockedBackend(Backend):
         return frame, plan(part, frame, self.waste, split_queries)
 
     def scored_pairs(self, call: AttentionCall) -> int:
+        return self.scored_and_shared(call)[0]
+
+    def scored_and_shared(self, call: AttentionCall) -> tuple[int, bool]:
+        """The scores computed per sequence and head, and whether every part runs key block by
+        key block with runs shared by every sequence and head (``blocked_by_key``: one graph
+        for the batch), the path that costs least per score (``auto``)."""
         B, H = call.q.shape[:2]
 
         split = self._merges(call, call.pattern.parts())
 
-        def pairs(part: Pattern) -> int:
+        def pairs(part: Pattern) -> tuple[int, bool]:
             if not part.routed:
-                return sum(g.masked.numel() for g in self._plan(call, part, split)[1])
+                return sum(g.masked.numel() for g in self._plan(call, part, split)[1]), False
             if usable(call):
                 return scored_by_key(call, part, self.block_size)
-            return routed_pairs(part, self._frame(call, part), B, H, self.waste)
+            return routed_pairs(part, self._frame(call, part), B, H, self.waste), False
 
-        return sum(pairs(part) for part in call.pattern.parts())
+        counted = [pairs(part) for part in call.pattern.parts()]
+        return sum(n for n, _ in counted), all(shared for _, shared in counted)
 
     def forward(self, call: AttentionCall) -> tuple[Tensor, None]:
         dtype = self.compute_dtype

@@ -333,11 +333,11 @@ def attention_by_key(
     return out, mass, peak
 
 
-def scored_by_key(call: AttentionCall, part: Pattern, block: int) -> int:
+def scored_by_key(call: AttentionCall, part: Pattern, block: int) -> tuple[int, bool]:
     """Scores the runs compute per sequence and head (their mean): each run's queries times
-    its key block."""
+    its key block; and whether the runs are shared by every sequence and head."""
     r = runs(part, call, block, call.key_padding_mask, call.q.dtype, masks_too=False)
     if r is None:
-        return 0
+        return 0, False
     B, H = r.shape[:2]
-    return round(sum(rows.numel() for rows in r.rows) * r.frame.k.block / (B * H))
+    return round(sum(rows.numel() for rows in r.rows) * r.frame.k.block / (B * H)), r.shared
