@@ -22,7 +22,7 @@ from eval.bench import graph_timing
 from zoo.backends import BlockedBackend, FlexBackend
 from zoo.frames import build_frame
 from zoo.node_order import bandwidth, block_density, cuthill_mckee, in_node_order
-from zoo.patterns import EMPTY, FULL, RouteInputs, graph
+from zoo.patterns import EMPTY, FULL, Local, RouteInputs, graph
 
 N = 40
 
@@ -109,8 +109,9 @@ def test_backends_match_the_reference(backend, causal, per_sequence, padded):
 
     def run(choice):
         def fn(q, k, v):
+            mask = padding if padded else None
             return zoo.attention(q, k, v, variant="graph", backend=choice, causal=causal,
-                                 key_padding_mask=padding if padded else None, **params)  # fmt: skip
+                                 key_padding_mask=mask, **params)  # fmt: skip
 
         return fn
 
@@ -237,3 +238,25 @@ def test_graph_timing_rows_time_every_backend():
     for line in lines:
         cells = line.strip("| ").split(" | ")[-len(graph_timing.BACKENDS) :]
         assert all(float(cell) > 0 for cell in cells)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_a_shared_graph_in_a_union_matches_the_reference(causal):
+    """A graph shared by the batch, in a union with a band: blocked reads its runs once for
+    every sequence and head (``Runs.shared``) and merges its softmax mass with the band's, so
+    the backward takes the mass's gradient (``explicit_backward``); grouped-query heads, float64,
+    equal to the reference forward and backward."""
+    pattern = graph(global_nodes=(2,)) | Local(3)
+    q, k, v = random_qkv(3, 4, N, N, v_dim=8, kv_heads=2, dtype=torch.float64)
+    generator = torch.Generator().manual_seed(1)
+    grad_out = torch.randn(3, 4, N, 8, dtype=torch.float64, generator=generator)
+    edge_index = random_graph(N, 0)
+
+    def run(backend):
+        out = zoo.attention(
+            q, k, v, variant=pattern, backend=backend, edge_index=edge_index, causal=causal
+        )
+        return [out, *torch.autograd.grad(out, (q, k, v), grad_out)]
+
+    for got, want in zip(run(BlockedBackend(block_size=8)), run("reference"), strict=True):
+        assert torch.allclose(got, want, atol=1e-12)
