@@ -232,11 +232,12 @@ def _additive(ok: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill_(~ok, float("-inf"))
 
 
-def _key_block(r: Runs, x: Tensor, block: int) -> Tensor:
-    """A run's key block of x (B, H_kv, slots, D), as the kernel reads it: (1, 1, bk, D), or
-    for a shared run (B, H_kv, bk, D). A view: the backward adds into it."""
+def _key_blocks(r: Runs, x: Tensor) -> Tensor:
+    """x (B, H_kv, slots, D) as the runs' key blocks, a view indexed by a run's ``block``: each
+    (1, 1, bk, D) as the kernel reads it, or for shared runs (B, H_kv, bk, D). The backward adds
+    into them."""
     blocks = x.unflatten(2, (-1, r.frame.k.block))  # (B, H_kv, Kb, bk, D)
-    return blocks[:, :, block] if r.shared else blocks.flatten(0, 2)[block][None, None]
+    return blocks.movedim(2, 0) if r.shared else blocks.flatten(0, 2)[:, None, None]
 
 
 def _each(r: Runs, q: Tensor, k: Tensor, v: Tensor) -> Iterator[tuple]:
@@ -245,9 +246,10 @@ def _each(r: Runs, q: Tensor, k: Tensor, v: Tensor) -> Iterator[tuple]:
     queries = q.reshape(r.queries, -1).index_select(0, torch.cat(r.rows))
     queries = queries.split([rows.numel() for rows in r.rows])
     B, kv_heads = k.shape[:2]
+    k_blocks, v_blocks = _key_blocks(r, k), _key_blocks(r, v)
     for rows, qs, block, mask in zip(r.rows, queries, r.blocks, r.masks, strict=True):
         qs = qs.view(B, kv_heads, -1, qs.shape[-1]) if r.shared else qs[None, None]
-        yield rows, qs, _key_block(r, k, block), _key_block(r, v, block), mask, block
+        yield rows, qs, k_blocks[block], v_blocks[block], mask, block
 
 
 class _Attention(torch.autograd.Function):
@@ -285,6 +287,7 @@ class _Attention(torch.autograd.Function):
             grad_out = torch.zeros_like(out)
         lse = torch.where(torch.isfinite(lse), lse, 0)  # a keyless row's probabilities stay 0
         dq, dk, dv = torch.zeros_like(out), torch.zeros_like(k), torch.zeros_like(v)
+        dk_blocks, dv_blocks = _key_blocks(r, dk), _key_blocks(r, dv)
         for rows, queries, keys, values, mask, block in _each(r, q, k, v):
             o, d_o = out[rows].view(queries.shape), grad_out[rows].view(queries.shape)
             m = lse[rows].view(queries.shape[:-1])
@@ -297,8 +300,8 @@ class _Attention(torch.autograd.Function):
                     d_o, queries, keys, values, o, m, mask, 1.0, grad_lse[rows].view(m.shape)
                 )
             dq.index_add_(0, rows, dq_r.reshape(-1, dq_r.shape[-1]))
-            _key_block(r, dk, block).add_(dk_r)
-            _key_block(r, dv, block).add_(dv_r)
+            dk_blocks[block].add_(dk_r)
+            dv_blocks[block].add_(dv_r)
         return dq.view(q.shape), dk, dv, None
 
 
