@@ -9,6 +9,9 @@ bench-report BENCH.json [...]     one report from a sweep run in pieces (out=DIR
 attention-map CHECKPOINT          one head's weights in a trained model (save_checkpoints=true)
 auto-table BENCH.json [...]       the table behind backend="auto", from benchmark results
 demo                              every variant forward and backward once, with its cost
+
+python -m eval COMMAND --help: that command's options. With no command or an unknown one, this
+text goes to stderr and the exit status is 2; --help, -h or help print it and exit 0.
 """
 
 from __future__ import annotations
@@ -31,11 +34,17 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in COMMANDS:
+    if not argv or argv[0] not in (*COMMANDS, "-h", "--help", "help"):
+        if argv:
+            print(f"python -m eval: unknown command {argv[0]!r}", file=sys.stderr)
         print(__doc__, file=sys.stderr)
         return 2
     try:
-        status = importlib.import_module(COMMANDS[argv[0]]).main(argv[1:]) or 0
+        if argv[0] in COMMANDS:
+            status = importlib.import_module(COMMANDS[argv[0]]).main(argv[1:]) or 0
+        else:  # --help, -h, help
+            print(__doc__)
+            status = 0
         sys.stdout.flush()
     except BrokenPipeError:  # the reader went away (``| head``): exit quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -2,7 +2,10 @@
 
 ``python -m eval demo [--seq-len N]``: for each variant, the backend that ``auto`` chose, the
 allowed pairs and the pairs that backend scored (both as a fraction of n^2), and the median time
-of a forward + backward pass.
+of a forward + backward pass. A variant that reads the call's graph (``graph``) runs on an
+example graph (``zoo.check_routed.example_graph``: a ring, chords and a clique of 24 nodes); one
+that chooses its blocks by content (``moba``) chooses them from the random input, so its
+fractions are the mean over heads.
 """
 
 # Why this file sits at eval/'s top level rather than in eval/harness or eval/bench: it trains
@@ -19,8 +22,11 @@ import time
 import torch
 
 import zoo
+from zoo.__main__ import positive_int
 from zoo.backends import resolve_backend
+from zoo.check_routed import example_graph
 from zoo.functional import prepare_call
+from zoo.patterns import reads_graph
 from zoo.registry import get_spec
 from zoo.tables import markdown_table
 
@@ -29,24 +35,34 @@ def time_variant(variant: str, x: torch.Tensor, repeats: int) -> tuple[str, floa
     """(backend, allowed fraction, scored fraction, median seconds) for one variant."""
     n = x.shape[2]
     q, k, v = (x.clone().requires_grad_() for _ in range(3))
-    call = prepare_call(q, k, v, variant=variant)
+    pattern = get_spec(variant).build()
+    inputs = {"edge_index": example_graph(n)} if reads_graph(pattern) else {}
+    call = prepare_call(q, k, v, variant=variant, **inputs)
     backend = resolve_backend("auto", call)
-    allowed = zoo.allowed_pairs(get_spec(variant).build(), n, n) / n**2
+    if call.pattern.routed:  # bound to this call: a layout per sequence and head
+        dense = call.pattern.dense(n, n)
+        allowed = float(torch.broadcast_to(dense, (*q.shape[:2], n, n)).float().mean())
+    else:
+        allowed = zoo.allowed_pairs(pattern, n, n) / n**2
     scored = backend.scored_pairs(call) / n**2
     times = []
     for _ in range(repeats + 1):  # the first run builds and caches the layout
         start = time.perf_counter()
-        zoo.attention(q, k, v, variant=variant).sum().backward()
+        zoo.attention(q, k, v, variant=variant, **inputs).sum().backward()
         times.append(time.perf_counter() - start)
     return backend.name, allowed, scored, statistics.median(times[1:])
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eval demo", description=__doc__)
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--head-dim", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = argparse.ArgumentParser(
+        prog="python -m eval demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--seq-len", type=positive_int, default=2048)
+    parser.add_argument("--heads", type=positive_int, default=4)
+    parser.add_argument("--head-dim", type=positive_int, default=32)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--variants", default="*", help="a glob over variant names")
     args = parser.parse_args(argv)
     torch.manual_seed(0)

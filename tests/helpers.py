@@ -9,6 +9,8 @@ magnitude because some gradients (a T5 table's) are sums over thousands of pairs
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -35,6 +37,22 @@ SELF_CONTAINED_VARIANTS = [name for name in zoo.list_variants() if name not in G
 
 HAS_CUDA = torch.cuda.is_available()
 _NO_GPU = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU; this machine has none")
+
+
+def subprocess_timeout(seconds: float) -> float:
+    """A time-out for a test's subprocess that holds under load: ``seconds``, what the command may
+    take on an idle 2-core machine, times ZOO_TEST_TIMEOUT_SCALE if set (e.g. 4 on a slow or busy
+    machine), else times 2 x the CPU load (the 1-minute load average per core, at least 1). The
+    time-out only stops a hung process; a command that is merely slow must not fail for it
+    (compiled flex at every length, 480 s idle, timed out on a loaded 2-core machine)."""
+    scale = os.environ.get("ZOO_TEST_TIMEOUT_SCALE")
+    if scale:
+        return seconds * float(scale)
+    try:
+        load = os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:  # no load average on this platform
+        load = 1.0
+    return seconds * 2 * max(1.0, load)
 
 
 def gpu(test):

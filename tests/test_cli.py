@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
+import os
+import sys
+import textwrap
 
+import pytest
+import torch
+
+import zoo
+from eval.__main__ import COMMANDS
+from eval.__main__ import main as eval_main
 from zoo.__main__ import main
 
 
@@ -21,11 +29,8 @@ def test_show_table_and_list(tmp_path, capsys):
     "argv,message",
     [
         (["show", "bigbrid"], "did you mean 'bigbird'"),
-        (["show", "local", "--seq-len", "0"], "seq_len must be a positive int, got 0"),
         (["show", "local", "--out", "/no/such/folder/x.png"], "does not exist"),
         (["show", "local", "window=3"], "no parameter 'window'"),
-        (["table", "--seq-len", "-4"], "seq_len must be a positive int, got -4"),
-        (["attention-map", "local", "--seq-len", "0"], "seq_len must be a positive int"),
     ],
 )
 def test_bad_input_exits_2_with_a_sentence(argv, message, capsys):
@@ -33,7 +38,112 @@ def test_bad_input_exits_2_with_a_sentence(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["table", "--seq-len", "0"], "argument --seq-len: must be a positive int, got 0"),
+        (["table", "--seq-len", "-4"], "argument --seq-len: must be a positive int, got -4"),
+        (["table", "--layers", "0"], "argument --layers: must be a positive int, got 0"),
+        (["table", "--seq-len", "many"], "argument --seq-len: must be a positive int, got 'many'"),
+        (["show", "local", "--seq-len", "0"], "argument --seq-len: must be a positive int, got 0"),
+        (["attention-map", "local", "--seq-len", "0"], "argument --seq-len: must be a positive"),
+        (["encoding", "sinusoidal", "--length", "0"], "argument --length: must be a positive int"),
+        (["encoding", "sinusoidal", "--dim", "0"], "argument --dim: must be a positive int, got 0"),
+        (["check", "local", "--lengths", "40,0"], "argument --lengths: must be comma-separated"),
+        (["show", "local", "=3"], "parameter '=3' must look like key=value"),
+    ],
+)
+def test_bad_numbers_exit_2_before_any_output(argv, message, capsys):
+    """``zoo table --seq-len 0`` printed the table's header line before its error: arguments are
+    checked by argparse, which names the option, the value and what it expects, and exits 2."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and message in err
+
+
 def test_stray_words_are_rejected():
     with pytest.raises(SystemExit) as exit_:
         main(["table", "window_size=3"])
     assert exit_.value.code == 2
+
+
+def test_check_all_checks_every_variant_graph_included(capsys):
+    """``zoo check --all``, what a contributor runs before a pull request, exited 1 on ``graph``
+    (its pairs come with the call's graph): it checks graph on an example graph, moba on a random
+    input, every variant with its defaults, in a few seconds on one thread."""
+    threads = torch.get_num_threads()
+    assert main(["check", "--all"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    for name in zoo.list_variants():
+        assert f"ok: {name}: three views agree at " in out
+    assert "ok: graph: three views agree at 4 shapes" in out  # q_len = kv_len only
+    assert torch.get_num_threads() == threads, "the thread count is restored"
+
+
+def test_the_console_script_imports_a_module_from_the_working_directory(
+    tmp_path, monkeypatch, capsys
+):
+    """The README's ``zoo check my_patterns:BandAndFirst w=16``, run from the folder of
+    my_patterns.py: the console script's sys.path lacks the working directory (``python -m zoo``
+    has it), so the import failed."""
+    (tmp_path / "cli_band_patterns.py").write_text(
+        textwrap.dedent(
+            """
+            from zoo.patterns import Local
+
+
+            def band(w=3):
+                return Local(w)
+            """
+        )
+    )
+    monkeypatch.chdir(tmp_path)
+    here = str(tmp_path)
+    kept = [p for p in sys.path if not (isinstance(p, str) and os.path.abspath(p or ".") == here)]
+    monkeypatch.setattr(sys, "path", kept)
+    monkeypatch.delitem(sys.modules, "cli_band_patterns", raising=False)
+    assert main(["check", "cli_band_patterns:band", "w=4", "--lengths", "40"]) == 0
+    assert capsys.readouterr().out == "ok: cli_band_patterns:band: three views agree at 4 shapes\n"
+    assert sys.path == kept, "the working directory is taken off sys.path again"
+    monkeypatch.delitem(sys.modules, "cli_band_patterns", raising=False)
+
+
+def test_the_demo_shows_every_variant(capsys):
+    """``python -m eval demo`` crashed on graph (no graph given) and on moba (no fixed mask)."""
+    from eval.demo import main as demo
+
+    assert demo(["--seq-len", "100", "--repeats", "1", "--heads", "1", "--head-dim", "8"]) == 0
+    rows = {line.split("|")[1].strip() for line in capsys.readouterr().out.splitlines()[3:]}
+    assert rows == set(zoo.list_variants())
+
+
+@pytest.mark.parametrize("word", ["--help", "-h", "help"])
+def test_eval_help_exits_0(word, capsys):
+    assert eval_main([word]) == 0
+    out, err = capsys.readouterr()
+    assert "bench-decode" in out and "demo" in out and err == ""
+
+
+@pytest.mark.parametrize("argv", [[], ["nope"]])
+def test_eval_without_a_known_command_exits_2(argv, capsys):
+    assert eval_main(argv) == 2
+    assert "python -m eval COMMAND" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_each_eval_command_has_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        eval_main([command, "--help"])
+    assert exit_.value.code in (0, None)
+    assert "usage:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["check", "--help"], ["table", "-h"]])
+def test_zoo_help_exits_0(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 0
+    assert "usage: zoo" in capsys.readouterr().out

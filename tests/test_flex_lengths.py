@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import subprocess_timeout
 
 # Runs in a fresh process: every length 1..300 once, then two large odd ones. Each compiled graph
 # costs seconds on CPU (one per configuration and padded length), so a process alternates two
@@ -71,7 +72,7 @@ def test_compiled_flex_matches_reference_at_every_length(seed):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(
         [sys.executable, "-c", SWEEP, str(seed), tests_dir],
-        capture_output=True, text=True, timeout=480, env=env,
+        capture_output=True, text=True, timeout=subprocess_timeout(480), env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])

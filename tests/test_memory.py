@@ -14,6 +14,7 @@ import textwrap
 
 import pytest
 import torch
+from helpers import subprocess_timeout
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import zoo
@@ -68,7 +69,10 @@ def test_compiled_flex_peak_memory_is_far_below_n_squared():
         """
     )
     done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=subprocess_timeout(600),
     )
     assert done.returncode == 0, done.stderr[-2000:]
     grown = int(done.stdout.strip().splitlines()[-1])

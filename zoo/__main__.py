@@ -14,28 +14,71 @@ zoo readme [PATH]                  write the generated tables into the README
 zoo check NAME [--lengths N,N,...] [key=value ...] | zoo check --all
                                    check that a pattern's three views agree (exit 1 if not);
                                    NAME: a variant, a pattern family or package.module:factory
+                                   (the module imports from the working directory too)
+
+Bad arguments (a length of 0, a word that is not key=value) exit 2 with a message, before any
+output.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from collections.abc import Callable, Iterator
 
 import yaml
 
 
 def parse_params(items: list[str]) -> dict[str, object]:
-    """``key=value`` words as pattern parameters (values read as YAML: 64, [0, 3])."""
+    """``key=value`` words as pattern parameters (values read as YAML: 64, [0, 3]); ValueError
+    for a word that is not key=value."""
     params = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise SystemExit(
-                f"zoo: parameter {item!r} must look like key=value (e.g. window_size=64)"
-            )
-        params[key] = yaml.safe_load(value)
+            raise ValueError(f"parameter {item!r} must look like key=value (e.g. window_size=64)")
+        try:
+            params[key] = yaml.safe_load(value)
+        except yaml.YAMLError as error:
+            message = f"parameter {item!r}: {value!r} is not a YAML value ({error})"
+            raise ValueError(message) from None
     return params
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type`` for an int option >= ``minimum``: a bad value exits 2 before the
+    command runs, argparse naming the option, e.g. "argument --seq-len: must be a positive int,
+    got 0". The eval commands (``python -m eval demo``, ``attention-map``) use it too."""
+    expected = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {minimum}"
+    return parse
+
+
+positive_int = int_at_least(1)
+
+
+def positive_ints(text: str) -> list[int]:
+    """``--lengths``: comma-separated ints >= 1, e.g. 37,100."""
+    try:
+        values = [int(word) for word in text.split(",")]
+    except ValueError:
+        values = [0]
+    if min(values) < 1:
+        message = f"must be comma-separated positive ints (e.g. 37,100), got {text!r}"
+        raise argparse.ArgumentTypeError(message)
+    return values
 
 
 WITH_PARAMS = ("show", "attention-map", "check")  # commands that take key=value words
@@ -47,27 +90,36 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("list", help="the variants, mechanisms and encodings as tables")
     show = commands.add_parser("show", help="draw a variant's allowed pairs as a PNG heatmap")
     show.add_argument("name")
-    show.add_argument("--seq-len", type=int, default=256)
+    show.add_argument("--seq-len", type=positive_int, default=256)
     show.add_argument("--causal", action="store_true")
     show.add_argument("--out", default=None, help="PNG path (default: NAME.png)")
     table = commands.add_parser("table", help="the seeds' comparison table for every variant")
-    table.add_argument("--seq-len", type=int, default=1024)
-    table.add_argument("--layers", type=int, default=2)
+    table.add_argument("--seq-len", type=positive_int, default=1024)
+    table.add_argument("--layers", type=positive_int, default=2)
     maps = commands.add_parser("attention-map", help="one head's weights of a random model")
     maps.add_argument("name")
-    maps.add_argument("--seq-len", type=int, default=128)
+    maps.add_argument("--seq-len", type=positive_int, default=128)
     maps.add_argument("--out", default=None, help="PNG path (default: NAME-attention.png)")
     encoding = commands.add_parser("encoding", help="draw a positional encoding's table as PNG")
     encoding.add_argument("name")
-    encoding.add_argument("--length", type=int, default=128)
-    encoding.add_argument("--dim", type=int, default=64)
+    encoding.add_argument("--length", type=positive_int, default=128)
+    encoding.add_argument("--dim", type=positive_int, default=64)
     encoding.add_argument("--out", default=None, help="PNG path (default: NAME.png)")
     readme = commands.add_parser("readme", help="write the generated tables into a README")
     readme.add_argument("path", nargs="?", default="README.md")
     check = commands.add_parser("check", help="check that a pattern's three views agree")
     check.add_argument("name", nargs="?", help="a variant, a family or package.module:factory")
-    check.add_argument("--all", action="store_true", help="check every registry variant")
-    check.add_argument("--lengths", default=None, help="comma-separated, e.g. 100,1000")
+    check.add_argument(
+        "--all",
+        action="store_true",
+        help="check every registry variant with its defaults (graph on an example graph)",
+    )
+    check.add_argument(
+        "--lengths",
+        type=positive_ints,
+        default=None,
+        help="comma-separated, e.g. 100,1000 (default: 37,100,300,600)",
+    )
     return parser
 
 
@@ -78,7 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     if len(args.params) != len(extra) or (extra and args.command not in WITH_PARAMS):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        failed = run(args)
+        parse_params(args.params)  # checked here, before any command prints
+    except ValueError as error:
+        parser.error(str(error))
+    try:
+        with working_directory_importable():
+            failed = run(args)
         sys.stdout.flush()  # a reader that went away shows here, not in a traceback at exit
     except BrokenPipeError:  # `zoo table | head`: stop quietly, as other CLIs do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -87,6 +144,40 @@ def main(argv: list[str] | None = None) -> int:
         print(f"zoo {args.command}: {error}", file=sys.stderr)
         return 2
     return 1 if failed else 0
+
+
+@contextlib.contextmanager
+def working_directory_importable() -> Iterator[None]:
+    """``package.module:factory`` names import from the working directory, as under ``python -m
+    zoo`` (whose sys.path starts with it) and as the README's ``zoo check my_patterns:...`` needs:
+    the ``zoo`` console script's sys.path lacks it. Appended, so an installed module of the same
+    name still wins, and taken off again afterwards."""
+    cwd = os.getcwd()
+    if any(isinstance(p, str) and os.path.abspath(p or ".") == cwd for p in sys.path):
+        yield
+        return
+    sys.path.append(cwd)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(cwd)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one CPU thread for the duration, restored after. ``zoo check`` works on small
+    tensors (at most 600 x 600 per shape), where a second OpenMP thread only adds waiting: on a
+    2-core machine with other work running, ``zoo check --all`` took 20 s with torch's default of
+    two threads and 5 s with one (a tester saw 2.5 minutes under heavier load)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def run(args: argparse.Namespace) -> bool | None:
@@ -127,12 +218,18 @@ def run(args: argparse.Namespace) -> bool | None:
         changed = describe.update_readme(args.path)
         print(f"{args.path}: {'updated' if changed else 'already up to date'}")
     elif args.command == "check":
-        return check(args)
+        with one_thread():
+            return check(args)
     return None
 
 
 def check(args: argparse.Namespace) -> bool:
-    """``zoo check``: one line per pattern, ok on stdout or the first disagreement on stderr."""
+    """``zoo check``: one line per pattern, ok on stdout or the first disagreement on stderr.
+
+    ``--all`` checks every registry variant with its defaults at ``zoo.check.LENGTHS`` (37, 100,
+    300, 600: small, none a multiple of a block size, and 600 above moba's default block of 512,
+    so the last blocks are partial), a pattern chosen by content on a seeded random input and
+    ``graph`` on an example graph (``zoo.check_routed``); about 5 s on one core."""
     from .check import LENGTHS, PatternCheckError, check_pattern
     from .registry import list_variants
 
@@ -140,13 +237,7 @@ def check(args: argparse.Namespace) -> bool:
         raise ValueError("give a pattern NAME or --all, not both or neither")
     if args.all and args.params:
         raise ValueError("--all checks the variants with their defaults; key=value needs a NAME")
-    lengths = LENGTHS
-    if args.lengths is not None:
-        try:
-            lengths = [int(word) for word in args.lengths.split(",")]
-        except ValueError:
-            message = f"--lengths must be comma-separated ints, got {args.lengths!r}"
-            raise ValueError(message) from None
+    lengths = LENGTHS if args.lengths is None else args.lengths
     params = parse_params(args.params)
     failed = False
     for name in list_variants() if args.all else [args.name]:

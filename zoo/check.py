@@ -16,8 +16,8 @@ those it calls FULL, so a wrong claim gives wrong outputs with no error. This mo
 
 Each check runs on the pattern as ``specialize`` returns it for the shape, on the CPU. A pattern
 chosen by content is bound to a seeded random input first and checked per sequence and head
-(``zoo.check_routed``). The zoo's own
-tests (tests/test_patterns.py) run the same function on every variant.
+(``zoo.check_routed``; a pattern that reads the call's graph, ``graph``, on an example graph).
+The zoo's own tests (tests/test_patterns.py) run the same function on every variant.
 """
 
 from __future__ import annotations
@@ -128,15 +128,11 @@ def check_pattern(
         return PatternCheckError(f"pattern {label}{verb}: {message}")
 
     _check_hashable(pattern, "it", fail)
-    if pattern.routed:  # chosen by content: the views of one bound input, per sequence and head
-        for q_len, kv_len in shapes:
-            check_routed(pattern, q_len, kv_len, blocks, fail)
-        return len(shapes)
     checked, skipped = 0, []
     for q_len, kv_len in shapes:
         try:
             p = pattern.specialize(q_len, kv_len, CPU)
-        except ValueError as error:
+        except ValueError as error:  # e.g. graph at q_len != kv_len: not a shape it runs at
             skipped.append(f"q_len={q_len}, kv_len={kv_len}: {error}")
             continue
         except Exception as error:
@@ -145,7 +141,10 @@ def check_pattern(
                 f"{error}",
                 disagree=False,
             ) from error
-        _check_shape(p, q_len, kv_len, blocks, fail)
+        if p.routed:  # chosen by content: the views of one bound input, per sequence and head
+            check_routed(p, q_len, kv_len, blocks, fail)
+        else:
+            _check_shape(p, q_len, kv_len, blocks, fail)
         checked += 1
     if not checked:
         raise PatternCheckError(

@@ -5,7 +5,9 @@ per (sequence, head) ones, and backends trust them as they trust a fixed pattern
 and ``flex`` skip the blocks that ``block_state`` calls EMPTY, ``blocked`` drops the mask on the
 (query, key block) pairs it calls FULL. So the check binds the pattern to seeded random inputs
 (2 sequences, 2 query heads over 1 key/value head, the second sequence's last third of keys
-padded), under causal rules and not, and holds, per sequence and head:
+padded, and one example graph per sequence, ``example_graph``, for a pattern that reads the
+call's ``edge_index`` such as ``graph``), under causal rules and not, and holds, per sequence and
+head:
 
 - ``dense`` equal to ``allowed_at`` on the grid;
 - ``parts()`` disjoint, their union the pattern;
@@ -28,14 +30,31 @@ CPU = torch.device("cpu")
 B, H, KV_HEADS, DIM = 2, 2, 1, 8
 
 
+def example_graph(nodes: int, clique: int = 24) -> Tensor:
+    """(2, E) int64: a small example graph for a call that needs one (``variant="graph"``), with
+    blocks of every state: a ring (each node and its two neighbours, both ways), one-way chords
+    from each even node to the node a third of the way round, and a clique among the first
+    ``clique`` nodes (blocks where every pair is an edge)."""
+    node = torch.arange(nodes)
+    ring = torch.stack([node, (node + 1) % nodes])
+    even = node[::2]
+    chords = torch.stack([even, (even + max(1, nodes // 3)) % nodes])
+    first = torch.arange(min(clique, nodes))
+    dense = torch.cartesian_prod(first, first).t()
+    return torch.cat([ring, ring.flip(0), chords, dense], dim=1)
+
+
 def bound_inputs(q_len: int, kv_len: int) -> RouteInputs:
-    """Seeded q (B, H, q_len, DIM), k (B, KV_HEADS, kv_len, DIM) and key padding."""
+    """Seeded q (B, H, q_len, DIM), k (B, KV_HEADS, kv_len, DIM), key padding, and a graph per
+    sequence over the kv_len nodes (``example_graph``; the second sequence's nodes numbered
+    backwards), read by the patterns that take the call's graph and ignored by the others."""
     generator = torch.Generator().manual_seed(q_len * 7919 + kv_len)
     q = torch.randn(B, H, q_len, DIM, generator=generator)
     k = torch.randn(B, KV_HEADS, kv_len, DIM, generator=generator)
     padding = torch.zeros(B, kv_len, dtype=torch.bool)
     padding[1, kv_len - kv_len // 3 :] = True
-    return RouteInputs(q, k, padding)
+    graph = example_graph(kv_len)
+    return RouteInputs(q, k, padding, edge_index=torch.stack([graph, kv_len - 1 - graph]))
 
 
 def check_routed(pattern: Pattern, q_len: int, kv_len: int, blocks, fail) -> None:

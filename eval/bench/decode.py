@@ -22,6 +22,7 @@ Writes ``bench-decode.json`` and ``bench-decode.md`` in ``out``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import shlex
 import statistics
@@ -34,7 +35,7 @@ import torch
 
 import zoo
 
-from ..harness.config import load_config
+from ..harness.config import ConfigError, load_config
 from ..harness.distributed import device_name, pick_device
 
 PEERS = ("sdpa_dense", "flex_sliced")
@@ -192,8 +193,17 @@ def markdown(header: dict, cells: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    path = argv[0] if argv and not argv[0].count("=") else None
-    config = load_config(DecodeConfig, path, argv[1:] if path else argv)
+    parser = argparse.ArgumentParser(
+        prog="python -m eval bench-decode", description=__doc__.split(":")[0]
+    )
+    parser.add_argument("items", nargs="*", help="[CONFIG.yaml] [key=value ...], e.g. repeats=5")
+    items = list(parser.parse_args(argv).items)
+    path = items.pop(0) if items and "=" not in items[0] else None
+    try:
+        config = load_config(DecodeConfig, path, items)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     for peer in config.peers:
         if peer not in PEERS:
             raise SystemExit(f"{path}: peers: unknown peer {peer!r}; known: {', '.join(PEERS)}")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from zoo.__main__ import int_at_least
 from zoo.pictures import draw_attention
 
 from ..tasks import get_task
@@ -48,14 +49,16 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m eval attention-map", description=__doc__.splitlines()[0]
     )
     parser.add_argument("checkpoint")
-    parser.add_argument("--layer", type=int, default=0)
-    parser.add_argument("--head", type=int, default=0)
-    parser.add_argument("--length", type=int, default=None)
+    parser.add_argument("--layer", type=int_at_least(0), default=0)
+    parser.add_argument("--head", type=int_at_least(0), default=0)
+    parser.add_argument("--length", type=int_at_least(1), default=None)
     parser.add_argument("--out", default="attention-map.png")
     args = parser.parse_args(argv)
-    print(
-        attention_map(
+    try:
+        picture = attention_map(
             args.checkpoint, args.out, layer=args.layer, head=args.head, length=args.length
         )
-    )
+    except (OSError, ValueError, TypeError) as error:  # no such file, a layer out of range
+        parser.error(str(error))
+    print(picture)
     return 0

@@ -11,6 +11,7 @@ the next run of the sweep tries it again, and the report keeps each cell's lates
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import itertools
 import json
@@ -18,6 +19,7 @@ import platform
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,6 +87,13 @@ class RunConfig:
     # must all match: {variant: linear, encoding: alibi} (a mechanism takes no score bias)
     exclude: list[dict] = field(default_factory=list)
     device: str = "auto"
+    # torch's CPU threads in each process (torch.set_num_threads), for the sweep; 0 keeps torch's
+    # default of one per core. Default 1: the harness's models are small (dim 64, batch 32) and on
+    # a shared machine two OpenMP threads per process wait on each other and on the other work:
+    # on a 2-core CPU under load, training ran at 0.17 steps/s with torch's two threads against
+    # 1.04 with one. Under torchrun each of the N processes takes this many. On a dedicated
+    # many-core CPU, or for larger models, raise it (threads=4, or 0 for one per core).
+    threads: int = 1
     out: str = "eval/results/{name}"
     save_checkpoints: bool = False  # <out>/checkpoints/<cell key>.pt, for attention maps
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -141,6 +150,11 @@ def check_names(config: RunConfig, source: str) -> None:
                 raise ConfigError(f"{source}: exclude[{i}]: {message}")
     if config.train.batch_size < 1 or config.train.steps < 1:
         raise ConfigError(f"{source}: train.steps and train.batch_size must be positive")
+    if config.threads < 0:
+        raise ConfigError(
+            f"{source}: threads must be >= 0 (0: torch's default, one per core), "
+            f"got {config.threads}"
+        )
 
 
 def cells(config: RunConfig) -> list[dict[str, Any]]:
@@ -240,16 +254,35 @@ def environment(context: distributed.Context) -> dict[str, Any]:
         "device": distributed.device_name(context.device),
         "device_type": context.device.type,
         "world_size": context.world,
+        "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
     }
 
 
+@contextlib.contextmanager
+def thread_count(threads: int) -> Iterator[None]:
+    """torch's CPU threads set to ``threads`` for the duration (0 keeps them), restored after."""
+    before = torch.get_num_threads()
+    if threads > 0:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def run(
     config: RunConfig, source: str, context: distributed.Context, show_progress: bool = True
 ) -> Path:
-    """Run every cell not yet in the results file; returns the results file's path."""
+    """Run every cell not yet in the results file, with ``config.threads`` CPU threads; returns
+    the results file's path."""
+    with thread_count(config.threads):
+        return _run(config, source, context, show_progress)
+
+
+def _run(config: RunConfig, source: str, context: distributed.Context, show_progress: bool) -> Path:
     from .train import train
 
     out = Path(config.out.format(name=config.name))
