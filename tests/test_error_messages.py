@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -173,3 +174,213 @@ def test_explain_says_when_a_variant_is_full_attention_at_this_length():
     assert "it is causal attention at this length, the same as variant 'causal'" in causal
     assert "Note:" not in zoo.explain(q, q, q, variant="local", window_size=8)
     assert "Note:" not in zoo.explain(q, q, q, variant="full")
+
+
+# Bad input found by a tester (issue #12, item 5): each used to fail deep inside torch, the YAML
+# reader or a cache, or not at all.
+
+
+def test_a_head_dim_of_zero_is_named():
+    empty = torch.randn(1, 1, 8, 0)
+    expected = r"q, k and v need a head_dim \(dim 3\) of at least 1, got \(1, 1, 8, 0\)"
+    with pytest.raises(ValueError, match=expected):
+        zoo.attention(empty, empty, empty, variant="full")  # was ZeroDivisionError
+    with pytest.raises(ValueError, match=expected):
+        zoo.attention(empty, empty, empty, variant="linear")  # a mechanism
+    q = torch.randn(1, 1, 8, 4)
+    with pytest.raises(ValueError, match=r"at least 1, got .* and \(1, 1, 8, 0\)"):
+        zoo.attention(q, q, empty, variant="local")
+
+
+@pytest.mark.parametrize("scale", [float("inf"), float("nan"), float("-inf")])
+def test_a_scale_that_is_not_finite(scale):
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(
+        ValueError,
+        match=rf"scale must be a positive number or None \(1/sqrt\(head_dim\)\), got {scale}: "
+        r"a finite positive number is expected",
+    ):
+        zoo.attention(q, q, q, variant="full", scale=scale)  # inf returned NaN everywhere
+
+
+def test_a_seed_beyond_64_bits():
+    q = torch.randn(1, 2, 8, 4)
+    expected = (
+        r"seed must be at most 2\*\*64 - 1 = 18446744073709551615 \(torch.Generator.manual_seed "
+        r"takes a 64-bit seed\), got 1180591620717411303424"
+    )
+    with pytest.raises(ValueError, match=expected):
+        zoo.attention(q, q, q, variant="bigbird", seed=2**70)  # was "Overflow when unpacking"
+    with pytest.raises(ValueError, match=expected):  # failed only at the first forward
+        zoo.create_attention("bigbird", dim=8, num_heads=2, seed=2**70)
+    with pytest.raises(ValueError, match=expected):  # a mechanism's seed
+        zoo.attention(q, q, q, variant="performer", seed=2**70)
+    with pytest.raises(ValueError, match=r"seed must be at least 0, got -1"):
+        zoo.attention(q, q, q, variant="random", seed=-1)
+    assert zoo.attention(q, q, q, variant="random", block_size=2, seed=2**64 - 1).isfinite().all()
+
+
+def test_a_value_of_no_parameter_type_gets_the_parameter_check():
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(TypeError, match=r"window_size must be an int, got \{3\} \(set\)"):
+        zoo.attention(q, q, q, variant="local", window_size={3})  # was "unhashable type"
+
+
+RECURSIVE = {
+    "top level": ("a: &x [*x]\n", "a[0]"),
+    "in an entry": (
+        """
+        variants:
+          env_loop: &x
+            pattern: local
+            params: {window_size: 3, more: *x}
+            description: d
+        """,
+        "variants.env_loop.params.more",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(RECURSIVE))
+def test_a_recursive_yaml_anchor_names_the_file(case, tmp_path, monkeypatch):
+    text, where = RECURSIVE[case]
+    path = write(tmp_path, text)
+    monkeypatch.setattr(zoo.registry, "_registry", None)  # a fresh registry, restored after
+    with pytest.raises(
+        ValueError, match=rf"{path}: a recursive YAML anchor: the alias at {re.escape(where)} "
+    ):
+        zoo.load_registry(path)  # was RecursionError, without the file
+    assert "local" in zoo.list_variants()  # the strict load added nothing, broke nothing
+
+
+def test_a_key_that_is_not_a_name(tmp_path):
+    path = write(tmp_path, "variants:\n  [a, b]: {pattern: full, description: d}\n")
+    with pytest.raises(ValueError, match=rf"{path}: not valid YAML: a key must be a name"):
+        Registry().load(path)  # was TypeError: unhashable type: 'list'
+
+
+ENV_ENTRIES = """
+variants:
+  env_band:
+    pattern: local
+    params: {window_size: 3}
+    description: A good one.
+  env_colour:
+    pattern: local
+    colour: red
+    description: An unknown key.
+  local:
+    pattern: full
+    description: The name of a built-in.
+"""
+
+
+def test_a_bad_zoo_registry_file_leaves_the_builtins_working(tmp_path, monkeypatch):
+    broken = write(tmp_path, "variants: [unclosed\n", "broken.yaml")
+    entries = write(tmp_path, ENV_ENTRIES, "entries.yaml")
+    monkeypatch.setenv("ZOO_REGISTRY", os.pathsep.join([str(broken), str(entries)]))
+    monkeypatch.setattr(zoo.registry, "_registry", None)  # read ZOO_REGISTRY anew, restored after
+    with pytest.warns(zoo.registry.RegistryWarning) as warned:
+        zoo.registry.registry()  # every call used to raise the first file's error
+    messages = [str(w.message) for w in warned]
+    assert len(messages) == 3, messages
+    assert messages[0].startswith(f"{broken}: not valid YAML")
+    assert "none of its entries are loaded" in messages[0]
+    assert messages[1].startswith(f"{entries}: variant 'env_colour': unknown key 'colour'")
+    assert messages[2].startswith(f"{entries}: variant 'local' is already defined in")
+    assert all(m.endswith("(the file is named in ZOO_REGISTRY)") for m in messages)
+
+    q = torch.randn(1, 2, 8, 4)
+    assert zoo.attention(q, q, q, variant="full").shape == q.shape  # the built-ins work
+    assert zoo.get_spec("local").source == str(zoo.registry.BUILTIN_REGISTRY)
+    assert zoo.attention(q, q, q, variant="env_band").shape == q.shape  # and the good entry
+    assert "env_colour" not in zoo.list_variants()
+    with pytest.raises(
+        ValueError,
+        match=rf"{entries}: variant 'env_colour': unknown key 'colour'.*\(the file is named in "
+        r"ZOO_REGISTRY\)",
+    ):
+        zoo.attention(q, q, q, variant="env_colour")
+    with pytest.raises(
+        ValueError,
+        match=rf"unknown variant 'env_gone'.*; note: {broken}, named in ZOO_REGISTRY, did not "
+        r"load \(.*not valid YAML",
+    ):
+        zoo.create_attention("env_gone", dim=8, num_heads=2)
+
+
+def test_the_cli_lists_the_builtins_with_a_bad_zoo_registry_file(tmp_path):
+    looped = write(tmp_path, RECURSIVE["in an entry"][0], "looped.yaml")
+    entries = write(tmp_path, ENV_ENTRIES, "entries.yaml")
+    listed = run_zoo("list", env={"ZOO_REGISTRY": os.pathsep.join([str(looped), str(entries)])})
+    assert listed.returncode == 0, listed.stderr  # was 1, a RecursionError
+    assert "| `local`" in listed.stdout and "| `env_band`" in listed.stdout
+    assert f"{looped}: a recursive YAML anchor" in listed.stderr
+    assert f"{entries}: variant 'env_colour': unknown key 'colour'" in listed.stderr
+    assert "Traceback" not in listed.stderr
+
+
+def test_valid_lens_as_a_list_and_its_errors():
+    attn = zoo.MultiHeadAttention(8, 2)
+    x = torch.randn(2, 4, 8)
+    expected = attn(x, valid_lens=torch.tensor([3, 4]))
+    torch.testing.assert_close(attn(x, valid_lens=[3, 4]), expected)  # was AttributeError
+    torch.testing.assert_close(attn(x, valid_lens=(3, 4)), expected)
+    with pytest.raises(
+        ValueError,
+        match=r"valid_lens must have shape \(batch,\) = \(2,\), one key count per sequence, got "
+        r"\(3,\)",
+    ):
+        attn(x, valid_lens=torch.tensor([3, 4, 1]))  # named key_padding_mask
+    with pytest.raises(
+        TypeError,
+        match=r"valid_lens must have an integer dtype \(torch.long, say\), got dtype "
+        r"torch.float32",
+    ):
+        attn(x, valid_lens=torch.tensor([3.0, 4.0]))  # reported the shape
+    with pytest.raises(TypeError, match=r"valid_lens must hold ints .*got \[3.0, 4\]"):
+        attn(x, valid_lens=[3.0, 4])
+    with pytest.raises(ValueError, match=r"valid_lens must lie in \[0, 4\] .*got \[3, 5\]"):
+        attn(x, valid_lens=[3, 5])
+
+
+def test_context_of_the_wrong_width():
+    x = torch.randn(2, 4, 8)
+    with pytest.raises(
+        ValueError,
+        match=r"context must have shape \(2, kv_len, 8\), got \(2, 5, 6\): its last dim is the "
+        r"module's dim, 8 \(build the module with kv_dim=",
+    ):
+        zoo.MultiHeadAttention(8, 2)(x, context=torch.randn(2, 5, 6))  # was mat1 and mat2 ...
+    with pytest.raises(
+        ValueError, match=r"got \(2, 5, 8\): its last dim is the module's kv_dim, 6"
+    ):
+        zoo.MultiHeadAttention(8, 2, kv_dim=6)(x, context=torch.randn(2, 5, 8))
+
+
+def test_a_variant_that_is_not_a_name_or_a_pattern():
+    q = torch.randn(1, 2, 8, 4)
+    expected = (
+        r"variant must be a registry name \(a str: zoo.list_attention\(\) lists them\), a "
+        r"zoo.patterns.Pattern or a mechanism instance \(zoo.mechanisms\), got None \(NoneType\)"
+    )
+    with pytest.raises(TypeError, match=expected):
+        zoo.attention(q, q, q, variant=None)  # was "unknown variant 'None'"
+    with pytest.raises(TypeError, match=expected):
+        zoo.create_attention(None, dim=8, num_heads=2)
+    with pytest.raises(TypeError, match=expected):
+        zoo.MultiHeadAttention(8, 2, variant=None)
+    with pytest.raises(TypeError, match=expected):
+        zoo.dense_mask(None, 4)
+    with pytest.raises(TypeError, match=r"an encoding is named by a str .*got None \(NoneType\)"):
+        zoo.MultiHeadAttention(8, 2, pos=None)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.:DeprecationWarning")
+def test_torchscript_is_refused_with_a_pointer_to_compile_and_export():
+    attn = zoo.MultiHeadAttention(8, 2)
+    advice = r"compile the model with torch.compile\(model\), or export .*torch.export.export"
+    with pytest.raises(RuntimeError, match=r"does not support TorchScript \(torch.jit.script\)"):
+        torch.jit.script(torch.nn.Sequential(attn))
+    with pytest.raises(RuntimeError, match=rf"TorchScript \(torch.jit.trace\).*{advice}"):
+        torch.jit.trace(attn, torch.randn(2, 4, 8))

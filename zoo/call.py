@@ -12,6 +12,7 @@ from torch import Tensor
 from .checks import check_probability
 from .patterns import Pattern
 from .scores import AdditiveScore, DotProduct
+from .shape_cache import concrete
 
 ScoreBias = Callable[[Tensor, Tensor, Tensor], Tensor]  # (head, q_pos, kv_pos) -> bias
 
@@ -48,7 +49,8 @@ class AttentionCall:
     @property
     def groups(self) -> int:
         """Query heads per key/value head: 1 for multi-head, H_q for multi-query attention."""
-        return self.q.shape[1] // self.k.shape[1]
+        # concrete under torch.compile: kernels take a Python bool of it (SDPA's enable_gqa)
+        return concrete(self.q.shape[1] // self.k.shape[1])
 
     @property
     def device(self) -> torch.device:
@@ -114,6 +116,12 @@ def check_qkv(q: object, k: object, v: object) -> None:
         )
     if q.shape[2] == 0 or k.shape[2] == 0:
         raise ValueError(f"q and k need at least one position, got {_shape(q)} and {_shape(k)}")
+    if q.shape[3] == 0 or v.shape[3] == 0:
+        raise ValueError(
+            f"q, k and v need a head_dim (dim 3) of at least 1, got {_shape(q)}, {_shape(k)} and "
+            f"{_shape(v)}: an empty head has no scores to scale (the default scale is "
+            "1/sqrt(head_dim)) and no values to average"
+        )
 
 
 def check_key_padding_mask(
@@ -134,13 +142,25 @@ def check_key_padding_mask(
 
 
 def resolve_scale(scale: object, head_dim: int) -> float:
+    """The score scale: ``scale`` if given, a finite positive number, else 1/sqrt(head_dim)."""
     if scale is None:
-        return 1 / math.sqrt(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0:
-        raise ValueError(
-            f"scale must be a positive number or None (1/sqrt(head_dim)), got {scale!r}"
+        return 1 / math.sqrt(concrete(head_dim))
+    number = not isinstance(scale, bool) and isinstance(scale, int | float)
+    try:
+        value = float(scale) if number else math.nan
+    except OverflowError:  # an int beyond the floats
+        value = math.inf
+    if not (number and math.isfinite(value) and value > 0):
+        hint = (
+            ": a finite positive number is expected (an infinite or NaN scale makes every "
+            "weight NaN)"
+            if number and not math.isfinite(value)
+            else ""
         )
-    return float(scale)
+        raise ValueError(
+            f"scale must be a positive number or None (1/sqrt(head_dim)), got {scale!r}{hint}"
+        )
+    return value
 
 
 def check_dropout(dropout_p: object) -> float:

@@ -102,6 +102,20 @@ def check_int(name: str, value: object, *, minimum: int = 1) -> int:
     return value
 
 
+SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes a seed of 64 bits
+
+
+def check_seed(name: str, value: object) -> int:
+    """A seed for ``torch.Generator().manual_seed``: an int in [0, 2**64 - 1]."""
+    check_int(name, value, minimum=0)
+    if value > SEED_MAX:
+        raise ValueError(
+            f"{name} must be at most 2**64 - 1 = {SEED_MAX} (torch.Generator.manual_seed takes a "
+            f"64-bit seed), got {value}"
+        )
+    return value
+
+
 def check_int_list(name: str, value: object, *, minimum: int = 0) -> tuple[int, ...]:
     """A non-empty list or tuple of ints, each at least `minimum`, returned as a sorted tuple."""
     if not isinstance(value, list | tuple) or not value:

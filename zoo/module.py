@@ -23,19 +23,43 @@ from .scores import AdditiveScore
 SCORES = ("dot", "additive")
 
 
+def check_valid_lens(valid_lens: object, batch: int | None = None) -> Tensor:
+    """``valid_lens``, the number of valid keys of each sequence, as a (batch,) integer tensor:
+    a 1-D integer tensor, or a list or tuple of ints (made a tensor here)."""
+    if isinstance(valid_lens, list | tuple):
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in valid_lens):
+            raise TypeError(
+                f"valid_lens must hold ints (the valid keys of each sequence), got {valid_lens!r}"
+            )
+        try:
+            valid_lens = torch.tensor(valid_lens, dtype=torch.long)
+        except (OverflowError, RuntimeError, ValueError) as error:  # an int beyond 64 bits
+            raise ValueError(
+                f"valid_lens must hold key counts (ints of 64 bits), got {valid_lens!r}"
+            ) from error
+    if not isinstance(valid_lens, Tensor):
+        raise TypeError(
+            "valid_lens must be a 1-D integer tensor or a list of ints (the valid keys of each "
+            f"sequence), got {type(valid_lens).__name__}"
+        )
+    dtype = valid_lens.dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise TypeError(
+            f"valid_lens must have an integer dtype (torch.long, say), got dtype {dtype}: it "
+            "counts the valid keys of each sequence"
+        )
+    if valid_lens.dim() != 1 or (batch is not None and valid_lens.shape[0] != batch):
+        expected = "(batch,)" if batch is None else f"(batch,) = ({batch},)"
+        raise ValueError(
+            f"valid_lens must have shape {expected}, one key count per sequence, got "
+            f"{tuple(valid_lens.shape)}"
+        )
+    return valid_lens
+
+
 def padding_from_lengths(valid_lens: Tensor, kv_len: int) -> Tensor:
     """(B,) numbers of valid keys -> (B, kv_len) key padding mask (True = padding)."""
-    if (
-        not isinstance(valid_lens, Tensor)
-        or valid_lens.dim() != 1
-        or valid_lens.is_floating_point()
-    ):
-        shown = (
-            tuple(valid_lens.shape) if isinstance(valid_lens, Tensor) else type(valid_lens).__name__
-        )
-        raise ValueError(
-            f"valid_lens must be a 1-D integer tensor of key counts per sequence, got {shown}"
-        )
+    valid_lens = check_valid_lens(valid_lens)
     # A data-dependent check: checked in eager mode, skipped inside a compiled graph (where it
     # would be a graph break).
     out_of_range = (valid_lens < 0) | (valid_lens > kv_len)
@@ -78,6 +102,12 @@ class MultiHeadAttention(nn.Module):
     instead. ``return_weights=True`` returns (output, weights (B, H, Lq, Lk)); that call runs on
     the reference backend, which computes the same attention densely and keeps the weights.
     ``edge_index`` is the graph of variant ``graph``, per call (``zoo.attention`` lists its forms).
+    ``valid_lens`` may also be a list of ints, e.g. ``[3, 4]``.
+
+    TorchScript is not supported: ``torch.jit.script`` and ``torch.jit.trace`` of a model that
+    holds this module raise an error saying so (variants, backends and per-shape structures are
+    Python). Compile with ``torch.compile(model)``, or export a graph that runs without Python
+    with ``torch.export.export(model, args)``.
     """
 
     def __init__(
@@ -138,6 +168,7 @@ class MultiHeadAttention(nn.Module):
                 options_of="the module (create_attention / zoo.MultiHeadAttention)",
             )
         kv_dim = dim if kv_dim is None else check_int("kv_dim", kv_dim)
+        self.kv_dim = kv_dim
         self.q_proj = nn.Linear(dim, dim, bias=bias)
         self.k_proj = nn.Linear(kv_dim, num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(kv_dim, num_kv_heads * self.head_dim, bias=bias)
@@ -153,6 +184,10 @@ class MultiHeadAttention(nn.Module):
                 f"pos={self.pos.name!r} adds a table of width {dim} to the inputs, but context has "
                 f"kv_dim={kv_dim}; use a rotate or bias encoding (rope, alibi, t5) for this module"
             )
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        """torch.jit.script calls this first, on every submodule: refuse with a clear error."""
+        raise RuntimeError(_no_torchscript("torch.jit.script"))
 
     def extra_repr(self) -> str:
         """The variant with every parameter it runs with (its defaults too), so that two modules
@@ -209,9 +244,13 @@ class MultiHeadAttention(nn.Module):
         positions: Tensor | None = None,
         edge_index: object = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
+        if not torch.compiler.is_compiling() and torch.jit.is_tracing():
+            raise RuntimeError(_no_torchscript("torch.jit.trace"))
         if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
             shown = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"x must have shape (batch, length, {self.dim}), got {shown}")
+        if valid_lens is not None:
+            valid_lens = check_valid_lens(valid_lens, x.shape[0])
         if cache is not None:
             if context is not None or key_padding_mask is not None or return_weights:
                 raise ValueError(
@@ -222,9 +261,17 @@ class MultiHeadAttention(nn.Module):
         if positions is not None:
             raise ValueError("positions apply to a call with a cache (cache=...)")
         source = x if context is None else context
-        if source.dim() != 3 or source.shape[0] != x.shape[0]:
+        if not isinstance(source, Tensor):
+            raise TypeError(
+                f"context must be a tensor (batch, kv_len, {self.kv_dim}), got "
+                f"{type(source).__name__}"
+            )
+        if source.dim() != 3 or source.shape[0] != x.shape[0] or source.shape[2] != self.kv_dim:
+            width = "dim" if self.kv_dim == self.dim else "kv_dim"
             raise ValueError(
-                f"context must have shape ({x.shape[0]}, kv_len, kv_dim), got {tuple(source.shape)}"
+                f"context must have shape ({x.shape[0]}, kv_len, {self.kv_dim}), got "
+                f"{tuple(source.shape)}: its last dim is the module's {width}, {self.kv_dim} "
+                "(build the module with kv_dim= for context of another width)"
             )
         if valid_lens is not None:
             if key_padding_mask is not None:
@@ -255,6 +302,14 @@ class MultiHeadAttention(nn.Module):
         out, weights = result if return_weights else (result, None)
         out = self.out_proj(rearrange(out, "b h l d -> b l (h d)"))  # (B, Lq, dim)
         return (out, weights) if return_weights else out
+
+
+def _no_torchscript(how: str) -> str:
+    return (
+        f"zoo.MultiHeadAttention does not support TorchScript ({how}): its variants, backends "
+        "and per-shape structures are Python; compile the model with torch.compile(model), or "
+        "export a graph that runs without Python with torch.export.export(model, args)"
+    )
 
 
 MODULE_OPTIONS = tuple(

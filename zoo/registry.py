@@ -34,12 +34,29 @@ Variants and mechanisms share one namespace (``variant=`` takes either), so a na
 both. An entry whose ``package.module:name`` does not import (a package not installed, or not on
 sys.path) does not stop the rest of the file: the registry records it as unavailable, listings
 leave it out (``zoo list`` marks it), and only using it raises the error.
+
+A bad file named in ``ZOO_REGISTRY`` does not break the zoo's own variants, which every call
+needs (the variable is read on the registry's first use, by any call). Each problem is a
+``RegistryWarning`` naming the file (and the entry), and:
+
+* a file that cannot be read, is not valid YAML, holds a recursive anchor or an unknown section
+  is left out whole; using one of its names raises "unknown variant" with a note naming the file
+  and why it did not load;
+* an entry that fails its checks (an unknown key, family or parameter, a wrong type) is left out
+  of the listings, and using its name raises its error, naming the file and the entry; the
+  file's other entries load;
+* an entry whose name is already defined (in the zoo's file, say) is left out: the name keeps
+  its first meaning.
+
+``zoo.load_registry(path)`` is the strict path: any of these problems raises its ValueError
+there and adds nothing from the file.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +66,7 @@ from .checks import NotImportable, suggest
 from .mechanisms.spec import MechanismSpec
 from .module_spec import ModuleSpec
 from .positional.spec import EncodingSpec
+from .shape_cache import outside_graph
 from .variants import VariantSpec
 
 BUILTIN_REGISTRY = Path(__file__).with_name("registry.yaml")
@@ -80,6 +98,10 @@ SPECS = {
 NAMESPACES = (("variants", "mechanisms", "modules"), ("positional",))
 
 
+class RegistryWarning(UserWarning):
+    """A file named in ``ZOO_REGISTRY``, or an entry of one, that the registry left out."""
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """yaml.safe_load keeps the last of two equal keys; a registry must not."""
 
@@ -87,6 +109,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, list | dict):
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"a key must be a name, got {key!r}", key_node.start_mark
+                )
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"duplicate key {key!r}", key_node.start_mark
@@ -95,15 +121,55 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def _recursive_alias(data: object) -> str | None:
+    """Where (``variants.mine.params``) a YAML alias makes a node contain itself, or None: a
+    registry file must be a tree, and every reader of one (checks, caches) would recurse."""
+    done: set[int] = set()
+    ancestors: set[int] = set()  # of the node popped: their "leaving" marks are still stacked
+    stack: list[tuple[object, str, bool]] = [(data, "", False)]
+    while stack:
+        node, where, leaving = stack.pop()
+        if not isinstance(node, dict | list):
+            continue
+        if leaving:
+            ancestors.discard(id(node))
+            done.add(id(node))
+            continue
+        if id(node) in ancestors:
+            return where
+        if id(node) in done:  # reached again through an alias, without a cycle
+            continue
+        ancestors.add(id(node))
+        stack.append((node, where, True))
+        if isinstance(node, dict):
+            stack.extend((v, f"{where}.{k}" if where else str(k), False) for k, v in node.items())
+        else:
+            stack.extend((v, f"{where}[{i}]", False) for i, v in enumerate(node))
+    return None
+
+
 def read_registry_file(path: str | os.PathLike) -> dict[str, dict[str, object]]:
     """The sections of a registry file, checked for shape; errors name the file."""
     path = Path(path)
     try:
-        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
-    except OSError as error:
+        with path.open(encoding="utf-8") as stream:  # YAML's messages name the file
+            data = yaml.load(stream, Loader=_UniqueKeyLoader)
+    except (OSError, UnicodeDecodeError) as error:
         raise ValueError(f"cannot read registry file {path}: {error}") from error
     except yaml.YAMLError as error:
         raise ValueError(f"{path}: not valid YAML: {error}") from error
+    except RecursionError as error:
+        raise ValueError(
+            f"{path}: nested too deeply for the YAML reader; a registry file holds a few levels "
+            "of mappings and lists"
+        ) from error
+    where = _recursive_alias(data)
+    if where is not None:
+        raise ValueError(
+            f"{path}: a recursive YAML anchor: the alias at {where or 'the top'} refers to an "
+            "anchor (&name) that contains it; a registry file must be a tree, so write the node "
+            "out (or alias a node outside the anchored one)"
+        )
     if not isinstance(data, dict):
         raise ValueError(
             f"{path}: a registry file is a mapping with sections {sorted(SECTION_KEYS)}"
@@ -150,6 +216,18 @@ class Unavailable:
         return NotImportable(self.message, self.reference)
 
 
+@dataclass(frozen=True)
+class Invalid:
+    """An entry of a ``ZOO_REGISTRY`` file that failed its checks; using it raises ``message``."""
+
+    name: str
+    source: str
+    message: str  # the whole sentence: file, entry and fix
+
+    def error(self) -> ValueError:
+        return ValueError(self.message)
+
+
 Spec = VariantSpec | EncodingSpec | MechanismSpec
 
 
@@ -184,65 +262,126 @@ class Registry:
         self.modules: dict[str, ModuleSpec] = {}  # attention modules with parameters (NSA)
         # entries whose code does not import, by section: using one raises its error
         self.unavailable: dict[str, dict[str, Unavailable]] = {s: {} for s in SECTION_KEYS}
+        # entries of ZOO_REGISTRY files that failed their checks: using one raises its error
+        self.invalid: dict[str, dict[str, Invalid]] = {s: {} for s in SECTION_KEYS}
+        self.skipped: dict[str, str] = {}  # ZOO_REGISTRY files left out whole: file -> why
         self.files: list[str] = []
 
-    def load(self, path: str | os.PathLike) -> list[str]:
-        """Add a file's entries; returns the names it added (unavailable ones included)."""
-        data = read_registry_file(path)
+    def load(self, path: str | os.PathLike, *, strict: bool = True) -> list[str]:
+        """Add a file's entries; returns the names it added (unavailable ones included).
+
+        ``strict`` (``zoo.load_registry``): a bad file or entry raises, naming the file and the
+        entry, and nothing of the file is added. Not strict (the files of ``ZOO_REGISTRY``):
+        each problem is a RegistryWarning, and the file or the entry is left out as the module
+        docstring says, so that the other entries, the zoo's own first, still work."""
         source = str(path)
+        try:
+            data = read_registry_file(path)
+        except ValueError as error:
+            if strict:
+                raise
+            self.skipped[source] = str(error)
+            _warn(f"{error}; none of its entries are loaded, the zoo's own ones work as before")
+            return []
+
+        def parse(section: str, name: str, entry: object) -> Spec | Unavailable | Invalid:
+            try:
+                return parse_or_record(section, name, entry, source)
+            except ValueError as error:
+                if strict:
+                    raise
+                _warn(f"{error}; the entry is left out, and using {name!r} raises this error")
+                return Invalid(name, source, f"{error} (the file is named in ZOO_REGISTRY)")
+
         parsed = {
-            section: {
-                n: parse_or_record(section, n, e, source) for n, e in data.get(section, {}).items()
-            }
+            section: {n: parse(section, n, e) for n, e in data.get(section, {}).items()}
             for section in SECTION_KEYS
         }
         for sections in NAMESPACES:
             known = {}
             for section in sections:
-                for name in parsed[section]:
+                for name in list(parsed[section]):
                     earlier = self.entry(name, sections) or known.get(name)
                     if earlier is not None:
-                        raise ValueError(
+                        message = (
                             f"{source}: {SINGULAR[section]} {name!r} is already defined in "
                             f"{earlier.source}; give it another name"
                         )
+                        if strict:
+                            raise ValueError(message)
+                        _warn(f"{message}; the entry is left out, {name!r} keeps its meaning")
+                        del parsed[section][name]
+                        continue
                     known[name] = parsed[section][name]
         for section, entries in parsed.items():
             for name, entry in entries.items():
-                broken = isinstance(entry, Unavailable)
-                (self.unavailable[section] if broken else getattr(self, section))[name] = entry
+                if isinstance(entry, Unavailable):
+                    self.unavailable[section][name] = entry
+                elif isinstance(entry, Invalid):
+                    self.invalid[section][name] = entry
+                else:
+                    getattr(self, section)[name] = entry
         self.files.append(source)
         return [name for entries in parsed.values() for name in entries]
 
-    def entry(self, name: str, sections: tuple[str, ...]) -> Spec | Unavailable | None:
-        """The entry of that name in one of the sections, available or not."""
+    def entry(self, name: str, sections: tuple[str, ...]) -> Spec | Unavailable | Invalid | None:
+        """The entry of that name in one of the sections, available, unavailable or invalid."""
         for section in sections:
-            found = getattr(self, section).get(name) or self.unavailable[section].get(name)
+            found = (
+                getattr(self, section).get(name)
+                or self.unavailable[section].get(name)
+                or self.invalid[section].get(name)
+            )
             if found is not None:
                 return found
         return None
+
+    def raise_if_broken(self, section: str, name: object) -> None:
+        """The error of an entry of that name that does not import or failed its checks."""
+        if isinstance(name, str):
+            found = self.unavailable[section].get(name) or self.invalid[section].get(name)
+            if found is not None:
+                raise found.error()
+
+    def skipped_note(self) -> str:
+        """For an unknown name: the ZOO_REGISTRY files that did not load, which may define it."""
+        return "".join(
+            f"; note: {path}, named in ZOO_REGISTRY, did not load ({why})"
+            for path, why in self.skipped.items()
+        )
+
+
+def _warn(message: str) -> None:
+    warnings.warn(f"{message} (the file is named in ZOO_REGISTRY)", RegistryWarning, stacklevel=2)
 
 
 _registry: Registry | None = None
 
 
 def registry() -> Registry:
-    """The process-wide registry: the built-in file, then ``ZOO_REGISTRY`` files, on first use."""
+    """The process-wide registry: the built-in file, then ``ZOO_REGISTRY`` files, on first use.
+
+    A bad ``ZOO_REGISTRY`` file or entry is a RegistryWarning naming the file and the entry,
+    and is left out (the module docstring says how); the built-in variants keep working."""
+    _load_once()
+    return _registry
+
+
+@outside_graph  # a first zoo call inside torch.compile must not trace the files' reading
+def _load_once() -> bool:
     global _registry
     if _registry is None:
         fresh = Registry()
         fresh.load(BUILTIN_REGISTRY)
         for path in filter(None, os.environ.get("ZOO_REGISTRY", "").split(os.pathsep)):
-            try:
-                fresh.load(path)
-            except ValueError as error:
-                raise ValueError(f"{error} (the file is named in ZOO_REGISTRY)") from error
+            fresh.load(path, strict=False)
         _registry = fresh
-    return _registry
+    return True
 
 
 def load_registry(path: str | os.PathLike) -> list[str]:
-    """Add the variants and encodings of a user's YAML file; returns their names."""
+    """Add the variants and encodings of a user's YAML file; returns their names. A bad file or
+    entry raises a ValueError naming the file and the entry, and adds nothing."""
     return registry().load(path)
 
 
@@ -279,18 +418,31 @@ def unavailable(section: str = "variants") -> dict[str, Unavailable]:
 
 
 def get_spec(name: str) -> VariantSpec:
+    if not isinstance(name, str):
+        raise TypeError(
+            "variant must be a registry name (a str: zoo.list_attention() lists them), a "
+            "zoo.patterns.Pattern or a mechanism instance (zoo.mechanisms), got "
+            f"{_shown(name)} ({type(name).__name__})"
+        )
     variants = registry().variants
-    if isinstance(name, str) and name in registry().unavailable["variants"]:
-        raise registry().unavailable["variants"][name].error()
+    for section in ("variants", "modules"):  # create_attention's names include modules
+        registry().raise_if_broken(section, name)
     if is_mechanism_name(name):
         raise ValueError(
             f"{name!r} is a mechanism (zoo.list_mechanisms()), computed differently rather than "
             "masked: it has no pattern, mask or backend; zoo.get_mechanism_spec gives its entry"
         )
-    if not isinstance(name, str) or name not in variants:
+    if name not in variants:
         known = [*variants, *registry().mechanisms]  # a misspelt mechanism gets its suggestion
-        raise ValueError(suggest("variant", str(name), known, "zoo.list_attention()"))
+        message = suggest("variant", name, known, "zoo.list_attention()")
+        raise ValueError(message + registry().skipped_note())
     return variants[name]
+
+
+def _shown(value: object) -> str:
+    """A value's repr, cut short for a message."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def list_modules(pattern: str = "*") -> list[str]:
@@ -314,9 +466,14 @@ def get_encoding_spec(name: str) -> EncodingSpec:
 def _lookup(section: str, kind: str, name: object, listing: str):
     """The entry ``name`` of a registry section, or the import error of an entry that does not
     load, or an error naming the unknown ``kind`` with the nearest names and where to list them."""
+    if not isinstance(name, str):
+        article = "an" if kind[0] in "aeiou" else "a"
+        raise TypeError(
+            f"{article} {kind} is named by a str ({listing} lists them), got {_shown(name)} "
+            f"({type(name).__name__})"
+        )
     entries = getattr(registry(), section)
-    if isinstance(name, str) and name in registry().unavailable[section]:
-        raise registry().unavailable[section][name].error()
-    if not isinstance(name, str) or name not in entries:
-        raise ValueError(suggest(kind, str(name), entries, listing))
+    registry().raise_if_broken(section, name)
+    if name not in entries:
+        raise ValueError(suggest(kind, name, entries, listing) + registry().skipped_note())
     return entries[name]

@@ -38,7 +38,12 @@ class VariantSpec:
     def build(self, **overrides: object) -> Pattern:
         """The pattern with the entry's defaults and the caller's overrides."""
         check_parameters(f"variant {self.name!r}", overrides, self.parameters())
-        return _build_cached(self, _freeze({**self.params, **overrides}))
+        frozen = _freeze({**self.params, **overrides})
+        try:
+            hash(frozen)
+        except TypeError:  # a value of no parameter's type (a set, an array): its check says so
+            return _build_cached.__wrapped__(self, frozen)
+        return _build_cached(self, frozen)
 
     def __hash__(self) -> int:
         return hash((self.name, self.source))

@@ -34,7 +34,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..checks import check_int
+from ..checks import SEED_MAX, check_int, check_seed
 from .base import Mechanism, check_optional_int, zero_padded
 from .kernel import feature_attention
 
@@ -81,7 +81,7 @@ class PerformerAttention(Mechanism):
         super().__init__(num_heads=num_heads, head_dim=head_dim)
         default = int(head_dim * math.log(head_dim)) if head_dim > 1 else 1
         self.num_features = check_optional_int("num_features", num_features) or max(default, 1)
-        self.seed = check_int("seed", seed, minimum=0)
+        self.seed = check_seed("seed", seed)
         self.redraw_interval = check_optional_int("redraw_interval", redraw_interval)
         self.chunk_size = check_int("chunk_size", chunk_size)
         self.draws = 0  # W was drawn from seed + draws
@@ -97,7 +97,8 @@ class PerformerAttention(Mechanism):
     def redraw(self) -> None:
         """Draw the next W (from seed + draws + 1)."""
         self.draws += 1
-        fresh = orthogonal_features(self.num_features, self.head_dim, self.seed + self.draws)
+        seed = (self.seed + self.draws) % (SEED_MAX + 1)  # past 2**64 - 1, from 0 again
+        fresh = orthogonal_features(self.num_features, self.head_dim, seed)
         self.projection.copy_(fresh)
 
     def forward(

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..checks import check_int
+from ..checks import check_int, check_seed
 from .base import Pattern, Spans, state_from
 from .registry import register_pattern
 
@@ -83,7 +83,7 @@ class Random(Pattern):
     def __post_init__(self) -> None:
         check_int("block_size", self.block_size)
         check_int("num_blocks", self.num_blocks)
-        check_int("seed", self.seed, minimum=0)
+        check_seed("seed", self.seed)
 
     def specialize(self, q_len: int, kv_len: int, device: torch.device | None = None) -> Pattern:
         # Bottom-right alignment puts the last query at position kv_len - 1, so both sides have
