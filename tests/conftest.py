@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 
 # Two threads: the CI machine has two cores, and oversubscription makes small ops slower. Under
@@ -11,3 +12,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 else:
     torch.set_num_threads(min(torch.get_num_threads(), 2))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slow`` run the whole of a matrix of which CI runs a sample; they run with
+    ZOO_SLOW=1 (``ZOO_SLOW=1 pytest -m slow``)."""
+    if os.environ.get("ZOO_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="the whole matrix; CI runs a sample (ZOO_SLOW=1 runs it)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -29,7 +29,7 @@ from .patterns import (
 from .positional import PositionalEncoding
 from .registry import get_encoding_spec, get_spec
 from .scores import AdditiveScore, DotProduct
-from .shape_cache import per_shape
+from .shape_cache import concrete, per_shape
 
 Encoding = str | PositionalEncoding | None
 
@@ -150,6 +150,8 @@ def call_pattern(
     """The call's pattern, resolved and specialised once per shape by a per-shape builder
     (``zoo.shape_cache``), so that under ``torch.compile`` it is made outside the traced graph:
     a pattern made inside it could not key the per-shape structures of the backends."""
+    if not isinstance(variant, str | Pattern):
+        get_spec(variant)  # a TypeError that names what variant takes
     frozen = _frozen_params(params)
     if frozen is None:  # a value that is no parameter at all: resolve_pattern says which
         return specialized(_resolve_call_pattern(variant, causal, params), q_len, kv_len, device)
@@ -177,11 +179,24 @@ def _resolve_call_pattern(
     )
 
 
+def concrete_params(params: dict[str, object]) -> dict[str, object]:
+    """The parameters with symbolic values as their values: a parameter that changes between
+    calls of a compiled function (dynamo makes it symbolic on the second value) recompiles for
+    each value, as a length does, since patterns and layouts are built per value."""
+    return {
+        name: type(value)(concrete(v) for v in value)
+        if isinstance(value, list | tuple)
+        else concrete(value)
+        for name, value in params.items()
+    }
+
+
 def _frozen_params(params: dict[str, object]) -> tuple | None:
     """The parameters as sorted (name, value) pairs, lists as tuples; None if some value is
     not a number, string, or list of them (hashable, so a per-shape builder can take them)."""
     items = []
-    for name, value in sorted(params.items()):
+    for name in sorted(params):
+        value = params[name]
         if isinstance(value, list | tuple):
             value = tuple(value)
             if not all(isinstance(v, int | float | str) for v in value):
@@ -211,12 +226,15 @@ def prepare_call(
     """Check the arguments of ``attention`` and bind them into the call a backend receives;
     a rotary encoding turns q and k here, before any backend sees them."""
     check_qkv(q, k, v)
+    params = concrete_params(params)
     pattern = call_pattern(variant, causal, params, q.shape[2], k.shape[2], q.device)
     encoding = attention_encoding(pos, q, k, causal)
     if encoding is not None and encoding.kind == "rotate":
         q_pos = query_positions(q.shape[2], k.shape[2], q.device)
         q, k = encoding.rotate(q, k, q_pos, torch.arange(k.shape[2], device=k.device))
     key_padding_mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
+    if key_padding_mask is not None:
+        k, v = unread_padding(k, key_padding_mask), unread_padding(v, key_padding_mask)
     if edge_index is not None and not reads_graph(pattern):
         raise ValueError(
             f"edge_index is the graph of variant 'graph'; variant {variant!r} reads no graph"
@@ -247,6 +265,14 @@ def prepare_call(
         variant_params=resolved_params(variant, params),
         order=order,
     )
+
+
+def unread_padding(x: Tensor, key_padding_mask: Tensor) -> Tensor:
+    """k or v (B, H, Lk, D) with zeros at padded keys, before any backend or routed choice reads
+    them: padding may hold anything (NaN, inf, uninitialised memory), and kernels that add -inf
+    to a masked score (inf - inf) or weigh a masked value by 0 (0 * NaN) would spread it. The
+    padded keys get zero gradients."""
+    return x.masked_fill(key_padding_mask[:, None, :, None], 0)
 
 
 def attention(
@@ -297,6 +323,14 @@ def attention(
     Returns the output (B, H, Lq, Dv) in q's dtype, and the weights if asked. A query with no
     allowed key gets zeros, never NaN.
 
+    Padded keys are never read: their k and v may hold anything (NaN, inf, uninitialised
+    memory), on every backend, and reach no output or gradient; they get zero gradients. An
+    unpadded key that a query may not read is masked by its score, as FlashAttention and
+    FlexAttention mask: its finite values never count for that query, but a NaN or inf in its k
+    or v can reach the query where a kernel computes their block (-inf added to an infinite
+    score, 0 * NaN in the weighted sum of values). Non-finite data that must not be read is
+    padding: pass it as such.
+
     Under ``torch.compile`` (``fullgraph=True`` works for every variant on sdpa, flex, blocked
     and auto) the pattern, its block layout, masks and the auto choice are built once per shape
     outside the traced graph (``zoo.shape_cache``). Lengths are static: a compiled model keeps
@@ -305,6 +339,7 @@ def attention(
     and raise ``torch._dynamo.config.recompile_limit`` (8) above 8 lengths. A Pattern passed as
     ``variant`` must be made outside the compiled region (a module attribute, say).
     """
+    params = concrete_params(params)
     if is_mechanism(variant):  # computed differently, not masked: zoo/mechanisms
         if cache is not None:
             raise ValueError(
@@ -386,6 +421,8 @@ def _cached_attention(q, k, v, cache: KVCache, *, variant, backend, causal, key_
     if q.shape[0] != cache.batch_size:
         raise ValueError(f"cache holds {cache.batch_size} sequences, q has {q.shape[0]}")
     counts = counts_from_padding(key_padding_mask, q.shape[0], q.shape[2]).to(q.device)
+    if key_padding_mask is not None:
+        k, v = unread_padding(k, key_padding_mask), unread_padding(v, key_padding_mask)
     cache.check_step(k, v, counts, None)
     score = score if score is not None else DotProduct(resolve_scale(scale, q.shape[-1]))
     dropout_p = check_dropout(dropout_p)

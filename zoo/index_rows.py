@@ -23,7 +23,9 @@ def index_rows(x: Tensor, dim: int, index: Tensor) -> Tensor:
     (viewing it so would copy it whole), and is made contiguous for one index per entry."""
     dim = dim % x.dim()
     shared = index.dim() == 1
-    if shared and (dim == 0 or not x.is_contiguous()):
+    # Compiled, inductor makes its own gather; the flat view would reach a kernel that reads its
+    # input's layout (flex on CPU) as a 2-D buffer.
+    if shared and (dim == 0 or not x.is_contiguous() or torch.compiler.is_compiling()):
         return x.index_select(dim, index)
     x = x.contiguous()
     lead, n = x.shape[:dim], x.shape[dim]

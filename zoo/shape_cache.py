@@ -2,12 +2,24 @@
 
 Specialised patterns, frames, block layouts, blocked plans, flex block masks and dense masks
 depend on a pattern and the lengths, never on the data. ``@per_shape`` caches such a builder by
-its arguments, like ``functools.lru_cache``; under ``torch.compile`` it also keeps the builder
-out of the traced graph. Dynamo traces through an ``lru_cache`` (a cache hit still traces the
-builder, with its ``nonzero``, ``.item()`` and ``torch.Generator`` graph breaks); here the builder
-runs at trace time as plain Python (``torch.compiler.assume_constant_result``), and its result is
-stored under a name that the traced code reads as a global. Its tensors enter the graph as
-inputs, its ints as constants, and it can be handed to the next builder (a frame to a layout).
+its arguments; under ``torch.compile`` it also keeps the builder out of the traced graph. Dynamo
+traces through an ``lru_cache`` (a cache hit still traces the builder, with its ``nonzero``,
+``.item()`` and ``torch.Generator`` graph breaks); here the builder runs at trace time as plain
+Python (``torch.compiler.assume_constant_result``), and its result is stored under a name that
+the traced code reads as a global. Its tensors enter the graph as inputs, its ints as constants,
+and it can be handed to the next builder (a frame to a layout).
+
+A builder always runs with every tracing and fake mode switched off (``torch.export``'s
+non-strict tracing, a user's ``FakeTensorMode``): its result is kept for later calls, so its
+tensors must be real. A traced program sees them as constants.
+
+The caches are bounded, least recently used first, by count per builder and by bytes over all
+builders: a training run over many lengths keeps the structures of its recent lengths, not of
+every length it has seen. ``set_limits`` changes the bounds (the byte bound starts from the
+environment variable ``ZOO_SHAPE_CACHE_MB``, default 256); the newest ``KEPT_NEWEST`` entries
+are never evicted, so one call whose structures exceed the bound still finds them on its next
+call instead of rebuilding every time. Dropping an entry never changes a result, only the time
+of the next call at that shape.
 
 Arguments of a builder are Python constants (ints, strings, tuples of them, devices, dtypes) and
 objects that exist outside the traced region: ones another builder returned, or a module's
@@ -22,67 +34,241 @@ whose pattern needs a structure (the policy stated in ``zoo.attention``).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import operator
+import os
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+KEPT_NEWEST = 64  # more than the entries one call of any variant builds
 
 
 class _Built:
     """The results of builders that a traced graph uses, each an attribute by name."""
 
 
+@dataclass
+class _Entry:
+    result: Any
+    nbytes: int
+    name: str | None = None  # the attribute of _BUILT that traced graphs read
+
+
 _BUILT = _Built()
-_CLEARS: list[Callable[[], None]] = []  # the cache_clear of every builder
+_LOCK = threading.RLock()
+# Every builder's entries, least recently used first: (builder's cache, key) -> entry.
+_ENTRIES: OrderedDict[tuple[int, tuple], _Entry] = OrderedDict()
+_CACHES: dict[int, _ShapeCache] = {}
+_LIMITS = {"bytes": int(float(os.environ.get("ZOO_SHAPE_CACHE_MB", "256")) * 2**20)}
+_TOTAL = {"bytes": 0}
+
+
+class _ShapeCache:
+    """One builder's entries: a count bound of its own, bytes counted with every builder's."""
+
+    def __init__(self, builder: Callable[..., Any], maxsize: int) -> None:
+        self.builder = builder
+        self.maxsize = maxsize
+        self.keys: OrderedDict[tuple, None] = OrderedDict()
+        self.hits = self.misses = 0
+        _CACHES[id(self)] = self
+
+    def get(self, args: tuple) -> Any:
+        with _LOCK:
+            entry = _ENTRIES.get((id(self), args))
+            if entry is not None:
+                _ENTRIES.move_to_end((id(self), args))
+                self.keys.move_to_end(args)
+                self.hits += 1
+                return entry
+        with _disable_current_modes():  # real tensors, whatever tracing or fake mode is on
+            result = self.builder(*args)
+        entry = _Entry(result, _nbytes(result))
+        with _LOCK:
+            self.misses += 1
+            old = _ENTRIES.pop((id(self), args), None)
+            if old is not None:  # another thread built it meanwhile: keep one
+                self._forget(old)
+            _ENTRIES[(id(self), args)] = entry
+            self.keys[args] = None
+            _TOTAL["bytes"] += entry.nbytes
+            while len(self.keys) > self.maxsize:
+                self.drop(next(iter(self.keys)))
+            _evict()
+        return entry
+
+    def drop(self, args: tuple) -> None:
+        entry = _ENTRIES.pop((id(self), args))
+        del self.keys[args]
+        self._forget(entry)
+
+    @staticmethod
+    def _forget(entry: _Entry) -> None:
+        _TOTAL["bytes"] -= entry.nbytes
+        if entry.name is not None and hasattr(_BUILT, entry.name):
+            delattr(_BUILT, entry.name)  # graphs that read it fail their guard and recompile
+
+    def clear(self) -> None:
+        with _LOCK:
+            for args in list(self.keys):
+                self.drop(args)
+
+    def info(self) -> functools._CacheInfo:
+        return functools._CacheInfo(self.hits, self.misses, self.maxsize, len(self.keys))
+
+
+def _evict() -> None:
+    """Drop the least recently used entries of every builder while their bytes exceed the
+    bound, keeping the newest ``KEPT_NEWEST``; then hand the freed pages back to the system."""
+    dropped = False
+    while _TOTAL["bytes"] > _LIMITS["bytes"] and len(_ENTRIES) > KEPT_NEWEST:
+        cache_id, args = next(iter(_ENTRIES))
+        _CACHES[cache_id].drop(args)
+        dropped = True
+    if dropped:
+        _release_free_memory()
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc
+    except (AttributeError, OSError):
+        return None
+
+
+def _release_free_memory() -> None:
+    """glibc keeps freed CPU tensors of a few MB in its heap once it has freed a larger one (its
+    mmap threshold rises), and structures of many shapes, each a different size, fragment it:
+    resident memory grew after the bound was reached. ``malloc_trim`` returns the free pages."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def _nbytes(result: object) -> int:
+    """The bytes of the tensors a result holds (in containers, dataclasses and objects' fields,
+    each storage once)."""
+    seen: set[int] = set()
+    storages: set[tuple[torch.device, int]] = set()
+    total = 0
+    stack = [result]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or obj is None or isinstance(obj, int | float | str | bool):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            key = (obj.device, storage.data_ptr())
+            if key not in storages:
+                storages.add(key)
+                total += storage.nbytes()
+        elif isinstance(obj, list | tuple | set | frozenset):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif not isinstance(obj, type | torch.device | torch.dtype | Callable):
+            stack.extend(getattr(obj, "__dict__", {}).values())
+            stack.extend(getattr(obj, s, None) for s in getattr(type(obj), "__slots__", ()))
+    return total
 
 
 def _index(arg: object) -> object:
     # A symbolic length becomes a concrete one here (dynamo guards on its value).
-    return operator.index(arg) if isinstance(arg, int) and not isinstance(arg, bool) else arg
+    if isinstance(arg, torch.SymInt) and torch.compiler.is_exporting():
+        raise ValueError(
+            f"torch.export with a dynamic size ({arg}) that a zoo structure depends on: the zoo "
+            "builds its patterns, layouts and masks once per sequence length (the blocked "
+            "backend also per batch size), so an exported zoo call has those sizes static; "
+            "export once per length (no dynamic_shapes on the sequence dimension), or compile "
+            "with torch.compile, which keeps one graph per length"
+        )
+    return concrete(arg)
+
+
+def concrete(value: object) -> object:
+    """A symbolic int, float or bool as its value (under ``torch.compile``, a guard on it: a call
+    with another value recompiles); any other value as it is."""
+    if isinstance(value, torch.SymInt):
+        return int(value)
+    if isinstance(value, torch.SymFloat):
+        return float(value)
+    if isinstance(value, torch.SymBool):
+        return bool(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return operator.index(value)
+    return value
+
+
+def outside_graph(fn: F) -> F:
+    """``torch.compiler.assume_constant_result(fn)``: under ``torch.compile``, ``fn`` runs as
+    plain Python at trace time and its result (an int, str or bool) enters the graph as a
+    constant. Set here without importing ``torch._dynamo``, which would double the time of
+    ``import zoo``; the attribute is what that function sets (a test holds the two equal)."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
 
 
 def per_shape(maxsize: int) -> Callable[[F], F]:
     """Cache a builder of per-shape structures by its (positional, hashable) arguments, and run
-    it outside the graph under ``torch.compile`` (see the module docstring). The wrapper has the
-    ``cache_clear`` of an ``lru_cache``, which also forgets the results that graphs named."""
+    it outside the graph under ``torch.compile`` (see the module docstring). The wrapper has
+    ``cache_clear`` and ``cache_info`` as an ``lru_cache`` has; ``cache_clear`` also forgets the
+    results that graphs named."""
 
     def decorate(builder: F) -> F:
-        cached = functools.lru_cache(maxsize=maxsize)(builder)
-        names: set[str] = set()
+        cache = _ShapeCache(builder, maxsize)
 
-        @torch.compiler.assume_constant_result
         def build_outside(*args: object) -> str:
-            result = cached(*args)
-            name = f"{builder.__module__}.{builder.__qualname__}.{id(result)}".replace(".", "_")
-            setattr(_BUILT, name, result)
-            names.add(name)
-            return name
+            entry = cache.get(args)
+            if entry.name is None:
+                name = f"{builder.__module__}.{builder.__qualname__}.{id(entry)}"
+                entry.name = name.replace(".", "_")
+                setattr(_BUILT, entry.name, entry.result)
+            return entry.name
+
+        outside_graph(build_outside)
 
         @functools.wraps(builder)
         def lookup(*args: object) -> Any:
             if not torch.compiler.is_compiling():
-                return cached(*args)
+                return cache.get(args).result
             return getattr(_BUILT, build_outside(*(_index(a) for a in args)))
 
-        def cache_clear() -> None:
-            cached.cache_clear()
-            for name in names:
-                delattr(_BUILT, name)
-            names.clear()
-
-        _CLEARS.append(cache_clear)
-        lookup.cache_clear = cache_clear  # type: ignore[attr-defined]
-        lookup.cache_info = cached.cache_info  # type: ignore[attr-defined]
+        lookup.cache_clear = cache.clear  # type: ignore[attr-defined]
+        lookup.cache_info = cache.info  # type: ignore[attr-defined]
         return lookup  # type: ignore[return-value]
 
     return decorate
 
 
+def set_limits(*, max_bytes: int | None = None) -> None:
+    """Bound the bytes that every ``@per_shape`` builder's results hold together (least
+    recently used first out, the newest ``KEPT_NEWEST`` kept)."""
+    if max_bytes is not None:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
+        with _LOCK:
+            _LIMITS["bytes"] = max_bytes
+            _evict()
+
+
+def stats() -> dict[str, int]:
+    """The entries every builder holds now, their bytes, and the byte bound."""
+    with _LOCK:
+        return {"entries": len(_ENTRIES), "bytes": _TOTAL["bytes"], "max_bytes": _LIMITS["bytes"]}
+
+
 def clear_all() -> None:
     """Forget the results of every ``@per_shape`` builder (graphs that used them recompile)."""
-    for clear in _CLEARS:
-        clear()
+    for cache in list(_CACHES.values()):
+        cache.clear()

@@ -35,7 +35,7 @@ import torch
 from zoo.backends import Backend
 
 from ..harness.config import ConfigError, load_config
-from ..harness.distributed import device_name
+from ..harness.distributed import device_name, thread_count
 from . import markdown, plots, report
 from .config import BenchConfig, check_config, resolve_device, resolve_dtype
 from .impls import PEERS
@@ -167,18 +167,6 @@ def compiler_settings(device: torch.device) -> Iterator[None]:
     threads = {"compile_threads": 1} if device.type == "cpu" else {}
     with inductor_config.patch(threads):
         yield
-
-
-@contextlib.contextmanager
-def thread_count(threads: int) -> Iterator[None]:
-    """torch's CPU threads for the sweep (0 keeps the current count), restored afterwards."""
-    before = torch.get_num_threads()
-    if threads > 0:
-        torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def default_config() -> Path:

@@ -6,8 +6,10 @@ gloo on CPU) on its share of every batch, evaluates the same data, and only rank
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,3 +82,16 @@ def wrap(model: torch.nn.Module, context: Context) -> torch.nn.Module:
 def barrier(context: Context) -> None:
     if context.world > 1:
         dist.barrier()
+
+
+@contextlib.contextmanager
+def thread_count(threads: int) -> Iterator[None]:
+    """torch's CPU threads set to ``threads`` for the duration (0 keeps them), restored after:
+    the harness's and the benchmark's ``threads`` setting."""
+    before = torch.get_num_threads()
+    if threads > 0:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

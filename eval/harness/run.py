@@ -11,7 +11,6 @@ the next run of the sweep tries it again, and the report keeps each cell's lates
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import itertools
 import json
@@ -19,7 +18,6 @@ import platform
 import sys
 import time
 import traceback
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -261,24 +259,12 @@ def environment(context: distributed.Context) -> dict[str, Any]:
     }
 
 
-@contextlib.contextmanager
-def thread_count(threads: int) -> Iterator[None]:
-    """torch's CPU threads set to ``threads`` for the duration (0 keeps them), restored after."""
-    before = torch.get_num_threads()
-    if threads > 0:
-        torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def run(
     config: RunConfig, source: str, context: distributed.Context, show_progress: bool = True
 ) -> Path:
     """Run every cell not yet in the results file, with ``config.threads`` CPU threads; returns
     the results file's path."""
-    with thread_count(config.threads):
+    with distributed.thread_count(config.threads):
         return _run(config, source, context, show_progress)
 
 

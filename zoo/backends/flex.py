@@ -31,7 +31,7 @@ from ..checks import check_int
 from ..frames import Frame, build_frame
 from ..layout import build_layout, used_first
 from ..patterns import EMPTY, FULL, PARTIAL, Pattern, Tiles
-from ..shape_cache import per_shape
+from ..shape_cache import concrete, per_shape
 from .base import FLOATS, Backend, Capabilities
 
 # Every pattern and shape is a separate compiled graph; dynamo's default of 8 would send the
@@ -249,6 +249,11 @@ class FlexBackend(Backend):
 
             score_mod = positional_bias if frame.q.identity else tiled_bias
         q, k, v = call.q, call.k, call.v
+        if torch.compiler.is_compiling():
+            # Inductor's lowering of the kernel fails on sizes that dynamo made symbolic after a
+            # change of shape ("A subgraph argument ... has been modified"): one graph per shape.
+            for size in (*q.shape, *k.shape, *v.shape):
+                concrete(size)
         if self.whole_blocks(call) or not frame.q.identity:
             q, k, v = frame.q.gather(q), frame.k.gather(k), frame.k.gather(v)
             if torch.compiler.is_compiling():
