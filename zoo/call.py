@@ -165,3 +165,11 @@ def resolve_scale(scale: object, head_dim: int) -> float:
 
 def check_dropout(dropout_p: object) -> float:
     return check_probability("dropout_p", dropout_p)
+
+
+def unread_padding(x: Tensor, key_padding_mask: Tensor) -> Tensor:
+    """k or v (B, H, Lk, D) with zeros at padded keys, before any backend or routed choice reads
+    them: padding may hold anything (NaN, inf, uninitialised memory), and kernels that add -inf
+    to a masked score (inf - inf) or weigh a masked value by 0 (0 * NaN) would spread it. The
+    padded keys get zero gradients."""
+    return x.masked_fill(key_padding_mask[:, None, :, None], 0)

@@ -10,7 +10,14 @@ from torch import Tensor
 
 from .backends import Backend, explain_backend, resolve_backend
 from .cache import KVCache, cache_signature
-from .call import AttentionCall, check_dropout, check_key_padding_mask, check_qkv, resolve_scale
+from .call import (
+    AttentionCall,
+    check_dropout,
+    check_key_padding_mask,
+    check_qkv,
+    resolve_scale,
+    unread_padding,
+)
 from .checks import check_parameters, close_matches, did_you_mean
 from .decode import cache_attention, counts_from_padding, decode_backend, explain_decode
 from .layout import allowed_pairs, specialized
@@ -29,7 +36,7 @@ from .patterns import (
 from .positional import PositionalEncoding
 from .registry import get_encoding_spec, get_spec
 from .scores import AdditiveScore, DotProduct
-from .shape_cache import concrete, per_shape
+from .shape_cache import concrete, new_call, per_shape
 
 Encoding = str | PositionalEncoding | None
 
@@ -184,8 +191,10 @@ def concrete_params(params: dict[str, object]) -> dict[str, object]:
     calls of a compiled function (dynamo makes it symbolic on the second value) recompiles for
     each value, as a length does, since patterns and layouts are built per value."""
     return {
-        name: type(value)(concrete(v) for v in value)
-        if isinstance(value, list | tuple)
+        name: [concrete(v) for v in value]
+        if isinstance(value, list)
+        else tuple(concrete(v) for v in value)
+        if isinstance(value, tuple)
         else concrete(value)
         for name, value in params.items()
     }
@@ -226,6 +235,7 @@ def prepare_call(
     """Check the arguments of ``attention`` and bind them into the call a backend receives;
     a rotary encoding turns q and k here, before any backend sees them."""
     check_qkv(q, k, v)
+    new_call()
     params = concrete_params(params)
     pattern = call_pattern(variant, causal, params, q.shape[2], k.shape[2], q.device)
     encoding = attention_encoding(pos, q, k, causal)
@@ -265,14 +275,6 @@ def prepare_call(
         variant_params=resolved_params(variant, params),
         order=order,
     )
-
-
-def unread_padding(x: Tensor, key_padding_mask: Tensor) -> Tensor:
-    """k or v (B, H, Lk, D) with zeros at padded keys, before any backend or routed choice reads
-    them: padding may hold anything (NaN, inf, uninitialised memory), and kernels that add -inf
-    to a masked score (inf - inf) or weigh a masked value by 0 (0 * NaN) would spread it. The
-    padded keys get zero gradients."""
-    return x.masked_fill(key_padding_mask[:, None, :, None], 0)
 
 
 def attention(
@@ -421,9 +423,11 @@ def _cached_attention(q, k, v, cache: KVCache, *, variant, backend, causal, key_
     if q.shape[0] != cache.batch_size:
         raise ValueError(f"cache holds {cache.batch_size} sequences, q has {q.shape[0]}")
     counts = counts_from_padding(key_padding_mask, q.shape[0], q.shape[2]).to(q.device)
-    if key_padding_mask is not None:
-        k, v = unread_padding(k, key_padding_mask), unread_padding(v, key_padding_mask)
     cache.check_step(k, v, counts, None)
+    new_call()
+    if key_padding_mask is not None:
+        padding = key_padding_mask.to(k.device)
+        k, v = unread_padding(k, padding), unread_padding(v, padding)
     score = score if score is not None else DotProduct(resolve_scale(scale, q.shape[-1]))
     dropout_p = check_dropout(dropout_p)
     chosen = decode_backend(backend, score, dropout_p, cache.keys.dtype)

@@ -36,7 +36,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from .backends import Backend, resolve_backend
-from .call import AttentionCall
+from .call import AttentionCall, unread_padding
 from .checks import check_int
 from .functional import attention
 from .patterns import Causal, ChosenBlocks, Intersection, Pattern, Spans
@@ -245,6 +245,8 @@ class NativeSparseAttention(nn.Module):
         pattern = Intersection((ChosenBlocks(self.select_block, chosen, 0), Causal()))
         # The call is built here, not through zoo.attention: its per-shape caches would keep
         # each call's chosen blocks alive.
+        if padding is not None:
+            k, v = unread_padding(k, padding), unread_padding(v, padding)
         call = AttentionCall(
             q=q, k=k, v=v, pattern=pattern, variant="nsa", key_padding_mask=padding,
             score=DotProduct(self.head_dim**-0.5), causal=True,

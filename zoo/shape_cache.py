@@ -15,10 +15,11 @@ tensors must be real. A traced program sees them as constants.
 
 The caches are bounded, least recently used first, by count per builder and by bytes over all
 builders: a training run over many lengths keeps the structures of its recent lengths, not of
-every length it has seen. ``set_limits`` changes the bounds (the byte bound starts from the
-environment variable ``ZOO_SHAPE_CACHE_MB``, default 256); the newest ``KEPT_NEWEST`` entries
-are never evicted, so one call whose structures exceed the bound still finds them on its next
-call instead of rebuilding every time. Dropping an entry never changes a result, only the time
+every length it has seen. ``set_limits`` changes the byte bound (it starts from the environment
+variable ``ZOO_SHAPE_CACHE_MB``, default 256). The entries of the current call (``new_call``,
+which ``zoo.attention`` makes) are never evicted, so a call whose structures exceed the bound
+still finds them on its next call instead of rebuilding every time; nor are those a compiled
+graph reads, which would recompile it. Dropping an entry never changes a result, only the time
 of the next call at that shape.
 
 Arguments of a builder are Python constants (ints, strings, tuples of them, devices, dtypes) and
@@ -34,13 +35,16 @@ whose pattern needs a structure (the policy stated in ``zoo.attention``).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+import itertools
 import operator
 import os
 import threading
+import types
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -48,8 +52,6 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-KEPT_NEWEST = 64  # more than the entries one call of any variant builds
 
 
 class _Built:
@@ -60,6 +62,7 @@ class _Built:
 class _Entry:
     result: Any
     nbytes: int
+    call: int  # the last call (``new_call``) that used it
     name: str | None = None  # the attribute of _BUILT that traced graphs read
 
 
@@ -68,8 +71,25 @@ _LOCK = threading.RLock()
 # Every builder's entries, least recently used first: (builder's cache, key) -> entry.
 _ENTRIES: OrderedDict[tuple[int, tuple], _Entry] = OrderedDict()
 _CACHES: dict[int, _ShapeCache] = {}
-_LIMITS = {"bytes": int(float(os.environ.get("ZOO_SHAPE_CACHE_MB", "256")) * 2**20)}
-_TOTAL = {"bytes": 0}
+_TOTAL = {"bytes": 0, "call": 0, "untrimmed": 0}
+_NAMES = itertools.count()  # entry names: an id() could be reused by a later entry
+
+
+def _bound_from_environment() -> int:
+    text = os.environ.get("ZOO_SHAPE_CACHE_MB", "256")
+    try:
+        megabytes = float(text)
+    except ValueError:
+        megabytes = -1.0
+    if not megabytes >= 0:
+        raise ValueError(
+            f"ZOO_SHAPE_CACHE_MB must be a number of MiB >= 0 (the per-shape caches' bound), "
+            f"got {text!r}"
+        )
+    return int(megabytes * 2**20)
+
+
+_LIMITS = {"bytes": _bound_from_environment()}
 
 
 class _ShapeCache:
@@ -82,22 +102,23 @@ class _ShapeCache:
         self.hits = self.misses = 0
         _CACHES[id(self)] = self
 
-    def get(self, args: tuple) -> Any:
+    def get(self, args: tuple) -> _Entry:
         with _LOCK:
             entry = _ENTRIES.get((id(self), args))
             if entry is not None:
                 _ENTRIES.move_to_end((id(self), args))
                 self.keys.move_to_end(args)
                 self.hits += 1
+                entry.call = _TOTAL["call"]
                 return entry
-        with _disable_current_modes():  # real tensors, whatever tracing or fake mode is on
+        with _as_plain_python():
             result = self.builder(*args)
-        entry = _Entry(result, _nbytes(result))
         with _LOCK:
             self.misses += 1
-            old = _ENTRIES.pop((id(self), args), None)
-            if old is not None:  # another thread built it meanwhile: keep one
-                self._forget(old)
+            built = _ENTRIES.get((id(self), args))
+            if built is not None:  # another thread built it meanwhile: keep the first
+                return built
+            entry = _Entry(result, _nbytes(result), _TOTAL["call"])
             _ENTRIES[(id(self), args)] = entry
             self.keys[args] = None
             _TOTAL["bytes"] += entry.nbytes
@@ -105,6 +126,18 @@ class _ShapeCache:
                 self.drop(next(iter(self.keys)))
             _evict()
         return entry
+
+    def name(self, args: tuple) -> str:
+        """The attribute of _BUILT under which a traced graph reads the result of ``args``."""
+        entry = self.get(args)
+        with _LOCK:
+            if entry.name is None:
+                qualified = f"{self.builder.__module__}.{self.builder.__qualname__}"
+                entry.name = f"{qualified}.{next(_NAMES)}".replace(".", "_")
+                setattr(_BUILT, entry.name, entry.result)
+            if _ENTRIES.get((id(self), args)) is not entry:  # evicted meanwhile: build anew
+                return self.name(args)
+            return entry.name
 
     def drop(self, args: tuple) -> None:
         entry = _ENTRIES.pop((id(self), args))
@@ -114,6 +147,7 @@ class _ShapeCache:
     @staticmethod
     def _forget(entry: _Entry) -> None:
         _TOTAL["bytes"] -= entry.nbytes
+        _TOTAL["untrimmed"] += entry.nbytes
         if entry.name is not None and hasattr(_BUILT, entry.name):
             delattr(_BUILT, entry.name)  # graphs that read it fail their guard and recompile
 
@@ -127,22 +161,31 @@ class _ShapeCache:
 
 
 def _evict() -> None:
-    """Drop the least recently used entries of every builder while their bytes exceed the
-    bound, keeping the newest ``KEPT_NEWEST``; then hand the freed pages back to the system."""
-    dropped = False
-    while _TOTAL["bytes"] > _LIMITS["bytes"] and len(_ENTRIES) > KEPT_NEWEST:
-        cache_id, args = next(iter(_ENTRIES))
-        _CACHES[cache_id].drop(args)
-        dropped = True
-    if dropped:
+    """Drop the least recently used entries while the bytes of all exceed the bound. Entries
+    that the current call used stay (dropping them would rebuild them on every call at a shape
+    whose structures exceed the bound), and so do those a compiled graph reads (dropping one
+    recompiles that graph: their count bound and torch.compile's recompile limit bound them)."""
+    for key in list(_ENTRIES):
+        if _TOTAL["bytes"] <= _LIMITS["bytes"]:
+            break
+        entry = _ENTRIES[key]
+        if entry.call == _TOTAL["call"]:
+            break  # this entry and every later one belong to the current call
+        if entry.name is None:
+            _CACHES[key[0]].drop(key[1])
+    if _TOTAL["untrimmed"] >= TRIM_BYTES:
+        _TOTAL["untrimmed"] = 0
         _release_free_memory()
+
+
+TRIM_BYTES = 16 << 20  # freed since the last trim: a trim walks the heap
 
 
 @functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
     try:
         return ctypes.CDLL(None).malloc_trim  # glibc
-    except (AttributeError, OSError):
+    except Exception:  # no C library by that call (Windows), or no malloc_trim (musl, macOS)
         return None
 
 
@@ -153,6 +196,46 @@ def _release_free_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+def outside_graph(fn: F) -> F:
+    """``torch.compiler.assume_constant_result(fn)``: under ``torch.compile``, ``fn`` runs as
+    plain Python at trace time and its result (an int, str or bool) enters the graph as a
+    constant. Set here without importing ``torch._dynamo``, which would double the time of
+    ``import zoo``; the attribute is what that function sets (a test holds the two equal)."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+@contextlib.contextmanager
+def _as_plain_python() -> Iterator[None]:
+    """A builder's surroundings, whatever the caller's: no tracing or fake mode (its tensors are
+    kept for later calls, so they must be real), no device context (``torch.device("meta")``),
+    no autograd and no inference mode (its tensors feed later training calls)."""
+    with (
+        _disable_current_modes(),
+        torch._C.DisableTorchFunction(),
+        torch.inference_mode(False),
+        torch.no_grad(),
+    ):
+        yield
+
+
+@outside_graph
+def new_call() -> bool:
+    """Mark the start of a zoo call: the entries it uses are kept while it runs (``_evict``).
+    Under torch.compile it runs at trace time (``outside_graph``); a compiled call builds
+    nothing at run time."""
+    with _LOCK:
+        _TOTAL["call"] += 1
+    return True
+
+
+# What holds no tensors of a result's own (a module's parameters are its own: nn.Module is data)
+_NOT_DATA = (
+    type, torch.device, torch.dtype, types.FunctionType, types.MethodType,
+    types.BuiltinFunctionType, types.ModuleType, functools.partial,
+)  # fmt: skip
 
 
 def _nbytes(result: object) -> int:
@@ -177,7 +260,7 @@ def _nbytes(result: object) -> int:
             stack.extend(obj)
         elif isinstance(obj, dict):
             stack.extend(obj.values())
-        elif not isinstance(obj, type | torch.device | torch.dtype | Callable):
+        elif not isinstance(obj, _NOT_DATA):
             stack.extend(getattr(obj, "__dict__", {}).values())
             stack.extend(getattr(obj, s, None) for s in getattr(type(obj), "__slots__", ()))
     return total
@@ -210,15 +293,6 @@ def concrete(value: object) -> object:
     return value
 
 
-def outside_graph(fn: F) -> F:
-    """``torch.compiler.assume_constant_result(fn)``: under ``torch.compile``, ``fn`` runs as
-    plain Python at trace time and its result (an int, str or bool) enters the graph as a
-    constant. Set here without importing ``torch._dynamo``, which would double the time of
-    ``import zoo``; the attribute is what that function sets (a test holds the two equal)."""
-    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
-    return fn
-
-
 def per_shape(maxsize: int) -> Callable[[F], F]:
     """Cache a builder of per-shape structures by its (positional, hashable) arguments, and run
     it outside the graph under ``torch.compile`` (see the module docstring). The wrapper has
@@ -229,12 +303,7 @@ def per_shape(maxsize: int) -> Callable[[F], F]:
         cache = _ShapeCache(builder, maxsize)
 
         def build_outside(*args: object) -> str:
-            entry = cache.get(args)
-            if entry.name is None:
-                name = f"{builder.__module__}.{builder.__qualname__}.{id(entry)}"
-                entry.name = name.replace(".", "_")
-                setattr(_BUILT, entry.name, entry.result)
-            return entry.name
+            return cache.name(args)
 
         outside_graph(build_outside)
 
@@ -253,7 +322,7 @@ def per_shape(maxsize: int) -> Callable[[F], F]:
 
 def set_limits(*, max_bytes: int | None = None) -> None:
     """Bound the bytes that every ``@per_shape`` builder's results hold together (least
-    recently used first out, the newest ``KEPT_NEWEST`` kept)."""
+    recently used first out; see the module docstring for what stays)."""
     if max_bytes is not None:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
             raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
