@@ -65,6 +65,7 @@ import yaml
 from .checks import NotImportable, suggest
 from .mechanisms.spec import MechanismSpec
 from .module_spec import ModuleSpec
+from .patterns.registry import VariantInfo, on_variant
 from .positional.spec import EncodingSpec
 from .shape_cache import outside_graph
 from .variants import VariantSpec
@@ -377,6 +378,29 @@ def _load_once() -> bool:
             fresh.load(path, strict=False)
         _registry = fresh
     return True
+
+
+def _add_code_variant(name: str, info: VariantInfo, replace: bool) -> None:
+    """A family that ``register_pattern`` made a variant: its entry, as YAML would give it."""
+    variants = registry().variants
+    taken = registry().entry(name, NAMESPACES[0])
+    if taken is not None and not (replace and name in variants):
+        raise ValueError(
+            f"variant {name!r} is already defined in {taken.source}; choose another name for "
+            f"the pattern registered by {info.source}, or pass replace=True"
+        )
+    spec = VariantSpec(
+        name=name, pattern=name, description=info.description, paper=info.paper,
+        complexity=info.complexity, source=info.source,
+    )  # fmt: skip
+    try:
+        spec.validate()  # its defaults build a pattern
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{info.source}: variant {name!r}: {error}") from error
+    variants[name] = spec
+
+
+on_variant(_add_code_variant)
 
 
 def load_registry(path: str | os.PathLike) -> list[str]:

@@ -19,7 +19,9 @@ The three views, held equal by the tests:
    outside the sequence (padding slots) may be passed; the result there is ignored.
 2. ``block_state(q_spans, kv_spans)``: for blocks of positions, EMPTY, PARTIAL or FULL, computed
    from the blocks' position ranges alone. It may say PARTIAL where the truth is EMPTY or FULL
-   (the mask then decides), never the reverse.
+   (the mask then decides), never the reverse. A pattern that defines only ``allowed`` gets it
+   derived by evaluating ``allowed`` on every pair once per shape (``zoo.patterns.derived``);
+   the built-in families give it as formulas, one evaluation per block pair.
 3. ``dense(q_len, kv_len)``: a [q_len, kv_len] bool tensor, built independently where that is
    natural; the oracle for tests and pictures.
 
@@ -148,7 +150,11 @@ class Pattern:
         return self
 
     def block_state(self, q: Spans, k: Spans) -> Tensor:
-        raise NotImplementedError
+        """Derived from ``allowed`` on every pair of each block (``zoo.patterns.derived``: exact,
+        and n^2 evaluations once per shape); families override it with formulas on the spans."""
+        from .derived import derived_block_state
+
+        return derived_block_state(self, q, k)
 
     def dense(self, q_len: int, kv_len: int) -> Tensor:
         """Default dense view: ``allowed`` on the whole grid (families override with their own)."""

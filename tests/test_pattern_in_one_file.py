@@ -1,0 +1,167 @@
+"""A pattern in one file: a class that defines only ``allowed``, registered with
+``@zoo.register_pattern(name, description=...)``, is a variant by that name on every backend, in
+``zoo list`` and ``zoo check``, with block states derived from ``allowed``."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import textwrap
+
+import pytest
+import torch
+from helpers import check_against_reference
+
+import zoo
+from zoo import registry as zoo_registry
+from zoo.backends import BlockedBackend, FlexBackend
+from zoo.patterns import registry as families
+from zoo.patterns.base import EMPTY, FULL, PARTIAL, Spans
+from zoo.patterns.derived import derived_block_state
+
+PATTERN_FILE = """
+from dataclasses import dataclass
+
+import zoo
+
+
+@zoo.register_pattern(
+    "band_and_first_only_allowed",
+    description="Keys within w of the query, and key 0.",
+    paper="(a test)",
+    complexity="O(n·w·d)",
+)
+@dataclass(frozen=True)
+class BandAndFirst(zoo.Pattern):
+    w: int = 5
+
+    def allowed(self, q_pos, kv_pos):
+        return ((q_pos - kv_pos).abs() <= self.w) | (kv_pos == 0)
+"""
+NAME = "band_and_first_only_allowed"
+
+
+@pytest.fixture(scope="module")
+def one_file(tmp_path_factory):
+    """The file above imported as a user's module; unregistered afterwards (the registry is
+    process-wide, and the README's tables are generated from it)."""
+    folder = tmp_path_factory.mktemp("user")
+    (folder / "one_file_pattern.py").write_text(textwrap.dedent(PATTERN_FILE))
+    sys.path.insert(0, str(folder))
+    try:
+        yield importlib.import_module("one_file_pattern")
+    finally:
+        sys.path.remove(str(folder))
+        sys.modules.pop("one_file_pattern", None)
+        zoo_registry.registry().variants.pop(NAME, None)
+        families._FAMILIES.pop(NAME, None)
+
+
+BACKENDS = {
+    "reference": "reference",
+    "sdpa": "sdpa",
+    "blocked": BlockedBackend(block_size=16),
+    "auto": "auto",
+}
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_it_runs_by_name_on_every_backend(one_file, backend, causal, padded):
+    check_against_reference(
+        NAME, BACKENDS[backend], q_len=45, kv_len=45, causal=causal, padded=padded, params={}
+    )
+
+
+@pytest.mark.parametrize("backend", ["flex-eager", "flex"])
+def test_it_runs_on_flex(one_file, backend):
+    flex = FlexBackend(block_size=16, compile=backend == "flex")
+    check_against_reference(NAME, flex, q_len=45, kv_len=45, params={"w": 3}, grads=False)
+
+
+def test_it_is_a_variant_with_its_metadata(one_file, capsys):
+    spec = zoo.get_spec(NAME)
+    assert (spec.description, spec.paper, spec.complexity) == (
+        "Keys within w of the query, and key 0.", "(a test)", "O(n·w·d)",
+    )  # fmt: skip
+    assert spec.parameters() == {"w": 5} and NAME in zoo.list_variants()
+    layer = zoo.create_attention(NAME, dim=16, num_heads=2, w=2)
+    assert layer(torch.randn(2, 30, 16)).shape == (2, 30, 16)
+    from zoo.__main__ import main
+
+    assert main(["list"]) == 0 and NAME in capsys.readouterr().out
+    assert main(["check", NAME, "--lengths", "37,100"]) == 0
+
+
+def test_a_taken_name_raises_and_registers_nothing(one_file):
+    with pytest.raises(ValueError, match="variant 'longformer' is already defined in"):
+
+        @zoo.register_pattern("longformer", description="a second longformer")
+        class Mine(zoo.Pattern):
+            def allowed(self, q_pos, kv_pos):
+                return q_pos == kv_pos
+
+    assert zoo.get_spec("longformer").description != "a second longformer"
+    assert "longformer" not in zoo.list_families()  # the family was taken back too
+    with pytest.raises(ValueError, match="is already defined in one_file_pattern"):
+        zoo.register_pattern(NAME, description="again")(one_file.BandAndFirst)
+    assert zoo.get_spec(NAME).description == "Keys within w of the query, and key 0."
+
+
+def test_derived_states_are_exact(one_file):
+    """EMPTY where no pair is allowed, FULL where every pair of complete blocks is, PARTIAL
+    otherwise: counted against the dense view, block by block, blocks of 7 over 45 positions
+    (the last block incomplete) and a stepped progression."""
+    pattern = one_file.BandAndFirst(4)
+    for step in (1, 3):
+        positions = torch.arange(0, 45 * step, step)
+        blocks = positions.split(7)
+        lo = torch.stack([b[0] for b in blocks])
+        hi = torch.stack([b[-1] for b in blocks])
+        complete = torch.tensor([len(b) == 7 for b in blocks])
+        q, k = Spans(lo, hi, step, complete).column(), Spans(lo, hi, step, complete).row()
+        state = derived_block_state(pattern, q, k)
+        for i, qb in enumerate(blocks):
+            for j, kb in enumerate(blocks):
+                hit = pattern.allowed(qb[:, None], kb[None, :])
+                expected = (
+                    FULL if hit.all() and complete[i] and complete[j]
+                    else PARTIAL if hit.any() else EMPTY
+                )  # fmt: skip
+                assert state[i, j] == expected, (step, i, j)
+
+
+def test_derived_states_chunk_large_spans(one_file, monkeypatch):
+    """Spans far larger than a chunk (as the key-value cache's retention asks) give the states
+    of the unchunked evaluation."""
+    from zoo.patterns import derived
+
+    pattern = one_file.BandAndFirst(30)
+    keys = torch.arange(200)
+    span_q = Spans(keys // 2, torch.full_like(keys, 199), 1, torch.ones(200, dtype=torch.bool))
+    span_k = Spans(keys, keys, 1, torch.ones(200, dtype=torch.bool))
+    whole = derived_block_state(pattern, span_q, span_k)
+    monkeypatch.setattr(derived, "CHUNK", 64)
+    assert torch.equal(derived_block_state(pattern, span_q, span_k), whole)
+
+
+def test_the_readme_example_runs_by_name(tmp_path, monkeypatch):
+    """The README's one-file pattern (``# band.py``), imported and run by name."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    code = re.search(r"```python\n# band.py\n(.*?)```", readme, re.S).group(1)
+    (tmp_path / "readme_band.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        importlib.import_module("readme_band")
+        q = torch.randn(1, 2, 100, 8)
+        out = zoo.attention(q, q, q, variant="band_with_first", w=4, backend="blocked")
+        expected = zoo.attention(q, q, q, variant="band_with_first", w=4, backend="reference")
+        torch.testing.assert_close(out, expected)
+    finally:
+        sys.modules.pop("readme_band", None)
+        zoo_registry.registry().variants.pop("band_with_first", None)
+        families._FAMILIES.pop("band_with_first", None)
