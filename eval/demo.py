@@ -3,8 +3,8 @@
 ``python -m eval demo [--seq-len N]``: for each variant, the backend that ``auto`` chose, the
 allowed pairs and the pairs that backend scored (both as a fraction of n^2), and the median time
 of a forward + backward pass. A variant that reads the call's graph (``graph``) runs on an
-example graph (``zoo.check_routed.example_graph``: a ring, chords and a clique of 24 nodes); one
-that chooses its blocks by content (``moba``) chooses them from the random input, so its
+example graph (``zoo.testing.check_routed.example_graph``: a ring, chords and a clique of 24 nodes);
+one that chooses its blocks by content (``moba``) chooses them from the random input, so its
 fractions are the mean over heads.
 """
 
@@ -24,11 +24,11 @@ import torch
 import zoo
 from zoo.__main__ import positive_int
 from zoo.backends import resolve_backend
-from zoo.check_routed import example_graph
 from zoo.functional import prepare_call
 from zoo.patterns import reads_graph
 from zoo.registry import get_spec
-from zoo.tables import markdown_table
+from zoo.testing.check_routed import example_graph
+from zoo.views.tables import markdown_table
 
 
 def time_variant(variant: str, x: torch.Tensor, repeats: int) -> tuple[str, float, float, float]:

@@ -44,7 +44,7 @@ def test_backend_matches_reference(variant, backend, causal, padded, q_len, kv_l
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_blocked_merged_path_matches_reference(variant, causal, padded, q_len, kv_len):
-    """The blocked backend's CPU path for one head size in q, k and v (``blocked_merged``, what
+    """The blocked backend's CPU path for one head size in q, k and v (``merged``, what
     models run on a CPU): its sources and parts merge by log-sum-exp. The test above, with values
     narrower than keys, takes the fused and explicit paths (those of CUDA)."""
     check_against_reference(

@@ -8,14 +8,13 @@ import torch
 from helpers import FIXED_VARIANTS, check_against_reference, small_params
 
 import zoo
-from zoo.backends import lse_merge
-from zoo.backends.block_plan import part_block, plan
-from zoo.backends.blocked import BlockedBackend
-from zoo.backends.key_windows import KeyWindows
-from zoo.backends.lse_merge import Piece, merged_attention
-from zoo.backends.row_grid import RowGrid, row_grid
-from zoo.frames import build_frame
+from zoo.backends.blocked import BlockedBackend, lse_merge
+from zoo.backends.blocked.block_plan import part_block, plan
+from zoo.backends.blocked.key_windows import KeyWindows
+from zoo.backends.blocked.lse_merge import Piece, merged_attention
+from zoo.backends.blocked.row_grid import RowGrid, row_grid
 from zoo.functional import prepare_call
+from zoo.layout.frames import build_frame
 
 
 def read_pairs(variant, causal, q_len, kv_len, block, params, split=False):
@@ -261,7 +260,7 @@ def test_band_and_residue_groups_merge_on_a_grid(causal):
     """Strided at 2048 tokens, as the blocked backend plans it on a CPU: the band's group of
     consecutive query blocks and the residue order's group (one block per residue, stride 64)
     find their rows' grids, so their merge reads and writes views, not gathers."""
-    from zoo.backends.blocked_merged import _rows
+    from zoo.backends.blocked.merged import _rows
 
     q = torch.zeros(1, 1, 2048, 8)
     call = prepare_call(q, q, q, variant="strided", causal=causal)

@@ -1,5 +1,6 @@
 """Generation with a KVCache: prefill + steps equal one causal forward, for every registry variant
-and encoding, in the memory that the pattern needs (zoo.cache, zoo.decode, zoo.patterns.retention).
+and encoding, in the memory that the pattern needs (zoo.decoding.cache, zoo.decoding.decode,
+zoo.patterns.retention).
 
 Compared in float64, where the decoding path and the full forward agree to rounding (1e-10)."""
 
@@ -11,7 +12,7 @@ from helpers import FIXED_VARIANTS
 
 import zoo
 from zoo.functional import resolve_pattern
-from zoo.layout import specialized
+from zoo.layout.block_layout import specialized
 from zoo.patterns.random_blocks import draw_causal_blocks
 from zoo.patterns.retention import last_needed
 

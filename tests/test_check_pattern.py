@@ -18,7 +18,7 @@ import torch
 from helpers import FIXED_VARIANTS
 
 import zoo
-import zoo.patterns.registry
+import zoo.patterns.families
 from zoo.__main__ import main
 from zoo.patterns import FULL, ChosenBlocks, Local, Moba, Pattern, Residue, Spans
 from zoo.patterns.base import state_from
@@ -117,7 +117,7 @@ def test_every_registry_variant_passes(variant):
     # 2-D variants need grids that their default 7 x 7 kernel fits at n and 2n/3 (196: 14 x 14,
     # 130: 10 x 13); the default lengths have 37 = 1 x 37 and 66 = 6 x 11.
     grid = "grid" in zoo.get_spec(variant).parameters()
-    lengths = (144, 196, 300, 600) if grid else zoo.check.LENGTHS
+    lengths = (144, 196, 300, 600) if grid else zoo.testing.check.LENGTHS
     assert zoo.check_pattern(variant, lengths=lengths) == 16  # 4 lengths x 4 q/k length pairs
 
 
@@ -144,7 +144,9 @@ class _LyingMoba(Moba):
 
 
 def test_a_routed_block_state_that_claims_too_much_is_named():
-    with pytest.raises(zoo.check.PatternCheckError, match=r"block_state says FULL .* sequence"):
+    with pytest.raises(
+        zoo.testing.check.PatternCheckError, match=r"block_state says FULL .* sequence"
+    ):
         zoo.check_pattern(_LyingMoba(block_size=8, top_k=2), lengths=(37,))
 
 
@@ -173,7 +175,7 @@ def test_an_empty_claim_with_an_allowed_pair_names_the_block_and_the_pair():
 
 
 def test_lengths_cover_decoding_and_both_uneven_shapes():
-    assert zoo.check.shapes_of([100, (5, 7)]) == [
+    assert zoo.testing.check.shapes_of([100, (5, 7)]) == [
         (100, 100),
         (1, 100),
         (66, 100),
@@ -241,7 +243,7 @@ def test_the_check_catches_what_the_sparse_backend_gets_wrong():
 
 def test_names_resolve_to_variants_families_and_factories(monkeypatch, tmp_path):
     assert zoo.check_pattern("local", window_size=5, lengths=[40]) == 4
-    monkeypatch.setitem(zoo.patterns.registry._FAMILIES, "eager_band", EagerBand)
+    monkeypatch.setitem(zoo.patterns.families._FAMILIES, "eager_band", EagerBand)
     assert "pattern 'eager_band' (w=3) disagrees with itself" in message("eager_band", w=3)
     (tmp_path / "good_patterns.py").write_text(
         "from zoo.patterns import Local\n\ndef band(w=3):\n    return Local(w)\n"
@@ -255,8 +257,8 @@ def test_names_resolve_to_variants_families_and_factories(monkeypatch, tmp_path)
 
 
 def test_cli_exits_1_for_a_broken_family_and_0_for_a_good_one(monkeypatch, capsys):
-    monkeypatch.setitem(zoo.patterns.registry._FAMILIES, "eager_band", EagerBand)
-    monkeypatch.setitem(zoo.patterns.registry._FAMILIES, "good_band", Band)
+    monkeypatch.setitem(zoo.patterns.families._FAMILIES, "eager_band", EagerBand)
+    monkeypatch.setitem(zoo.patterns.families._FAMILIES, "good_band", Band)
     assert main(["check", "eager_band", "w=4", "--lengths", "50"]) == 1
     out, err = capsys.readouterr()
     assert not out and err.startswith(
@@ -348,7 +350,7 @@ def test_cli_checks_a_registry_file_with_module_factory_entries(tmp_path):
 def test_the_readme_example_passes_and_its_quoted_error_is_what_a_broken_one_gives(monkeypatch):
     readme = (ROOT / "README.md").read_text()
     code = re.search(r"```python\n(# my_patterns.py\n.*?)```", readme, re.S).group(1)
-    monkeypatch.setattr(zoo.patterns.registry, "_FAMILIES", dict(zoo.patterns.registry._FAMILIES))
+    monkeypatch.setattr(zoo.patterns.families, "_FAMILIES", dict(zoo.patterns.families._FAMILIES))
 
     def load(source: str) -> types.ModuleType:
         module = types.ModuleType("readme_example")

@@ -1,5 +1,5 @@
 """``torch.compile(fullgraph=True)`` of models built from zoo modules: no graph break for any
-variant, compiled equals eager, and one graph per sequence length (``zoo.shape_cache``).
+variant, compiled equals eager, and one graph per sequence length (``zoo.core.shape_cache``).
 
 Graph breaks are a dynamo matter, so most tests compile with a counting backend that skips
 Inductor (``CompileCounter``, or "aot_eager" where the backward graph is traced too); Inductor

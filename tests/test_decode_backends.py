@@ -1,6 +1,6 @@
 """Decoding with a cache on each backend, and for a pattern chosen by content: MoBA's prefill +
 steps equal its causal forward (float64), and flex decoding (eager flex on CPU) matches the
-reference decoding path (zoo.decode, zoo.decode_flex)."""
+reference decoding path (zoo.decoding.decode, zoo.decoding.decode_flex)."""
 
 import itertools
 
@@ -9,7 +9,7 @@ import torch
 
 import zoo
 from zoo.backends import FlexBackend
-from zoo.block_sums import block_sums
+from zoo.decoding.block_sums import block_sums
 
 PARAMS = {
     "sliding_window": {"window_size": 5},

@@ -20,9 +20,9 @@ from helpers import (
 import zoo
 from eval.bench import graph_timing
 from zoo.backends import BlockedBackend, FlexBackend
-from zoo.frames import build_frame
-from zoo.node_order import bandwidth, block_density, cuthill_mckee, in_node_order
+from zoo.layout.frames import build_frame
 from zoo.patterns import EMPTY, FULL, Local, RouteInputs, graph
+from zoo.patterns.node_order import bandwidth, block_density, cuthill_mckee, in_node_order
 
 N = 40
 

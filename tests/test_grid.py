@@ -9,8 +9,8 @@ from helpers import check_against_reference
 
 import zoo
 from zoo.backends import BlockedBackend, FlexBackend
-from zoo.frames import build_frame
-from zoo.layout import build_layout, specialized
+from zoo.layout.block_layout import build_layout, specialized
+from zoo.layout.frames import build_frame
 from zoo.patterns import Global, Tiles, axial_2d, block_local_2d, neighborhood_2d
 
 CPU = torch.device("cpu")

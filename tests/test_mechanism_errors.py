@@ -1,5 +1,5 @@
 """What mechanisms refuse, and how they enter the registry: each error names the argument, the
-value and the way out (zoo/mechanisms/, zoo/registry.py)."""
+value and the way out (zoo/mechanisms/, zoo/registry/__init__.py)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from helpers import check_against_reference, padding_mask, random_qkv
 import zoo
 from zoo.backends import BlockedBackend, FlexBackend
 from zoo.backends.base import FLOATS, Capabilities
-from zoo.backends.blocked_routed import routed_pairs
+from zoo.backends.blocked.chosen_union import routed_pairs
 from zoo.functional import prepare_call
 from zoo.patterns import Causal, Local, Moba, RouteInputs, Spans
 from zoo.patterns.base import EMPTY, FULL
@@ -145,7 +145,7 @@ def _no_union(*args, **kwargs):
 def test_blocked_by_key_block_matches_the_reference(
     q_len, kv_len, block_size, top_k, v_dim, causal, monkeypatch
 ):
-    """``blocked`` runs the chosen pairs key block by key block (``blocked_by_key``): runs of
+    """``blocked`` runs the chosen pairs key block by key block (``by_key``): runs of
     several kernel blocks, per-row masks inside them, GQA, key padding, ragged lengths, and
     value heads narrower or wider than q's."""
     monkeypatch.setattr(zoo.backends.blocked, "routed_attention", _no_union)

@@ -1,5 +1,5 @@
-"""NSA (``zoo.nsa``): the module against a straightforward dense computation of its definition,
-forward and gradients, on the backends that run its three branches."""
+"""NSA (``zoo.modules.nsa``): the module against a straightforward dense computation of its
+definition, forward and gradients, on the backends that run its three branches."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import zoo
-from zoo.nsa import NativeSparseAttention
+from zoo.modules.nsa import NativeSparseAttention
 
 L, DIM, HEADS, KV_HEADS = 70, 32, 4, 2
 SETTINGS = dict(block_length=8, block_stride=4, select_block=16, select_count=3, window=12)

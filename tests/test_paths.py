@@ -10,8 +10,8 @@ import torch
 from helpers import FIXED_VARIANTS
 
 import zoo
-from zoo.comparison import comparison_rows, comparison_table
-from zoo.paths import max_path_length, min_receptive_fraction, receptive_field
+from zoo.views.comparison import comparison_rows, comparison_table
+from zoo.views.paths import max_path_length, min_receptive_fraction, receptive_field
 
 LENGTHS = [16, 33, 64]
 WINDOWS = [1, 3, 5]

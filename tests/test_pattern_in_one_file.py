@@ -15,7 +15,7 @@ from helpers import check_against_reference
 import zoo
 from zoo import registry as zoo_registry
 from zoo.backends import BlockedBackend, FlexBackend
-from zoo.patterns import registry as families
+from zoo.patterns import families as families
 from zoo.patterns.base import EMPTY, FULL, PARTIAL, Spans
 from zoo.patterns.derived import derived_block_state
 

@@ -9,9 +9,9 @@ import torch
 from helpers import FIXED_VARIANTS, small_params
 
 import zoo
-from zoo.frames import build_frame
 from zoo.functional import resolve_pattern
-from zoo.layout import build_layout, specialized
+from zoo.layout.block_layout import build_layout, specialized
+from zoo.layout.frames import build_frame
 from zoo.patterns import (
     EMPTY,
     FULL,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zoo
-from zoo.pictures import PIXELS, attention_map_of_random_model, draw_attention, draw_pattern
+from zoo.views.pictures import PIXELS, attention_map_of_random_model, draw_attention, draw_pattern
 
 N = 64  # small, so the pictures are quick
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from zoo.describe import TABLES
+from zoo.views.describe import TABLES
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

@@ -1,5 +1,5 @@
-"""The per-shape caches (``zoo.shape_cache``): bounded by count and bytes, never holding tensors
-of a tracing or fake mode, and results that do not depend on what was evicted."""
+"""The per-shape caches (``zoo.core.shape_cache``): bounded by count and bytes, never holding
+tensors of a tracing or fake mode, and results that do not depend on what was evicted."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from helpers import subprocess_timeout
 
 import zoo
-from zoo import shape_cache
 from zoo.backends import BlockedBackend
+from zoo.core import shape_cache
 
 
 @pytest.fixture

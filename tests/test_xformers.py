@@ -22,7 +22,7 @@ from zoo.backends.xformers import (
     kernel_reason,
     merge_pieces,
 )
-from zoo.backends.xformers_plan import Piece, plan_pieces
+from zoo.backends.xformers.plan import Piece, plan_pieces
 from zoo.functional import prepare_call, resolve_pattern
 
 HAS_XFORMERS = importlib.util.find_spec("xformers") is not None

@@ -7,12 +7,13 @@
 >>> zoo.list_variants("*local*"), zoo.list_mechanisms()
 """
 
+from . import _moved  # noqa: F401  (old module names, zoo.frames and so on, keep importing)
 from .backends import Backend, Capabilities, get_backend, list_backends, register_backend
-from .cache import KVCache
-from .check import PatternCheckError, check_pattern
+from .core.scores import AdditiveScore
+from .decoding.cache import KVCache
+from .decoding.generation import new_cache
 from .functional import attention, build_encoding, dense_mask, explain
-from .generation import new_cache
-from .layout import allowed_pairs
+from .layout.block_layout import allowed_pairs
 from .mechanisms import Mechanism, register_mechanism
 from .module import MultiHeadAttention, create_attention
 from .patterns import Pattern, list_families, register_pattern
@@ -30,7 +31,7 @@ from .registry import (
     list_variants,
     load_registry,
 )
-from .scores import AdditiveScore
+from .testing.check import PatternCheckError, check_pattern
 
 list_pattern_families = list_families
 

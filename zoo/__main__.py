@@ -182,13 +182,13 @@ def one_thread() -> Iterator[None]:
 
 def run(args: argparse.Namespace) -> bool | None:
     """Run a command; True means it found a problem (exit status 1)."""
-    from . import describe
+    from .views import describe
 
     if args.command == "list":
         tables = describe.variant_table(), describe.mechanism_table(), describe.encoding_table()
         print(*tables, sep="\n\n")
     elif args.command == "show":
-        from .pictures import draw_pattern
+        from .views.pictures import draw_pattern
 
         out = args.out or f"{args.name}.png"
         print(
@@ -197,12 +197,12 @@ def run(args: argparse.Namespace) -> bool | None:
             )
         )
     elif args.command == "table":
-        from .comparison import comparison_table
+        from .views.comparison import comparison_table
 
         print(f"n = {args.seq_len}, receptive field after {args.layers} layers\n")
         print(comparison_table(args.seq_len, args.layers))
     elif args.command == "attention-map":
-        from .pictures import attention_map_of_random_model
+        from .views.pictures import attention_map_of_random_model
 
         out = args.out or f"{args.name}-attention.png"
         print(
@@ -226,12 +226,12 @@ def run(args: argparse.Namespace) -> bool | None:
 def check(args: argparse.Namespace) -> bool:
     """``zoo check``: one line per pattern, ok on stdout or the first disagreement on stderr.
 
-    ``--all`` checks every registry variant with its defaults at ``zoo.check.LENGTHS`` (37, 100,
-    300, 600: small, none a multiple of a block size, and 600 above moba's default block of 512,
-    so the last blocks are partial), a pattern chosen by content on a seeded random input and
-    ``graph`` on an example graph (``zoo.check_routed``); about 5 s on one core."""
-    from .check import LENGTHS, PatternCheckError, check_pattern
+    ``--all`` checks every registry variant with its defaults at ``zoo.testing.check.LENGTHS`` (37,
+    100, 300, 600: small, none a multiple of a block size, and 600 above moba's default block of
+    512, so the last blocks are partial), a pattern chosen by content on a seeded random input and
+    ``graph`` on an example graph (``zoo.testing.check_routed``); about 5 s on one core."""
     from .registry import list_variants
+    from .testing.check import LENGTHS, PatternCheckError, check_pattern
 
     if args.all == bool(args.name):
         raise ValueError("give a pattern NAME or --all, not both or neither")

@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 
 from .backends import Backend, explain_backend, resolve_backend
-from .cache import KVCache, cache_signature
-from .call import (
+from .core.arguments import check_parameters, close_matches, did_you_mean
+from .core.call import (
     AttentionCall,
     check_dropout,
     check_key_padding_mask,
@@ -18,11 +18,12 @@ from .call import (
     resolve_scale,
     unread_padding,
 )
-from .checks import check_parameters, close_matches, did_you_mean
-from .decode import cache_attention, counts_from_padding, decode_backend, explain_decode
-from .layout import allowed_pairs, specialized
-from .mechanisms.call import is_mechanism, mechanism_attention, mechanism_params
-from .node_order import in_node_order
+from .core.scores import AdditiveScore, DotProduct
+from .core.shape_cache import concrete, new_call, per_shape
+from .decoding.cache import KVCache, cache_signature
+from .decoding.decode import cache_attention, counts_from_padding, decode_backend, explain_decode
+from .layout.block_layout import allowed_pairs, specialized
+from .mechanisms.dispatch import is_mechanism, mechanism_attention, mechanism_params
 from .patterns import (
     Causal,
     GraphLayout,
@@ -33,10 +34,9 @@ from .patterns import (
     query_positions,
     reads_graph,
 )
+from .patterns.node_order import in_node_order
 from .positional import PositionalEncoding
 from .registry import get_encoding_spec, get_spec
-from .scores import AdditiveScore, DotProduct
-from .shape_cache import concrete, new_call, per_shape
 
 Encoding = str | PositionalEncoding | None
 
@@ -52,7 +52,8 @@ def resolve_pattern(
     """The variant's pattern with the caller's parameters, made causal when asked.
 
     ``options`` are the caller's own arguments, which ``options_of`` names (see
-    ``zoo.checks.check_parameters``): a misspelt one, ``casual=True``, gets its suggestion."""
+    ``zoo.core.arguments.check_parameters``): a misspelt one, ``casual=True``, gets its
+    suggestion."""
     if isinstance(variant, Pattern):
         if params:
             hint = did_you_mean(c for key in params for c in close_matches(key, options, 0.6))
@@ -155,7 +156,7 @@ def call_pattern(
     device: torch.device,
 ) -> Pattern:
     """The call's pattern, resolved and specialised once per shape by a per-shape builder
-    (``zoo.shape_cache``), so that under ``torch.compile`` it is made outside the traced graph:
+    (``zoo.core.shape_cache``), so that under ``torch.compile`` it is made outside the traced graph:
     a pattern made inside it could not key the per-shape structures of the backends."""
     if not isinstance(variant, str | Pattern):
         get_spec(variant)  # a TypeError that names what variant takes
@@ -316,7 +317,7 @@ def attention(
             them: dense, for inspection).
         cache: a ``KVCache`` (``zoo.new_cache``) for generation: q, k, v are the new tokens
             (B, H, t, D), attending the cached ones and then kept; causal must be True, and
-            key_padding_mask (B, t), if given, right padding. See ``zoo.cache``.
+            key_padding_mask (B, t), if given, right padding. See ``zoo.decoding.cache``.
         edge_index: the graph of variant ``graph``: (2, E) int node pairs (query node, key
             node) shared by the batch, (B, 2, E) or a list of B (2, E_b) for one graph per
             sequence, or a sparse COO adjacency (L, L) or (B, L, L); see ``zoo.patterns.graph``.
@@ -335,7 +336,7 @@ def attention(
 
     Under ``torch.compile`` (``fullgraph=True`` works for every variant on sdpa, flex, blocked
     and auto) the pattern, its block layout, masks and the auto choice are built once per shape
-    outside the traced graph (``zoo.shape_cache``). Lengths are static: a compiled model keeps
+    outside the traced graph (``zoo.core.shape_cache``). Lengths are static: a compiled model keeps
     one graph per (Lq, Lk) it has seen, also under ``dynamic=True``, and reuses it for every
     later call at that length. Pad batches to a few lengths (multiples of the block size, say),
     and raise ``torch._dynamo.config.recompile_limit`` (8) above 8 lengths. A Pattern passed as
@@ -410,7 +411,7 @@ def _empty_batch(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
 
 def _cached_attention(q, k, v, cache: KVCache, *, variant, backend, causal, key_padding_mask,
                       dropout_p, scale, score, pos, params) -> Tensor:  # fmt: skip
-    """``attention`` with a cache: checked here, computed by ``zoo.decode``."""
+    """``attention`` with a cache: checked here, computed by ``zoo.decoding.decode``."""
     check_qkv(q, k, v)
     if causal is not True:
         raise ValueError(f"a call with a cache must be causal (causal=True), got {causal!r}")

@@ -9,16 +9,16 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from .backends import Backend
-from .cache import KVCache
-from .checks import check_int, check_probability
+from .core.arguments import check_int, check_probability
+from .core.scores import AdditiveScore
+from .decoding.cache import KVCache
+from .decoding.generation import module_step, new_cache
 from .functional import attention, build_encoding, resolve_pattern, resolved_params
-from .generation import module_step, new_cache
-from .mechanisms.call import check_encoding
-from .mechanisms.module import module_mechanism
+from .mechanisms.dispatch import check_encoding
+from .mechanisms.layer import module_mechanism
 from .patterns import Pattern
 from .positional import PositionalEncoding
 from .registry import get_module_spec, get_spec, is_mechanism_name, list_modules
-from .scores import AdditiveScore
 
 SCORES = ("dot", "additive")
 

@@ -1,6 +1,6 @@
 """``python -m eval.bench.cache_memory [--lengths N] [--start L] [--backend NAME]``: resident
 memory of one process that calls attention at N distinct sequence lengths, as a training run over
-unbucketed lengths does, with the per-shape caches' entries and bytes (``zoo.shape_cache``).
+unbucketed lengths does, with the per-shape caches' entries and bytes (``zoo.core.shape_cache``).
 
 BigBird (block 64, 3 random blocks), B=1, H=1, D=16, float32, one thread, lengths L, L+1, ...;
 prints a markdown table row at 10, 100, 200, 500 and 1000 lengths (those up to N).
@@ -15,7 +15,7 @@ import time
 import torch
 
 import zoo
-from zoo import shape_cache
+from zoo.core import shape_cache
 
 CHECKPOINTS = (10, 100, 200, 500, 1000)
 

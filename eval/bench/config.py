@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 import zoo
-from zoo.checks import check_parameters, suggest
+from zoo.core.arguments import check_parameters, suggest
 
 from ..harness.config import ConfigError
 from .impls import PEERS

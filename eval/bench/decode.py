@@ -7,8 +7,8 @@ write them, without computing its attention) and times one step of one new token
 token further on). Memory is the cache's ``nbytes``: what the variant keeps at that length.
 
 Zoo decoding backends (``backends``): ``auto`` (sdpa, the impl ``zoo:VARIANT``) and ``flex``
-(``zoo:VARIANT:flex``, ``zoo.decode_flex``: compiled FlexAttention with a block mask over the
-cache's slots, made at each step), on CUDA only, for the reason ``flex_sliced`` is.
+(``zoo:VARIANT:flex``, ``zoo.decoding.decode_flex``: compiled FlexAttention with a block mask over
+the cache's slots, made at each step), on CUDA only, for the reason ``flex_sliced`` is.
 
 Peers, one query against all n cached keys and values of full attention:
 - ``sdpa_dense``: ``scaled_dot_product_attention`` without a mask (what a dense decoder runs);
@@ -155,7 +155,7 @@ def _peer(peer, config, variant, params, n, device, dtype, gen, q) -> dict:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     from zoo.functional import resolve_pattern
-    from zoo.layout import specialized
+    from zoo.layout.block_layout import specialized
 
     pattern = specialized(resolve_pattern(variant, True, dict(params)), 1, n + 1, device)
     if pattern.routed:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 import zoo
-from zoo.frames import build_frame
+from zoo.layout.frames import build_frame
 from zoo.patterns.derived import derived_block_state
 
 

@@ -1,5 +1,5 @@
 """Block density of graph attention in the caller's node order and in reverse Cuthill-McKee order
-(``zoo.node_order``), for three graph families with their nodes numbered at random.
+(``zoo.patterns.node_order``), for three graph families with their nodes numbered at random.
 
     python -m eval.bench.graph_density > eval/results/graph_density.md
 
@@ -14,8 +14,8 @@ import math
 import numpy as np
 import torch
 
-from zoo.node_order import block_density, in_node_order
 from zoo.patterns import RouteInputs, graph
+from zoo.patterns.node_order import block_density, in_node_order
 
 
 def geometric(n: int, rng: np.random.Generator, degree: float = 8.0) -> np.ndarray:

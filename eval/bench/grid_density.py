@@ -1,4 +1,4 @@
-"""Block density of the 2-D patterns in row-major and in tiled token order (``zoo.tiles``).
+"""Block density of the 2-D patterns in row-major and in tiled token order (``zoo.layout.tiles``).
 
     python -m eval.bench.grid_density > eval/results/grid_density.md
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 import zoo
-from zoo.frames import build_frame
-from zoo.layout import build_layout, specialized
+from zoo.layout.block_layout import build_layout, specialized
+from zoo.layout.frames import build_frame
 
 CASES = [
     ("neighborhood_2d", {"kernel_size": 7}),

@@ -33,14 +33,14 @@ from torch.nn.functional import scaled_dot_product_attention
 import zoo
 import zoo.backends.flex
 import zoo.backends.reference
-import zoo.frames
-import zoo.layout
+import zoo.layout.block_layout
+import zoo.layout.frames
 from zoo.backends import Backend, BlockedBackend, FlexBackend, resolve_backend
 from zoo.backends.base import repeat_kv
 from zoo.backends.xformers import grouped_layout
+from zoo.core.shape_cache import per_shape
 from zoo.functional import prepare_call, resolve_pattern
-from zoo.mechanisms.call import is_mechanism
-from zoo.shape_cache import per_shape
+from zoo.mechanisms.dispatch import is_mechanism
 
 from .measure import CellSkip, timed_once
 from .routed import selection_ms

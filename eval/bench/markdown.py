@@ -6,7 +6,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from zoo.tables import markdown_table
+from zoo.views.tables import markdown_table
 
 from .report import Cell, backend_label, series
 

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from zoo.functional import resolve_pattern
-from zoo.mechanisms.call import is_mechanism
+from zoo.mechanisms.dispatch import is_mechanism
 from zoo.patterns import RouteInputs
 
 from .measure import median, time_runs

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from zoo.__main__ import int_at_least
-from zoo.pictures import draw_attention
+from zoo.views.pictures import draw_attention
 
 from ..tasks import get_task
 from .train import build_model, sample_seed

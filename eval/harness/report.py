@@ -18,7 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from zoo.tables import markdown_table
+from zoo.views.tables import markdown_table
 
 from .slices import slice_table
 

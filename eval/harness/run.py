@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 import zoo
-from zoo.checks import suggest
+from zoo.core.arguments import suggest
 
 from ..tasks import get_task, list_tasks
 from . import distributed

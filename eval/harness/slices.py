@@ -14,7 +14,7 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
-from zoo.tables import markdown_table
+from zoo.views.tables import markdown_table
 
 
 def slice_table(records: list[dict[str, Any]], name: str) -> str | None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..call import AttentionCall
-from ..checks import suggest
+from ..core.arguments import suggest
+from ..core.call import AttentionCall
 from .base import Backend, Capabilities
 from .blocked import BlockedBackend
 from .flex import FlexBackend
@@ -19,9 +19,9 @@ _BACKENDS: dict[str, Backend] = {
 
 def clear_caches() -> None:
     """Forget every shape-dependent structure the zoo caches (specialised patterns, frames, block
-    layouts, blocked plans, flex block masks, dense masks: every ``zoo.shape_cache`` builder),
+    layouts, blocked plans, flex block masks, dense masks: every ``zoo.core.shape_cache`` builder),
     and the device memory they hold."""
-    from ..shape_cache import clear_all
+    from ..core.shape_cache import clear_all
 
     clear_all()
 

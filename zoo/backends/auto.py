@@ -13,7 +13,7 @@ dtype, variant, causality, pass and length, that backend leads the order. The fa
   forward and 2.6x forward and backward, plus a fixed cost that dominates below ~1K tokens; so
   it goes first from 1024 keys when it scores under 40% of the pairs. A layout the same for
   every sequence and head that runs key block by key block (one graph for the batch: runs
-  shared by all, ``blocked_by_key``) costs 1.2-1.8x a dense pair forward and 1.1-1.3x forward
+  shared by all, ``by_key``) costs 1.2-1.8x a dense pair forward and 1.1-1.3x forward
   and backward (eval/results/graph-timing-cpu.md, 4096 and 1024 nodes); it goes first under
   70%. Compiled flex is left out on CPU: it has no backward there and compiles for seconds on
   first use.
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..call import AttentionCall
+from ..core.call import AttentionCall
 from .auto_table import lookup
 from .base import Backend
 

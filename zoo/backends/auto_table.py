@@ -10,7 +10,8 @@ causality and pass, and takes the one at the nearest measured length (in log sca
 the smallest measured length there is no entry, since fixed costs dominate there; above the
 largest it takes the largest, as the sparse advantage only grows with n. Without an entry, auto
 falls back to its documented order (``zoo.backends.auto``). The file is read once, at import;
-the entry of a call is looked up once per shape (``zoo.shape_cache``), outside a compiled graph.
+the entry of a call is looked up once per shape (``zoo.core.shape_cache``), outside a compiled
+graph.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from typing import Any
 
 import torch
 
-from ..call import AttentionCall
-from ..shape_cache import per_shape
+from ..core.call import AttentionCall
+from ..core.shape_cache import per_shape
 
 TABLE = Path(__file__).with_name("auto_table.json")
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..call import AttentionCall
+from ..core.call import AttentionCall
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 

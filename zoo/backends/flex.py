@@ -9,8 +9,8 @@ Block masks are cached per pattern and shape; a key padding mask makes the layou
 
 Strided and dilated patterns run here in the natural token order, where their blocks are dense;
 the ``blocked`` backend runs them in their regrouped order. A 2-D pattern of one part runs in its
-grid's tiled order (``zoo.tiles``): q, k and v are gathered into tiles, the mask_mod reads each
-slot's position, and the output is scattered back to the caller's order.
+grid's tiled order (``zoo.layout.tiles``): q, k and v are gathered into tiles, the mask_mod reads
+each slot's position, and the output is scattered back to the caller's order.
 
 Whole blocks on CPU. Compiled FlexAttention on CPU (torch 2.13) returned wrong values or NaN at
 lengths that are not a multiple of 16, differently from one process to the next (see
@@ -26,12 +26,12 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-from ..call import AttentionCall
-from ..checks import check_int
-from ..frames import Frame, build_frame
-from ..layout import build_layout, used_first
+from ..core.arguments import check_int
+from ..core.call import AttentionCall
+from ..core.shape_cache import concrete, per_shape
+from ..layout.block_layout import build_layout, used_first
+from ..layout.frames import Frame, build_frame
 from ..patterns import EMPTY, FULL, PARTIAL, Pattern, Tiles
-from ..shape_cache import concrete, per_shape
 from .base import FLOATS, Backend, Capabilities
 
 # Every pattern and shape is a separate compiled graph; dynamo's default of 8 would send the

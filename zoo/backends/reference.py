@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..call import AttentionCall
+from ..core.call import AttentionCall
+from ..core.shape_cache import per_shape
 from ..patterns import Pattern, query_positions
-from ..shape_cache import per_shape
 from .base import FLOATS, Backend, Capabilities, head_index, key_keep, repeat_kv
 
 

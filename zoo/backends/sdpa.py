@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention
 
-from ..call import AttentionCall
+from ..core.call import AttentionCall
 from .base import FLOATS, Backend, Capabilities
 from .reference import attention_mask, score_bias
 

@@ -21,7 +21,7 @@ bias (ALiBi, T5), dropout or return_weights.
 
 from __future__ import annotations
 
-from ..checks import import_object, suggest
+from ..core.arguments import import_object, suggest
 from .base import Mechanism
 from .linear import LinearAttention
 from .linformer import LinformerAttention

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..checks import check_int
+from ..core.arguments import check_int
 
 
 class Mechanism(nn.Module):

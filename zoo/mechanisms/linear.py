@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..checks import check_int
+from ..core.arguments import check_int
 from .base import Mechanism, zero_padded
 from .kernel import feature_attention
 

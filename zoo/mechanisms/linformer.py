@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.functional import scaled_dot_product_attention
 
-from ..checks import check_int
+from ..core.arguments import check_int
 from .base import Mechanism, zero_padded
 
 

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from ..backends.reference import safe_softmax
-from ..checks import check_int
+from ..core.arguments import check_int
 from .base import Mechanism, check_optional_int, zero_padded
 
 

@@ -34,7 +34,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..checks import SEED_MAX, check_int, check_seed
+from ..core.arguments import SEED_MAX, check_int, check_seed
 from .base import Mechanism, check_optional_int, zero_padded
 from .kernel import feature_attention
 

@@ -8,6 +8,7 @@ from .base import EMPTY, FULL, PARTIAL, Pattern, Spans, query_positions
 from .block_local import BlockLocal
 from .block_local_2d import BlockLocal2D, block_local_2d
 from .compose import Difference, Intersection, Union
+from .families import build_family, list_families, register_pattern, resolve_family
 from .full import Causal, Full, made_causal
 from .global_tokens import Global
 from .graph import Graph, GraphLayout, graph, reads_graph
@@ -16,7 +17,6 @@ from .local import Local
 from .moba import Moba
 from .neighborhood import Neighborhood2D, neighborhood_2d
 from .random_blocks import Random, RandomBlocks
-from .registry import build_family, list_families, register_pattern, resolve_family
 from .routed import ChosenBlocks, RouteInputs
 from .strided import Residue, dilated, strided
 

@@ -51,8 +51,9 @@ class Spans:
     a row). A block with no valid position has lo > hi. ``complete`` is False where a block holds
     padding slots; such a block is never FULL, so the mask sees the padding.
 
-    A frame over a 2-D grid (``zoo.tiles``) also gives each block's ``box``; its positions are then
-    only known to lie in [lo, hi] (step 1), which every 1-D family's formulas treat conservatively.
+    A frame over a 2-D grid (``zoo.layout.tiles``) also gives each block's ``box``; its positions
+    are then only known to lie in [lo, hi] (step 1), which every 1-D family's formulas treat
+    conservatively.
     """
 
     lo: Tensor
@@ -78,7 +79,7 @@ class Spans:
 class Box:
     """Each block's rows row_lo, row_lo + row_step, ..., row_hi and columns likewise, on a grid
     ``width`` tokens wide (token t at row t // width, column t % width): a box that holds every
-    valid position of the block, as frames over a grid (``zoo.tiles``) know it."""
+    valid position of the block, as frames over a grid (``zoo.layout.tiles``) know it."""
 
     row_lo: Tensor
     row_hi: Tensor

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..checks import check_int
+from ..core.arguments import check_int
 from .base import Pattern, Spans, query_positions, state_from
-from .registry import register_pattern
+from .families import register_pattern
 
 
 @register_pattern("block_local")

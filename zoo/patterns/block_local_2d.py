@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 from .base import Spans, state_from
+from .families import register_pattern
 from .grid import GridPattern, crop_queries, int_pair, on_grid
-from .registry import register_pattern
 
 
 def _same_window(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor], w: int):

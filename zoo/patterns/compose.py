@@ -24,9 +24,9 @@ from .base import EMPTY, FULL, PARTIAL, Pattern, Spans
 
 
 def memo_parts(pattern: Pattern, split: Callable[[], tuple[Pattern, ...]]) -> tuple[Pattern, ...]:
-    """The parts, split once per pattern. ``zoo.layout.specialized`` splits them outside any
-    traced graph; a graph then reads these objects, which per-shape builders can take, instead of
-    making new ones (see ``zoo.shape_cache``)."""
+    """The parts, split once per pattern. ``zoo.layout.block_layout.specialized`` splits them
+    outside any traced graph; a graph then reads these objects, which per-shape builders can take,
+    instead of making new ones (see ``zoo.core.shape_cache``)."""
     parts = getattr(pattern, "_parts", None)
     if parts is None:
         parts = split()

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .base import Pattern, Spans, state_from
 from .compose import Intersection
-from .registry import register_pattern
+from .families import register_pattern
 
 
 @register_pattern("full")

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..checks import check_int, check_int_list
+from ..core.arguments import check_int, check_int_list
 from .base import Pattern, Spans, query_positions, state_from
-from .registry import register_pattern
+from .families import register_pattern
 
 
 def _ranges(blocks: tuple[int, ...], block_size: int) -> tuple[tuple[int, int], ...]:

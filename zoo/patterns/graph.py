@@ -19,9 +19,9 @@ graph has the edge u -> v (``edge_index`` columns (u, v); the forms it takes are
   (a node attends to itself and to lower-numbered nodes it has an edge to); global nodes and
   self-loops obey it too. The pattern keeps this rule itself, so it holds in any node order.
 - ``reorder`` (default True): the call runs in reverse Cuthill-McKee order of each graph
-  (``zoo.node_order``), where the adjacency clusters into blocks, and returns the outputs in the
-  caller's order. Skipped when composed with other patterns (their positions are the caller's)
-  or with a positional score bias (alibi, t5).
+  (``zoo.patterns.node_order``), where the adjacency clusters into blocks, and returns the outputs
+  in the caller's order. Skipped when composed with other patterns (their positions are the
+  caller's) or with a positional score bias (alibi, t5).
 
 The graph is data, given per call, so the pattern is bound to a call (the protocol of
 ``zoo.patterns.routed``): ``bind`` reads ``RouteInputs.edge_index`` and returns a
@@ -38,10 +38,10 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from ..checks import check_int
+from ..core.arguments import check_int
 from .base import Pattern, Spans, state_from
+from .families import register_pattern
 from .graph_edges import graph_edges
-from .registry import register_pattern
 from .routed import RouteInputs
 
 

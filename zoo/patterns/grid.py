@@ -7,9 +7,9 @@ zoo (``zoo.patterns.base``): with fewer queries than keys they are the last grid
 negative position (more queries than keys) is off the grid and attends to nothing.
 
 A 2-D window is not block-sparse in row-major order: 8 consecutive tokens of a 64-wide grid are a
-strip of one row. ``Tiles`` names the token order in which it is (``zoo.tiles`` builds it): tiles of
-the grid made contiguous, each block one tile, and with dilation the residue classes folded first,
-as NATTEN's token permutation does.
+strip of one row. ``Tiles`` names the token order in which it is (``zoo.layout.tiles`` builds it):
+tiles of the grid made contiguous, each block one tile, and with dilation the residue classes folded
+first, as NATTEN's token permutation does.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from ..checks import check_int
+from ..core.arguments import check_int
 from .base import Box, Pattern, Spans
 
 
@@ -45,7 +45,8 @@ def square_grid(n: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Tiles:
-    """The tiled token order of a grid (see ``zoo.tiles``): a pattern's ``stride`` names it."""
+    """The tiled token order of a grid (see ``zoo.layout.tiles``): a pattern's ``stride`` names
+    it."""
 
     grid: tuple[int, int]
     dilation: tuple[int, int] = (1, 1)
@@ -88,7 +89,8 @@ class GridPattern(Pattern):
 
     def check_grid(self) -> None:
         """Check ``grid`` and make the token order once: a traced graph reads it, and an object
-        made inside the graph could not be handed to the per-shape builders (zoo.shape_cache)."""
+        made inside the graph could not be handed to the per-shape builders
+        (zoo.core.shape_cache)."""
         grid = check_grid(self.grid)
         object.__setattr__(self, "grid", grid)
         order = 1 if grid is None else Tiles(grid, self.dilation)

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..checks import check_int
+from ..core.arguments import check_int
 from .base import Pattern, Spans, state_from
-from .registry import register_pattern
+from .families import register_pattern
 
 
 def window_pair(window_size: object) -> tuple[int, int]:

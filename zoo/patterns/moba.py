@@ -37,10 +37,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..block_sums import block_sums
-from ..checks import check_int
+from ..core.arguments import check_int
+from ..decoding.block_sums import block_sums
 from .base import Pattern
-from .registry import register_pattern
+from .families import register_pattern
 from .routed import ChosenBlocks, RouteInputs, top_blocks
 
 
@@ -60,8 +60,8 @@ def moba_choice(
 
     q (B, H, Lq, D), k (B, H_kv, Lk, D) with H_kv dividing H; key_padding_mask (B, Lk), True
     where a key is padding; q_pos (B, Lq) the queries' positions (None: bottom-right aligned);
-    ``sums``: the block sums of k's unpadded keys and their counts (``zoo.block_sums``) where the
-    caller keeps them, else computed here.
+    ``sums``: the block sums of k's unpadded keys and their counts (``zoo.decoding.block_sums``)
+    where the caller keeps them, else computed here.
     """
     B, H, q_len, _ = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]

@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 
 from .base import Spans, state_from
+from .families import register_pattern
 from .grid import GridPattern, crop_queries, int_pair, on_grid, single_class
-from .registry import register_pattern
 
 
 def _window(x: Tensor, cells: Tensor, k: int, causal: bool) -> tuple[Tensor, Tensor]:

@@ -13,8 +13,8 @@ gives block i other blocks than a shorter one. Causal form (``causal=True``, see
 ``Pattern.causal_form``): query block i chooses its blocks among the blocks 0 .. i, its own
 included, with the same seed, and the choice depends on the seed and i only. A prefix of a
 longer sequence therefore sees exactly the blocks it saw alone, which is what decoding with a
-cache needs (``zoo.cache``); a block with no more than ``num_blocks`` blocks at or before it sees
-them all::
+cache needs (``zoo.decoding.cache``); a block with no more than ``num_blocks`` blocks at or before
+it sees them all::
 
     block_size=2, num_blocks=1, seed=0 (6x6), one possible draw
     . . x x . .
@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..checks import check_int, check_seed
+from ..core.arguments import check_int, check_seed
 from .base import Pattern, Spans, state_from
-from .registry import register_pattern
+from .families import register_pattern
 
 
 def draw_blocks(num_q_blocks: int, num_k_blocks: int, count: int, seed: int) -> Tensor:

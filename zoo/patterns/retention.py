@@ -23,7 +23,7 @@ From the last readers follow two stores:
 
 A pattern chosen by content (``routed``: MoBA) may choose any earlier block at any later step, so
 its cache pins every position, slot j holding position j (the routed pattern then scores the
-cache's keys in position order, ``zoo.decode``).
+cache's keys in position order, ``zoo.decoding.decode``).
 """
 
 from __future__ import annotations

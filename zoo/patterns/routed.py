@@ -44,8 +44,8 @@ class RouteInputs:
     must be consecutive (q_pos[b, 0] + i). None: bottom-right alignment, q_pos = i + Lk - Lq.
 
     ``block_sums(block)``: where the caller keeps them (a ``KVCache``), the float32 sums of k's
-    unpadded keys per block of ``block`` and their counts (``zoo.block_sums``), so that a choice
-    by block means need not read every key; None (or a None answer): computed from k.
+    unpadded keys per block of ``block`` and their counts (``zoo.decoding.block_sums``), so that a
+    choice by block means need not read every key; None (or a None answer): computed from k.
     """
 
     q: Tensor

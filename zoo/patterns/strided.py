@@ -28,11 +28,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..checks import check_int
+from ..core.arguments import check_int
 from .base import Pattern, Spans, state_from
 from .compose import Intersection
+from .families import register_pattern
 from .local import Local
-from .registry import register_pattern
 
 
 @dataclass(frozen=True)

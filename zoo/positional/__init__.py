@@ -18,7 +18,7 @@ t5         bias     num_buckets=32, max_distance=128              Raffel et al. 
 
 from __future__ import annotations
 
-from ..checks import import_object, suggest
+from ..core.arguments import import_object, suggest
 from .alibi import AlibiEncoding, alibi_slopes
 from .base import PositionalEncoding
 from .learned import LearnedEncoding

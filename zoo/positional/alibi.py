@@ -8,7 +8,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..checks import check_int
+from ..core.arguments import check_int
 from .base import PositionalEncoding
 
 

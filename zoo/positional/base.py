@@ -23,7 +23,7 @@ from typing import ClassVar
 
 from torch import Tensor, nn
 
-from ..checks import check_int
+from ..core.arguments import check_int
 
 _HOOK = {
     "none": "it adds no position information (kind 'none'), so there is nothing to call",

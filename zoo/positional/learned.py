@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..checks import check_int, check_probability
+from ..core.arguments import check_int, check_probability
 from .base import PositionalEncoding
 
 

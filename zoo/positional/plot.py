@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..checks import check_int
+from ..core.arguments import check_int
 from .base import PositionalEncoding
 
 

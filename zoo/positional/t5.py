@@ -9,7 +9,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..checks import check_int
+from ..core.arguments import check_int
 from .base import PositionalEncoding
 
 

@@ -1,0 +1,346 @@
+"""The ``blocked`` backend on a layout chosen by content, key block by key block: the cost of
+the (query, key) pairs that the queries chose, not of their union per query block.
+
+MoBA's own kernel works this way. Each query's layout is read at one query per row
+(``block_state`` on single-query spans). The (query, key block) pairs are grouped by key block;
+each key block is a *run*: the queries that need it, gathered, attend its keys (a view, no copy)
+in one call of PyTorch's CPU flash kernel, which also returns each row's log-sum-exp; a query's
+runs merge by log-sum-exp, as FlashAttention merges key blocks::
+
+    q0 chose blocks {0, 2}, q1 {2, 3}, q2 {0, 2}
+    runs (key block: queries)   0: q0 q2 | 2: q0 q1 q2 | 3: q1
+    q0 = merge(run 0 row 0, run 2 row 0)
+
+- Key blocks of runs: the kernel block coarsened up to 8x (512 keys at the default 64) while
+  that fits the keys twice: MoBA's 512-key blocks are then one run each, and the kernel is 1.5x
+  faster per score on 512 keys than on 64.
+- FULL runs (every key of the block allowed for each of its queries) are masked by the keys'
+  own padding only, or not at all. PARTIAL runs (the query's own block under causal rules, a
+  window's edge) get a mask per row, read from the kernel blocks' states per 64-query block
+  (FULL or EMPTY there holds for each of its queries): only PARTIAL kernel blocks are asked
+  ``allowed_at`` key by key: 64 keys per query for the own block, not 512.
+- Grouped-query heads: the query heads of one key/value head share runs, so a key block is
+  read once per key/value head.
+- A layout that is the same for every sequence and head (one graph for the batch, without key
+  padding) is read once: its runs hold every sequence and head at once, one kernel call per key
+  block, masks built once (a graph at 4096 nodes, batch 8, 4 heads: 1.3 GB of masks per call
+  before, built per sequence and head).
+- Backward: the kernel's backward per run with the query's merged output and log-sum-exp,
+  which gives each run's share of the exact gradient. When the part's softmax mass is merged
+  with other parts (``moba | strided``), the mass's gradient enters through an explicit
+  recomputation of the run's probabilities.
+
+Why by key block and not by query chunk: a chunk of queries against the union of what they
+chose costs the union, which for causal MoBA on random inputs approaches every earlier block
+(the ``chosen_union`` path: 9 s at 8K, against 1.2 s for dense SDPA), and copying each
+query's chosen keys costs top_k * b * D per query. Runs by key block cost the chosen pairs plus
+the part of a PARTIAL run's block that is masked, gather only the queries, and materialise no
+scores; each is one dense product, which a 512-key block keeps efficient. Tiles of 128 queries
+x one key block in one batched kernel call were measured too: padding and key copies made them
+slower (2.0 s against 1.3 s at 8K causal, before the per-query-block states). At 8K, causal,
+one thread (``eval/results/bench-routed-cpu``): MoBA 0.51 s forward against 0.61 s for dense
+SDPA and 9.1 s for the union (1.25 s against 2.36 s forward and backward); not causal 0.33 s
+against 1.20 s. Unions with a fixed pattern take this path too: ``moba | local`` (a 1280-key
+window) ran 0.98 s forward against 7.0 s for the union per query block.
+
+Eager and CPU only, dot-product scores without score bias or dropout (``usable``): the run
+count is data (a host synchronisation per call) and the kernel is the CPU one; elsewhere the
+caller takes the union path. Head sizes of q and v may differ (zeros widen the narrower).
+Memory: the gathered queries, a PARTIAL run's (n, bk) mask, no scores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ...core.call import AttentionCall
+from ...layout.frames import Frame, build_frame
+from ...patterns import EMPTY, FULL, PARTIAL, Pattern
+from .chosen_union import routed_state, with_padding
+from .lse_merge import explicit_backward
+
+COARSE = 8  # kernel blocks per key block of a run (512 keys at the default 64)
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def usable(call: AttentionCall) -> bool:
+    """Whether this path runs the call (see the module docstring)."""
+    return (
+        call.device.type == "cpu"
+        and call.score.kind == "dot"
+        and call.bias is None
+        and not call.dropout_p
+        and not torch.compiler.is_compiling()
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class Runs:
+    """A part's (query, key block) pairs for one call, grouped by key block: one kernel call
+    per run, FULL runs (every key of the block allowed) before PARTIAL ones."""
+
+    frame: Frame  # one query per block; key blocks of ``factor`` kernel blocks
+    factor: int
+    shape: tuple[int, int, int, int]  # B, H, query slots, key blocks
+    rows: list[Tensor]  # (n,) flat (b, h, slot) queries of each run
+    blocks: list[int]  # flat (b, h_kv, key block) of each run
+    masks: list[Tensor | None]  # additive, (1, 1, 1, bk) or (1, 1, n, bk); None: all allowed
+    has_key: Tensor  # (all runs' rows,) False for a query that the run's mask leaves keyless
+    # one layout for every sequence and head: a run is its key block in each of them, its rows
+    # every sequence's and head's (b, h, query) in that order, its mask the same for each
+    shared: bool = False
+
+    @property
+    def queries(self) -> int:  # B * H * query slots: the rows of the flat outputs
+        B, H, Sq, _ = self.shape
+        return B * H * Sq
+
+
+def runs(
+    part: Pattern, call: AttentionCall, block: int, padding: Tensor | None, dtype: torch.dtype,
+    masks_too: bool = True,
+) -> Runs | None:  # fmt: skip
+    """The runs of ``part`` for this call at kernel block ``block``; None if it has no pair.
+    Without ``masks_too`` only their rows and blocks (what ``scored_by_key`` counts)."""
+    B, H = call.q.shape[:2]
+    kv_heads = call.k.shape[1]
+
+    def frame_of(q_block: int, k_block: int) -> tuple[Frame, Tensor | None]:
+        frame = build_frame(part.stride, call.q_len, call.kv_len, q_block, k_block, call.device)
+        return frame, None if padding is None else frame.k.gather(padding[:, :, None])[..., 0]
+
+    factor = 1
+    while factor < COARSE and 2 * factor * block <= call.kv_len:
+        factor *= 2
+    frame, padded = frame_of(1, factor * block)
+    if not frame.k.identity:  # a regrouped order: kernel blocks only
+        factor = 1
+        frame, padded = frame_of(1, block)
+    Kb, bk = frame.k.num_blocks, frame.k.block
+    state = part.block_state(frame.q.spans().column(), frame.k.spans().row())
+    shared = padding is None and state.shape[:2] == (1, 1)
+    if shared:  # the runs of one sequence and head, for all of them (``Runs.shared``)
+        B, H, kv_heads = 1, 1, 1
+    state = with_padding(state, frame, B, H, padded)  # (B, H, Sq, Kb): per query
+    full, some = state == FULL, state != EMPTY
+    # Inside a key block, kernel blocks per query block of ``block`` queries: where FULL or
+    # EMPTY there, so for each of its queries. Only PARTIAL ones are asked key by key.
+    fine = state[..., None]
+    if factor > 1:
+        blocks_frame, blocks_padded = frame_of(block, block)
+        fine = routed_state(part, blocks_frame, B, H, blocks_padded)  # (B, H, Qb, kernel blocks)
+        fine = torch.nn.functional.pad(fine, (0, Kb * factor - fine.shape[-1]), value=EMPTY)
+        fine = fine.unflatten(-1, (Kb, factor))  # (B, H, Qb, Kb, factor)
+    Sq, group = state.shape[2], H // kv_heads
+    rows, blocks, masks, has_key = [], [], [], []
+    for kind in (full, some & ~full):
+        # Pairs ordered by (sequence, kv head, key block), then query: a run per key block.
+        b, hk, j, g, i = (
+            kind.unflatten(1, (kv_heads, group)).permute(0, 1, 4, 2, 3).nonzero(as_tuple=True)
+        )
+        if b.numel() == 0:
+            continue
+        key_block = (b * kv_heads + hk) * Kb + j
+        run_blocks, counts = torch.unique_consecutive(key_block, return_counts=True)
+        slot = (run_blocks % Kb)[:, None] * bk + torch.arange(bk, device=call.device)  # (R, bk)
+        key_ok = frame.k.valid[slot]
+        if padded is not None:
+            key_ok = key_ok & ~padded[(run_blocks // (kv_heads * Kb))[:, None], slot]
+        h = hk * group + g
+        rows += ((b * H + h) * Sq + i).split(counts.tolist())
+        blocks += run_blocks.tolist()
+        if not masks_too:
+            continue
+        if kind is full:  # masked by padding only, which is not all of it (routed_state)
+            masks += [
+                None if every else _additive(ok.view(1, 1, 1, bk), dtype)
+                for every, ok in zip(key_ok.all(-1).tolist(), key_ok, strict=True)
+            ]
+            has_key.append(torch.ones_like(b, dtype=torch.bool))
+            continue
+        sub = fine[b, h, i // block, j] if factor > 1 else fine[b, h, i, j]  # (P, factor)
+        ok = _partial_pairs(part, frame, sub, (b, h, i, j), factor, (B, H, Sq, Kb))  # (P, bk)
+        ok = ok & key_ok.repeat_interleave(counts, dim=0)
+        masks += [_additive(m[None, None], dtype) for m in ok.split(counts.tolist())]
+        has_key.append(ok.any(-1))
+    if not rows:
+        return None
+    none = torch.zeros(0, dtype=torch.bool, device=call.device)  # counted without masks
+    has_key = torch.cat(has_key) if has_key else none
+    if not shared:
+        return Runs(frame, factor, (B, H, Sq, Kb), rows, blocks, masks, has_key)
+    B, H = call.q.shape[:2]  # each run for every sequence and head, in the order (b, h, query)
+    every = torch.arange(B * H, device=call.device)[:, None] * Sq
+    if has_key.numel():
+        runs_keyed = has_key.split([r.numel() for r in rows])
+        has_key = torch.cat([k.expand(B * H, -1).flatten() for k in runs_keyed])
+    group = H // call.k.shape[1]  # a key/value head's query heads are extra query rows
+    masks = [m if m is None or m.shape[2] == 1 else m.repeat(1, 1, group, 1) for m in masks]
+    rows = [(every + r).flatten() for r in rows]
+    return Runs(frame, factor, (B, H, Sq, Kb), rows, blocks, masks, has_key, shared=True)
+
+
+def _partial_pairs(
+    part: Pattern, frame: Frame, fine: Tensor, pair: tuple[Tensor, ...], factor: int,
+    shape: tuple[int, int, int, int],
+) -> Tensor:  # fmt: skip
+    """(P, bk) allowed keys of PARTIAL (query, key block) pairs (b, h, i, j) of a call shaped
+    (B, H, query slots, key blocks): from their kernel blocks' states (fine (P, factor)), the
+    pattern asked key by key only inside PARTIAL kernel blocks, or, where it lists its pairs,
+    each listed pair set in its place."""
+    bk = frame.k.block
+    sub = bk // factor
+    ok = (fine == FULL).repeat_interleave(sub, dim=-1)  # (P, bk)
+    listed = part.listed_pairs(shape[0]) if frame.k.identity and frame.q.identity else None
+    if listed is not None:
+        return _set_listed(ok, listed, pair, shape, bk)
+    n, f = (fine == PARTIAL).nonzero(as_tuple=True)
+    b, h, i, j = (x[n][:, None] for x in pair)
+    slot = (j * factor + f[:, None]) * sub + torch.arange(sub, device=fine.device)  # (N, sub)
+    inside = part.allowed_at(b, h, frame.q.position[i], frame.k.position[slot])
+    ok.view(-1, factor, sub)[n, f] = inside
+    return ok
+
+
+def _set_listed(
+    ok: Tensor, listed: tuple[Tensor, ...], pair: tuple[Tensor, ...],
+    shape: tuple[int, int, int, int], bk: int,
+) -> Tensor:  # fmt: skip
+    """``ok`` with every listed pair (sequence, query, key), for every head, set True in the row
+    of its (query, key block) pair where that is one of ``pair`` (a graph at 1024 nodes: 5 ms,
+    against 160 ms asking ``allowed_at`` for the 64 keys of each PARTIAL block)."""
+    _, H, Sq, Kb = shape
+    b, h, i, j = pair
+    code = ((b * H + h) * Sq + i) * Kb + j  # (P,), unique
+    order = code.argsort()
+    known = code[order]
+    seq, q, k = listed
+    heads = torch.arange(H, device=seq.device)
+    want = (((seq * H)[:, None] + heads) * Sq + q[:, None]) * Kb + (k // bk)[:, None]  # (E, H)
+    at = torch.searchsorted(known, want.flatten()).clamp(max=known.numel() - 1)
+    hit = known[at] == want.flatten()
+    ok[order[at[hit]], (k % bk).repeat_interleave(H)[hit]] = True
+    return ok
+
+
+def _additive(ok: Tensor, dtype: torch.dtype) -> Tensor:
+    return torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill_(~ok, float("-inf"))
+
+
+def _key_blocks(r: Runs, x: Tensor) -> Tensor:
+    """x (B, H_kv, slots, D) as the runs' key blocks, a view indexed by a run's ``block``: each
+    (1, 1, bk, D) as the kernel reads it, or for shared runs (B, H_kv, bk, D). The backward adds
+    into them."""
+    blocks = x.unflatten(2, (-1, r.frame.k.block))  # (B, H_kv, Kb, bk, D)
+    return blocks.movedim(2, 0) if r.shared else blocks.flatten(0, 2)[:, None, None]
+
+
+def _each(r: Runs, q: Tensor, k: Tensor, v: Tensor) -> Iterator[tuple]:
+    """Each run: (rows, queries (1, 1, n, D), or for a shared run (B, H_kv, heads per key/value
+    head * n, D), keys, values (views), mask, block)."""
+    queries = q.reshape(r.queries, -1).index_select(0, torch.cat(r.rows))
+    queries = queries.split([rows.numel() for rows in r.rows])
+    B, kv_heads = k.shape[:2]
+    k_blocks, v_blocks = _key_blocks(r, k), _key_blocks(r, v)
+    for rows, qs, block, mask in zip(r.rows, queries, r.blocks, r.masks, strict=True):
+        qs = qs.view(B, kv_heads, -1, qs.shape[-1]) if r.shared else qs[None, None]
+        yield rows, qs, k_blocks[block], v_blocks[block], mask, block
+
+
+class _Attention(torch.autograd.Function):
+    """(output (B*H*Sq, D), log-sum-exp (B*H*Sq,)) of q (B, H, Sq, D) against k and v
+    (B, H_kv, Sk, D) on the runs; a query in no run gets zeros and -inf."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, r: Runs) -> tuple[Tensor, Tensor]:
+        outs, lses = [], []
+        for _, queries, keys, values, mask, _ in _each(r, q, k, v):
+            out, lse = _flash(queries, keys, values, attn_mask=mask, scale=1.0)
+            outs.append(out.reshape(-1, out.shape[-1]))  # in the order of the run's rows
+            lses.append(lse.flatten())
+        rows = torch.cat(r.rows)
+        # The kernel gives a keyless row lse 0 and output 0: its weight must be 0.
+        lse = torch.cat(lses).masked_fill(~r.has_key, float("-inf"))
+        top = lse.new_full((r.queries,), float("-inf")).scatter_reduce(0, rows, lse, "amax")
+        top = torch.where(torch.isfinite(top), top, 0)
+        weight = torch.exp(lse - top[rows])  # 0 for keyless rows
+        total = weight.new_zeros(r.queries).index_add_(0, rows, weight)
+        share = (weight / torch.where(total > 0, total, 1)[rows]).to(q.dtype)
+        out = torch.cat(outs) * share[:, None]
+        out = out.new_zeros(r.queries, out.shape[-1]).index_add_(0, rows, out)
+        lse = top + torch.log(total)  # -inf where no key
+        ctx.set_materialize_grads(False)
+        ctx.runs = r
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None) -> tuple:
+        q, k, v, out, lse = ctx.saved_tensors
+        r: Runs = ctx.runs
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        lse = torch.where(torch.isfinite(lse), lse, 0)  # a keyless row's probabilities stay 0
+        dq, dk, dv = torch.zeros_like(out), torch.zeros_like(k), torch.zeros_like(v)
+        dk_blocks, dv_blocks = _key_blocks(r, dk), _key_blocks(r, dv)
+        for rows, queries, keys, values, mask, block in _each(r, q, k, v):
+            o, d_o = out[rows].view(queries.shape), grad_out[rows].view(queries.shape)
+            m = lse[rows].view(queries.shape[:-1])
+            if grad_lse is None:
+                dq_r, dk_r, dv_r = _flash_backward(
+                    d_o, queries, keys, values, o, m, 0.0, False, attn_mask=mask, scale=1.0
+                )
+            else:  # the mass's gradient enters: d lse / d score = probability, explicitly
+                dq_r, dk_r, dv_r = explicit_backward(
+                    d_o, queries, keys, values, o, m, mask, 1.0, grad_lse[rows].view(m.shape)
+                )
+            dq.index_add_(0, rows, dq_r.reshape(-1, dq_r.shape[-1]))
+            dk_blocks[block].add_(dk_r)
+            dv_blocks[block].add_(dv_r)
+        return dq.view(q.shape), dk, dv, None
+
+
+def attention_by_key(
+    call: AttentionCall, part: Pattern, dtype: torch.dtype, block: int
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """(output (B, H, Lq, Dv), softmax mass (B, H, Lq), row maximum (B, H, Lq)) over this part's
+    keys, as ``blocked``'s explicit path returns them; None when the part allows no pair."""
+    p = runs(part, call, block, call.key_padding_mask, dtype)
+    if p is None:
+        return None
+    B, H, Sq, _ = p.shape
+    q, k = call.score.prepare(call.q.to(dtype), call.k.to(dtype))
+    v = call.v.to(dtype)
+    # The kernel wants one head size: zeros appended to q and k leave the scores, to v the
+    # output's first Dv columns.
+    width = max(q.shape[-1], v.shape[-1])
+    q, k, v = (
+        axis.gather(torch.nn.functional.pad(x, (0, width - x.shape[-1]))).contiguous()
+        for axis, x in ((p.frame.q, q), (p.frame.k, k), (p.frame.k, v))
+    )
+    out, lse = _Attention.apply(q, k, v, p)
+    out = out[:, : call.v.shape[-1]]
+
+    def in_order(x: Tensor) -> Tensor:  # (B * H * Sq, ...) -> (B, H, Lq, ...)
+        return p.frame.q.scatter(x.unflatten(0, (B, H, Sq)), dim=2)
+
+    out, lse = in_order(out), in_order(lse)
+    peak = lse.detach()
+    finite = torch.isfinite(peak)
+    mass = torch.where(finite, torch.exp(lse - torch.where(finite, peak, 0)), 0)
+    return out, mass, peak
+
+
+def scored_by_key(call: AttentionCall, part: Pattern, block: int) -> tuple[int, bool]:
+    """Scores the runs compute per sequence and head (their mean): each run's queries times
+    its key block; and whether the runs are shared by every sequence and head."""
+    r = runs(part, call, block, call.key_padding_mask, call.q.dtype, masks_too=False)
+    if r is None:
+        return 0, False
+    B, H = r.shape[:2]
+    return round(sum(rows.numel() for rows in r.rows) * r.frame.k.block / (B * H)), r.shared

@@ -1,0 +1,1 @@
+"""The checked call: arguments, scores, the call a backend receives, per-shape caches."""

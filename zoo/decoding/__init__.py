@@ -1,0 +1,1 @@
+"""Generation: the key-value cache, attention against it, block sums, the step."""

@@ -1,0 +1,95 @@
+"""FlexAttention for a call against a ``KVCache``: the ``flex`` decoding backend of
+``zoo.decoding.decode``.
+
+The call's t query rows attend the cache's S slots (and, for a prefill into a ring, its own keys
+after them, ``zoo.decoding.decode``). The block mask covers exactly those rows and slots::
+
+                 slots (in slot order, not position order: a ring wraps)
+                 [ 17 18 19 | 12 13 14 15 16 ]   <- slot_pos: absolute positions
+    query 19     [  x  x  x |  .  x  x  x  x ]   sliding window 7 at position 19
+
+- ``mask_mod(b, h, q_idx, kv_idx)`` reads the query's and the slot's absolute positions
+  (``q_pos[b, q_idx]``, ``key_pos[b, kv_idx]``) and asks the pattern (``allowed_at``), so a ring
+  buffer, pinned global keys and per-sequence lengths need nothing of their own; empty slots and
+  padding queries are masked out.
+- The block layout (which key blocks are empty, partial or full for each query block) is read
+  from the step's own mask, which ``zoo.decoding.decode`` has made on the same positions:
+  O(t * S), the size of one decode step's scores, per call.
+- A positional bias is the ``score_mod``, at the same absolute positions.
+- A pattern chosen by content (moba) is bound to the cache's keys first; its mask is per head.
+
+Compiled FlexAttention on CPU pads q, k and v to whole blocks (``zoo.backends.flex``); the
+padded slots are empty and the padded queries invalid, so the output is cropped. Inference only:
+dropout is refused (``zoo.decoding.decode.decode_backend``) and compiled flex has no backward on
+CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..backends.flex import FlexBackend, _flex_module, _kernel, flex_block_tensors
+from ..patterns import EMPTY, FULL, PARTIAL, Pattern
+
+
+def _pad(x: Tensor, dim: int, size: int, value: float | bool | int) -> Tensor:
+    """x padded with ``value`` along ``dim`` to ``size``."""
+    extra = size - x.shape[dim]
+    if extra == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = extra
+    return torch.cat((x, x.new_full(shape, value)), dim)
+
+
+def flex_decode(
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    pattern: Pattern,
+    q_pos: Tensor,
+    key_pos: Tensor,
+    key_ok: Tensor,
+    valid: Tensor,
+    mask: Tensor,
+    bias,
+    scale: float,
+    backend: FlexBackend,
+) -> Tensor:
+    """q (B, H, t, D) at positions q_pos (B, t), real where ``valid``; keys, values (B, H_kv, S,
+    D) at key_pos (B, S), present where ``key_ok``; ``mask`` (B, 1 or H, t, S) the step's allowed
+    pairs (``zoo.decoding.decode.step_mask``) -> (B, H, t, Dv)."""
+    block = backend.block_size
+    t, slots = q.shape[2], keys.shape[2]
+    whole = backend.compile and q.device.type == "cpu"  # see zoo.backends.flex: whole blocks
+    q_len = -(-t // block) * block if whole else t
+    kv_len = -(-slots // block) * block
+    q, q_pos, valid = _pad(q, 2, q_len, 0.0), _pad(q_pos, 1, q_len, 0), _pad(valid, 1, q_len, False)
+    keys, values = _pad(keys, 2, kv_len, 0.0), _pad(values, 2, kv_len, 0.0)
+    key_pos, key_ok = _pad(key_pos, 1, kv_len, -1), _pad(key_ok, 1, kv_len, False)
+    grid = _pad(_pad(mask, 2, -(-t // block) * block, False), 3, kv_len, False)
+    B, heads = grid.shape[:2]
+    grid = grid.view(B, heads, -1, block, kv_len // block, block)
+    some, every = grid.any(5).any(3), grid.all(5).all(3)  # (B, 1 or H, q blocks, k blocks)
+    state = torch.where(every, FULL, torch.where(some, PARTIAL, EMPTY)).to(torch.int8)
+
+    def step_mask(b, h, q_idx, kv_idx):
+        allowed = pattern.allowed_at(b, h, q_pos[b, q_idx], key_pos[b, kv_idx])
+        return allowed & key_ok[b, kv_idx] & valid[b, q_idx]
+
+    block_mask = _flex_module().BlockMask.from_kv_blocks(
+        *flex_block_tensors(state), BLOCK_SIZE=block, mask_mod=step_mask,
+        seq_lengths=(q_len, kv_len),
+    )  # fmt: skip
+    score_mod = None
+    if bias is not None:
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + bias(h, q_pos[b, q_idx], key_pos[b, kv_idx]).to(score.dtype)
+
+    out = _kernel(backend.compile)(
+        q, keys, values, score_mod=score_mod, block_mask=block_mask, scale=scale,
+        enable_gqa=q.shape[1] != keys.shape[1],
+    )  # fmt: skip
+    return out[:, :, :t]

@@ -1,0 +1,129 @@
+"""Generation: caches for a variant (``zoo.new_cache``) and the module's cached forward.
+
+``MultiHeadAttention.new_cache`` and ``forward(x, cache=...)`` come here; the functional form is
+``zoo.new_cache`` with ``zoo.attention(q, k, v, cache=...)``. See ``zoo.decoding.cache`` for what a
+cache holds and ``zoo.decoding.decode`` for how a call attends it.
+"""
+
+from __future__ import annotations
+
+import torch
+from einops import rearrange
+from torch import Tensor
+
+from ..core.arguments import check_int
+from ..core.scores import DotProduct
+from ..functional import resolve_pattern, resolved_params
+from ..layout.block_layout import specialized
+from ..patterns import Pattern
+from .cache import KVCache, cache_plan, cache_signature
+from .decode import cache_attention, decode_backend
+
+
+def new_cache(
+    variant: str | Pattern,
+    *,
+    batch_size: int,
+    max_len: int,
+    num_kv_heads: int,
+    head_dim: int,
+    value_dim: int | None = None,
+    causal: bool = True,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+    **params: object,
+) -> KVCache:
+    """A cache for ``zoo.attention(q, k, v, variant=variant, causal=True, cache=cache, ...)``
+    with k and v of ``num_kv_heads`` heads, for sequences of up to ``max_len`` tokens.
+
+    Generation is causal: a non-causal pattern lets early queries read later keys, which a
+    generator does not have yet, so ``causal`` must be True (it is here to be said explicitly).
+    A pattern chosen by content (moba) keeps every key and chooses its blocks at each call from
+    the cache's keys (``zoo.patterns.retention``, ``zoo.decoding.decode``).
+    """
+    check_int("batch_size", batch_size)
+    check_int("max_len", max_len)
+    check_int("num_kv_heads", num_kv_heads)
+    check_int("head_dim", head_dim)
+    if causal is not True:
+        raise ValueError(
+            f"a cache serves causal attention only (generation has no later keys), got "
+            f"causal={causal!r}; build the model with causal=True"
+        )
+    device = torch.device("cpu") if device is None else torch.device(device)
+    resolved = resolve_pattern(variant, True, dict(params))
+    cpu = specialized(resolved, max_len, max_len, torch.device("cpu"))  # the same random draw
+    return KVCache(
+        pattern=specialized(resolved, max_len, max_len, device),
+        plan=cache_plan(cpu, max_len),
+        signature=cache_signature(variant, resolved_params(variant, params), num_kv_heads),
+        batch_size=batch_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        value_dim=head_dim if value_dim is None else check_int("value_dim", value_dim),
+        max_len=max_len,
+        dtype=dtype,
+        device=device,
+    )
+
+
+def step_counts(valid_lens: Tensor | None, batch: int, length: int, device) -> Tensor:
+    """(B,) tokens each row adds: ``valid_lens``, or the whole call."""
+    if valid_lens is None:
+        return torch.full((batch,), length, dtype=torch.long, device=device)
+    if not isinstance(valid_lens, Tensor) or tuple(valid_lens.shape) != (batch,):
+        shown = tuple(valid_lens.shape) if isinstance(valid_lens, Tensor) else valid_lens
+        raise ValueError(f"valid_lens must be a ({batch},) int tensor, got {shown}")
+    if valid_lens.is_floating_point() or bool(((valid_lens < 0) | (valid_lens > length)).any()):
+        raise ValueError(
+            f"valid_lens must hold ints in [0, {length}] (this call's length), got "
+            f"{valid_lens.tolist()}"
+        )
+    return valid_lens.to(device=device, dtype=torch.long)
+
+
+def embed_at(encoding, x: Tensor, starts: Tensor) -> Tensor:
+    """An absolute ("embed") encoding added to each row from its own start position."""
+    if bool((starts == starts[0]).all()):
+        return encoding.embed(x, int(starts[0]))
+    rows = [encoding.embed(x[b : b + 1], int(s)) for b, s in enumerate(starts.tolist())]
+    return torch.cat(rows)
+
+
+def module_step(
+    module, x: Tensor, cache: KVCache, valid_lens: Tensor | None, positions: Tensor | None
+) -> Tensor:
+    """``MultiHeadAttention.forward(x, cache=cache)``: x (B, t, dim) -> (B, t, dim)."""
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache must be a zoo KVCache (module.new_cache), got {type(cache)}")
+    cache.check_signature(
+        cache_signature(
+            module.variant, resolved_params(module.variant, module.params), module.num_kv_heads
+        )
+    )
+    batch, t = x.shape[:2]
+    counts = step_counts(valid_lens, batch, t, cache.lengths.device)
+    if module.pos.kind == "embed":
+        x = embed_at(module.pos, x, cache.lengths)
+    q = rearrange(module.q_proj(x), "b l (h d) -> b h l d", h=module.num_heads)
+    k = rearrange(module.k_proj(x), "b l (h d) -> b h l d", h=module.num_kv_heads)
+    v = rearrange(module.v_proj(x), "b l (h d) -> b h l d", h=module.num_kv_heads)
+    if batch != cache.batch_size:
+        raise ValueError(f"cache holds {cache.batch_size} sequences, x has {batch}")
+    cache.check_step(k, v, counts, positions)
+    score = module.score if module.score is not None else DotProduct(module.head_dim**-0.5)
+    dropout = module.dropout if module.training else 0.0
+    out = cache_attention(
+        q,
+        k,
+        v,
+        cache,
+        counts=counts,
+        encoding=module.pos if module.pos.kind in ("rotate", "bias") else None,
+        score=score,
+        dropout_p=dropout,
+        backend=decode_backend(module.backend, score, dropout, cache.keys.dtype),
+    )
+    out = module.out_proj(rearrange(out, "b h l d -> b l (h d)"))  # (B, t, dim)
+    padding = torch.arange(t, device=out.device) >= counts[:, None].to(out.device)
+    return out.masked_fill(padding[:, :, None], 0.0)  # padding columns: zeros

@@ -1,0 +1,112 @@
+"""Block layouts: which key blocks each query block needs, built from block bounds alone.
+
+The layout of a pattern in a frame is an int8 matrix [query blocks, key blocks] of EMPTY, PARTIAL
+and FULL, from the pattern's ``block_state`` on the blocks' position ranges. It costs
+O((n / block)^2) small integer operations, never O(n^2) pair evaluations: 1M entries at 64K tokens
+with blocks of 64, the same size as the dense block matrix that FlexAttention's ``BlockMask`` builds
+for its backward pass anyway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..core.shape_cache import per_shape
+from ..patterns.base import EMPTY, FULL, PARTIAL, Pattern
+from .frames import Frame, build_frame
+
+
+def used_first(flags: Tensor) -> Tensor:
+    """Indices that put each row's True entries first, in increasing order (a stable sort)."""
+    return torch.argsort(flags.to(torch.int8), dim=-1, descending=True, stable=True)
+
+
+@dataclass(frozen=True, eq=False)
+class RowGroup:
+    """Query blocks that need about as many key blocks, padded to one width for a batched gather."""
+
+    rows: Tensor  # [R] query block indices
+    kv_blocks: Tensor  # [R, W] key block indices (0 where the slot is unused)
+    used: Tensor  # [R, W] False for the padding slots of shorter rows
+
+
+@dataclass(frozen=True, eq=False)
+class BlockLayout:
+    state: Tensor  # [query blocks, key blocks] int8: EMPTY, PARTIAL or FULL
+    block_q: int
+    block_k: int
+    # Counted when the layout is built (once per shape, outside any traced graph): counting
+    # later would read a tensor's value inside the graph.
+    computed_blocks: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "computed_blocks", int((self.state != EMPTY).sum()))
+
+    def density(self) -> float:
+        """Computed blocks as a fraction of all blocks."""
+        return self.computed_blocks / max(self.state.numel(), 1)
+
+    def row_groups(self, waste: float = 0.25) -> list[RowGroup]:
+        """Rows grouped so that no row is padded by more than ``waste`` of its group's width.
+
+        Rows with no key block are left out (their output is zero). Global rows of Longformer or
+        BigBird need every key block while the others need a few; one width for all would make the
+        whole layout dense.
+        """
+        used = self.state != EMPTY
+        counts = used.sum(dim=1)
+        order = torch.argsort(counts, descending=True, stable=True)
+        sorted_counts = counts[order].tolist()
+        # Each row's key blocks first, in increasing order (a stable sort of the used flags).
+        kv_order = used_first(used)
+        groups, start = [], 0
+        while start < len(sorted_counts) and sorted_counts[start] > 0:
+            width = sorted_counts[start]
+            end = start
+            while end < len(sorted_counts) and sorted_counts[end] >= width * (1 - waste):
+                end += 1
+            rows = order[start:end]
+            slot_used = torch.arange(width, device=counts.device) < counts[rows, None]
+            kv = torch.where(slot_used, kv_order[rows, :width], 0)
+            groups.append(RowGroup(rows, kv, slot_used))
+            start = end
+        return groups
+
+
+@per_shape(maxsize=256)
+def build_layout(part: Pattern, frame: Frame) -> BlockLayout:
+    """The layout of one part (see ``Pattern.parts``) in its frame."""
+    state = part.block_state(frame.q.spans().column(), frame.k.spans().row())
+    return BlockLayout(state, frame.q.block, frame.k.block)
+
+
+@per_shape(maxsize=256)
+def specialized(pattern: Pattern, q_len: int, kv_len: int, device: torch.device) -> Pattern:
+    """``pattern.specialize`` once per shape, so that cached layouts are found again; its
+    ``parts()`` are split here too, so that a traced graph reads them rather than making them."""
+    pattern = pattern.specialize(q_len, kv_len, device)
+    pattern.parts()
+    return pattern
+
+
+def allowed_pairs(pattern: Pattern, q_len: int, kv_len: int, block: int = 128) -> int:
+    """The exact number of allowed pairs, counted block by block: full blocks by size, partial
+    blocks by evaluating the mask on them alone, empty blocks never. Each disjoint part of the
+    pattern is counted in its own token order, where its blocks are sparse."""
+    device = torch.device("cpu")
+    total = 0
+    for part in specialized(pattern, q_len, kv_len, device).parts():
+        frame = build_frame(part.stride, q_len, kv_len, block, block, device)
+        state = build_layout(part, frame).state
+        total += int((state == FULL).sum()) * block * block
+        q_pos, q_ok = frame.q.position.view(-1, block), frame.q.valid.view(-1, block)
+        k_pos, k_ok = frame.k.position.view(-1, block), frame.k.valid.view(-1, block)
+        q_blocks, k_blocks = torch.nonzero(state == PARTIAL, as_tuple=True)
+        for chunk in torch.split(torch.arange(q_blocks.numel()), 1024):
+            qb, kb = q_blocks[chunk], k_blocks[chunk]
+            hit = part.allowed(q_pos[qb][:, :, None], k_pos[kb][:, None, :])
+            total += int((hit & q_ok[qb][:, :, None] & k_ok[kb][:, None, :]).sum())
+    return total

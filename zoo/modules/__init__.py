@@ -1,0 +1,1 @@
+"""Attention modules with parameters of their own (NSA)."""

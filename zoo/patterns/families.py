@@ -1,0 +1,123 @@
+"""Pattern families by name: the built-in ones, ``@register_pattern`` for a user's own, and
+``package.module:factory`` for a factory that lives outside the zoo."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..core.arguments import check_parameters, import_object, suggest
+from .base import Pattern
+
+PatternFactory = Callable[..., Pattern]
+_FAMILIES: dict[str, PatternFactory] = {}
+
+
+@dataclass(frozen=True)
+class VariantInfo:
+    """What ``register_pattern`` says of a family that is also a variant of the same name."""
+
+    description: str
+    paper: str
+    complexity: str
+    source: str  # the module that registered it
+
+
+VariantListener = Callable[[str, VariantInfo, bool], None]
+_VARIANT_LISTENERS: list[VariantListener] = []
+
+
+def on_variant(listener: VariantListener) -> None:
+    """Call ``listener(name, info, replace)`` for each family registered as a variant: how
+    ``zoo.registry`` adds it to the variants (this package imports nothing of the zoo outside
+    it)."""
+    _VARIANT_LISTENERS.append(listener)
+
+
+def register_pattern(
+    name: str,
+    *,
+    description: str | None = None,
+    paper: str = "",
+    complexity: str = "",
+    replace: bool = False,
+) -> Callable[[PatternFactory], PatternFactory]:
+    """Register a pattern family: a Pattern class or a function returning a Pattern.
+
+    Its keyword parameters become the family's parameters, usable from ``registry.yaml``::
+
+        @zoo.register_pattern("my_band")
+        def my_band(window_size: int = 8) -> zoo.Pattern:
+            return zoo.patterns.Local(window_size) | zoo.patterns.Global(1)
+
+    With a ``description``, the family is also a variant of the same name, with the family's
+    defaults as its parameters, for ``zoo.attention(variant=name)``, ``create_attention``,
+    ``zoo list`` and the tests generated from the registry, with no YAML entry. A pattern class
+    that defines only ``allowed`` runs on every backend (its block states are derived,
+    ``zoo.patterns.derived``). A name already taken raises, unless ``replace=True``.
+    """
+    if description is not None and not isinstance(description, str):
+        raise TypeError(f"description must be a str, got {description!r}")
+
+    def decorate(factory: PatternFactory) -> PatternFactory:
+        if name in _FAMILIES and not replace and _FAMILIES[name] is not factory:
+            raise ValueError(
+                f"pattern family {name!r} is already registered (by {_FAMILIES[name].__module__}); "
+                "choose another name or pass replace=True"
+            )
+        before = _FAMILIES.get(name)
+        _FAMILIES[name] = factory
+        if description is not None:
+            info = VariantInfo(description, paper, complexity, factory.__module__)
+            try:
+                for listener in _VARIANT_LISTENERS:  # raises if the name is taken or bad
+                    listener(name, info, replace)
+            except Exception:
+                if before is None:
+                    del _FAMILIES[name]
+                else:
+                    _FAMILIES[name] = before
+                raise
+        return factory
+
+    return decorate
+
+
+def list_families() -> list[str]:
+    return sorted(_FAMILIES)
+
+
+def resolve_family(name: str) -> PatternFactory:
+    """A family by registered name, or a factory given as ``package.module:attribute``."""
+    if ":" in name:
+        factory = import_object(name, "pattern")
+        if not callable(factory):
+            raise ValueError(
+                f"pattern {name!r} is a {type(factory).__name__}, not a Pattern class or a "
+                "function returning a Pattern"
+            )
+        return factory
+    if name not in _FAMILIES:
+        raise ValueError(suggest("pattern family", name, _FAMILIES, "zoo.list_pattern_families()"))
+    return _FAMILIES[name]
+
+
+def family_parameters(factory: PatternFactory) -> dict[str, object]:
+    """The family's parameters and their defaults (``inspect.Parameter.empty`` if required)."""
+    return {
+        p.name: p.default
+        for p in inspect.signature(factory).parameters.values()
+        if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+    }
+
+
+def build_family(name: str, params: dict[str, object]) -> Pattern:
+    """Call a family with parameters, turning YAML lists into tuples and naming any unknown one."""
+    factory = resolve_family(name)
+    check_parameters(f"pattern {name!r}", params, family_parameters(factory))
+    args = {k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}
+    pattern = factory(**args)
+    if not isinstance(pattern, Pattern):
+        raise TypeError(f"pattern {name!r} returned {type(pattern).__name__}, not a zoo Pattern")
+    return pattern

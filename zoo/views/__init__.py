@@ -1,0 +1,1 @@
+"""Views of the registry: tables, pictures, path lengths and comparisons."""
