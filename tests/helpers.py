@@ -1,7 +1,7 @@
 """Shared test helpers: the tolerance convention, the oracle, and small-size parameters.
 
-Tolerance (STYLE.md, after flash-attention's tests): a backend's error against a float64 oracle
-may be at most twice the error of plain PyTorch attention computed in the test's dtype, plus a
+Tolerance, after flash-attention's tests: a backend's error against a float64 oracle may be at
+most twice the error of PyTorch's own attention in the same dtype (the test's), plus a
 floor of a few float32 ulps of the largest reference value (1e-6 x max(1, |ref|)), so that an
 unusually lucky baseline does not fail an equally good backend. The floor scales with the
 magnitude because some gradients (a T5 table's) are sums over thousands of pairs.
@@ -29,7 +29,7 @@ GRID_SMALL = {"kernel_size": 3, "dilation": 1, "window_size": 3}
 FIXED_VARIANTS = [name for name in zoo.list_variants() if not zoo.get_spec(name).build().routed]
 
 # Variants whose pairs come with each call's data (graph: edge_index). The registry-wide tests call
-# without such data and leave them out; tests/test_graph.py holds them to the reference.
+# without such data and leave them out; tests/patterns/test_graph.py holds them to the reference.
 GRAPH_VARIANTS = [
     name for name in zoo.list_variants() if zoo.patterns.reads_graph(zoo.get_spec(name).build())
 ]

@@ -1,6 +1,6 @@
 """xFormers' three kernel calls emulated in plain PyTorch on any device, after xFormers' own
 definitions of its masks and of the log-sum-exp: the xformers backend's plans and merging run on a
-CPU against these, and against the real kernels on a GPU (tests/test_xformers.py)."""
+CPU against these, and against the real kernels on a GPU (tests/backends/test_xformers.py)."""
 
 from __future__ import annotations
 

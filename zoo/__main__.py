@@ -168,8 +168,8 @@ def working_directory_importable() -> Iterator[None]:
 def one_thread() -> Iterator[None]:
     """torch on one CPU thread for the duration, restored after. ``zoo check`` works on small
     tensors (at most 600 x 600 per shape), where a second OpenMP thread only adds waiting: on a
-    2-core machine with other work running, ``zoo check --all`` took 20 s with torch's default of
-    two threads and 5 s with one (a tester saw 2.5 minutes under heavier load)."""
+    busy 2-core machine ``zoo check --all`` ran several times slower with torch's default of two
+    threads than with one (measured: eval/results/design-notes-cpu.md#zoo-check-one-thread)."""
     import torch
 
     before = torch.get_num_threads()
@@ -229,7 +229,8 @@ def check(args: argparse.Namespace) -> bool:
     ``--all`` checks every registry variant with its defaults at ``zoo.testing.check.LENGTHS`` (37,
     100, 300, 600: small, none a multiple of a block size, and 600 above moba's default block of
     512, so the last blocks are partial), a pattern chosen by content on a seeded random input and
-    ``graph`` on an example graph (``zoo.testing.check_routed``); about 5 s on one core."""
+    ``graph`` on an example graph (``zoo.testing.check_routed``); seconds on one core
+    (measured: eval/results/design-notes-cpu.md#zoo-check-one-thread)."""
     from .registry import list_variants
     from .testing.check import LENGTHS, PatternCheckError, check_pattern
 

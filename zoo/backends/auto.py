@@ -8,15 +8,13 @@ dtype, variant, causality, pass and length, that backend leads the order. The fa
 - full and causal attention: sdpa (FlashAttention on GPU, no mask), then the others;
 - sparse patterns on GPU: flex (compiled, block-sparse), blocked, sdpa, reference;
 - sparse patterns on CPU: blocked where it scores few enough pairs to win, else sdpa with a dense
-  mask; then reference. Measured on a 2-core CPU (float32, 4 heads of 64, eval/configs/
-  bench_cpu.yaml): per scored pair the blocked backend costs about 1.4x a dense SDPA pair
-  forward and 2.6x forward and backward, plus a fixed cost that dominates below ~1K tokens; so
-  it goes first from 1024 keys when it scores under 40% of the pairs. A layout the same for
-  every sequence and head that runs key block by key block (one graph for the batch: runs
-  shared by all, ``by_key``) costs 1.2-1.8x a dense pair forward and 1.1-1.3x forward
-  and backward (eval/results/graph-timing-cpu.md, 4096 and 1024 nodes); it goes first under
-  70%. Compiled flex is left out on CPU: it has no backward there and compiles for seconds on
-  first use.
+  mask; then reference. Per scored pair the blocked backend costs more than a dense SDPA pair
+  (more so forward and backward), plus a fixed cost that dominates below ~1K tokens; so it goes
+  first from 1024 keys when it scores under 40% of the pairs. A layout the same for every
+  sequence and head that runs key block by key block (one graph for the batch: runs shared by
+  all, ``by_key``) costs nearer a dense pair; it goes first under 70%. (Measured on a 2-core
+  CPU: eval/results/design-notes-cpu.md#auto-cpu-thresholds.) Compiled flex is left out on
+  CPU: it has no backward there and compiles for seconds on first use.
 """
 
 from __future__ import annotations

@@ -14,9 +14,10 @@ each slot's position, and the output is scattered back to the caller's order.
 
 Whole blocks on CPU. Compiled FlexAttention on CPU (torch 2.13) returned wrong values or NaN at
 lengths that are not a multiple of 16, differently from one process to the next (see
-``tests/test_flex_lengths.py`` for the torch-only reproduction). On CPU the backend therefore pads
-q, k and v with zeros to whole blocks, masks the padded keys out in the mask_mod and crops the
-output: the kernel only ever sees whole blocks. CUDA's kernel masks its last block itself.
+``tests/backends/test_flex_lengths.py`` for the torch-only reproduction). On CPU the backend
+therefore pads q, k and v with zeros to whole blocks, masks the padded keys out in the mask_mod
+and crops the output: the kernel only ever sees whole blocks. CUDA's kernel masks its last
+block itself.
 """
 
 from __future__ import annotations

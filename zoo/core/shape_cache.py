@@ -167,7 +167,8 @@ def _evict() -> None:
     recompiles that graph: their count bound and torch.compile's recompile limit bound them).
     Freed pages go back to the system right away, before the call's next builds reuse and
     fragment them (trimming once per call, or after dropping down to 3/4 of the bound, left
-    1.2x more resident memory over 500 lengths: eval/results/shape-cache-memory-cpu.md)."""
+    more resident memory over many lengths; measured: eval/results/shape-cache-memory-cpu.md,
+    eval/results/design-notes-cpu.md#shape-cache-trim)."""
     for key in list(_ENTRIES):
         if _TOTAL["bytes"] <= _LIMITS["bytes"]:
             break
@@ -181,7 +182,9 @@ def _evict() -> None:
         _release_free_memory()
 
 
-TRIM_BYTES = 1 << 20  # freed since the last trim (a trim took 1.5 ms with a 500 MiB heap)
+# Bytes freed since the last trim; a trim costs little against the calls between trims
+# (measured: eval/results/design-notes-cpu.md#shape-cache-trim).
+TRIM_BYTES = 1 << 20
 
 
 @functools.cache

@@ -223,8 +223,8 @@ def _gather_allowed(
     so it pays only where few are chosen).
 
     One pass over the mask (nonzero), the rest O(K): with a cumulative sum and a count over the
-    slots, whose int64 copies of the (B, H, S) mask dominated, a MoBA step over 64K slots took
-    19 ms (one CPU thread), 6-7 ms with this."""
+    slots instead, their int64 copies of the (B, H, S) mask dominated a MoBA step over a long
+    cache (measured: eval/results/design-notes-cpu.md#decode-gather-allowed)."""
     B, L, S = mask.shape
     row, slot = mask.flatten(0, 1).nonzero(as_tuple=True)  # row-major: by row, then slot
     counts = torch.bincount(row, minlength=B * L)  # (B * L,)
@@ -242,8 +242,8 @@ def _gather_allowed(
     else:  # query head h reads key/value head h // groups: its groups' rows side by side
         by_kv_head = index.unflatten(1, (kv_heads, -1)).flatten(2, 3)  # (B, H_kv, G * K)
     # Whole rows of D (``index_rows``): a gather along S with the index expanded over D, or
-    # advanced indexing, copies element by element (one CPU thread, 8200 rows of 64: 1.8 and
-    # 1.4 ms against 0.15).
+    # advanced indexing, copies element by element, far slower on CPU than whole rows
+    # (measured: eval/results/design-notes-cpu.md#decode-whole-rows).
 
     def take(t: Tensor) -> Tensor:
         return index_rows(t, 2, by_kv_head).view(B, -1, width, t.shape[-1])

@@ -70,7 +70,9 @@ class Axis:
         slots hold zeros, or the last token where the frame is not a transpose."""
         if self.identity:
             return _padded(x, dim, self.slots)
-        if self.aligned:  # a transposing copy: 4x faster than index_select on a CPU (8 MB)
+        # A transposing copy: faster than index_select on a CPU
+        # (measured: eval/results/design-notes-cpu.md#frames-transposing-copy).
+        if self.aligned:
             dim, groups = dim % x.dim(), self.slots // self.step
             x = _padded(x, dim, self.slots).unflatten(dim, (groups, self.step))
             return x.transpose(dim, dim + 1).flatten(dim, dim + 1)
@@ -91,7 +93,8 @@ def _padded(x: Tensor, dim: int, length: int) -> Tensor:
     """``x`` with zeros appended along ``dim`` up to ``length``."""
     if x.shape[dim] == length:
         return x
-    # cat, not F.pad: on a busy CPU, pad's threaded fill was 100x slower (17 ms for 1 MB).
+    # cat, not F.pad: on a busy CPU, pad's threaded fill was far slower than cat's copy
+    # (measured: eval/results/design-notes-cpu.md#frames-cat-not-pad).
     tail = list(x.shape)
     tail[dim] = length - x.shape[dim]
     return torch.cat([x, x.new_zeros(tail)], dim=dim)

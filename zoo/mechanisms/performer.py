@@ -48,7 +48,8 @@ def orthogonal_features(num_features: int, dim: int, seed: int) -> Tensor:
         gaussian = torch.randn(dim, dim, generator=generator, dtype=torch.float64)
         q, r = torch.linalg.qr(gaussian)
         # Signs from R's diagonal make Q Haar-distributed (uniform directions); without them
-        # LAPACK's QR leans the rows, and the kernel estimate is biased (measured: 14%).
+        # LAPACK's QR leans the rows, and the kernel estimate is biased
+        # (measured: eval/results/design-notes-cpu.md#performer-qr-signs).
         q = q * torch.sign(torch.diagonal(r))
         blocks.append(q.T)  # rows orthonormal
     directions = torch.cat(blocks)[:num_features]

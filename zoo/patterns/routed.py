@@ -112,7 +112,8 @@ class ChosenBlocks(Pattern):
         column = (kv_pos // self.block_size).clamp(0, blocks - 1)
         if torch.compiler.is_compiling():  # flex's mask_mod: scalar indices
             return self.chosen[b, h, row, column] & (index >= 0) & (index < q_len)
-        # One flat gather: 3x faster on CPU than four broadcast index tensors.
+        # One flat gather: on CPU far faster than four broadcast index tensors
+        # (measured: eval/results/design-notes-cpu.md#routed-flat-gather).
         flat = ((b * heads + h) * q_len + row) * blocks + column
         return self.chosen.flatten().take(flat) & (index >= 0) & (index < q_len)
 
@@ -143,7 +144,8 @@ class ChosenBlocks(Pattern):
 
         def at(row: Tensor, column: Tensor) -> Tensor:  # sums[:, :, row, column], broadcast
             index = row * width + column
-            # One gather over a flat index: 7x faster on CPU than sums[:, :, row, column].
+            # One gather over a flat index: on CPU far faster than sums[:, :, row, column]
+            # (measured: eval/results/design-notes-cpu.md#routed-prefix-sums-gather).
             picked = flat.gather(2, index.flatten().expand(*flat.shape[:2], -1))
             return picked.view(*flat.shape[:2], *index.shape)
 

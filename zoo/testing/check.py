@@ -17,7 +17,8 @@ those it calls FULL, so a wrong claim gives wrong outputs with no error. This mo
 Each check runs on the pattern as ``specialize`` returns it for the shape, on the CPU. A pattern
 chosen by content is bound to a seeded random input first and checked per sequence and head
 (``zoo.testing.check_routed``; a pattern that reads the call's graph, ``graph``, on an example
-graph). The zoo's own tests (tests/test_patterns.py) run the same function on every variant.
+graph). The zoo's own tests (tests/patterns/test_patterns.py) run the same function on every
+variant.
 """
 
 from __future__ import annotations

@@ -139,7 +139,7 @@ class BlockedBackend(Backend):
         compute_dtype: the dtype of the block computations. By default float32 for 16-bit inputs:
             a key block is gathered for several query blocks, so its gradient is a sum of
             per-block products, and rounding each of them to bfloat16 doubled the gradient error
-            of one dense matmul (tests/test_backends.py). Pass torch.bfloat16 to trade that
+            of one dense matmul (tests/backends/test_backends.py). Pass torch.bfloat16 to trade that
             precision for speed.
         waste: how much of a row group's gathered blocks may be padding for rows that need
             fewer blocks than the widest (0.25: rows needing at least 3/4 of the widest share a
@@ -241,10 +241,10 @@ class BlockedBackend(Backend):
         (``merges_pieces``) and there is something to merge, several parts or a group whose keys
         come from several sources, or queries split from their blocks (``wide_queries``); or a
         gradient through overlapping key windows, which the merged path computes a chunk of rows
-        at a time (``lse_merge.CHUNK_BYTES``; local at 8K on a CPU, forward + backward: 300-330
-        ms fused, 255-290 ms merged). Otherwise one fused call on the band's view is as fast
-        (local's forward) or faster (block_local's forward + backward: 50-70 ms fused, 85-100
-        ms merged)."""
+        at a time (``lse_merge.CHUNK_BYTES``), faster than one fused call for local's forward +
+        backward on a CPU. Otherwise one fused call on the band's view is as fast (local's
+        forward) or faster (block_local's forward + backward)
+        (measured: eval/results/design-notes-cpu.md#band-backward-chunks)."""
         if not merges_pieces(call) or call.pattern.routed:
             return False
         if len(parts) > 1:

@@ -174,7 +174,8 @@ def _group(
 
 def _used_shared_slots(group: GroupPlan) -> GroupPlan:
     """The group with only the shared slots that some query uses: Longformer's one global token
-    is 1 column, not the 64 of its block (at 8K on a CPU that piece took 11.7 ms of 98)."""
+    is 1 column, not the 64 of its block, whose piece was a sizeable share of Longformer's forward
+    on a CPU (measured: eval/results/design-notes-cpu.md#used-shared-slots)."""
     band, shared, extra = group.widths
     unused = group.masked[:, :, band : band + shared].all(dim=1).all(dim=0)
     keep = torch.cat(
@@ -330,10 +331,10 @@ def part_block(
       block: two kernel calls and a merge;
     - half the block, not below 32, where its plan computes at least 3% fewer pairs: a band
       narrow against the block (dilated at 8K: 65 keys a query, of which 64-blocks compute 192,
-      32-blocks 96), or a wide one (local's 513 keys: 576 at 64, 544 at 32). The kernel runs
-      as fast per pair at 32 as at 64 (CPU, 8K tokens: 54 and 56 GFLOP/s); local's forward
-      at 8K took 0.97 of the time at 32 (causal 0.94, Longformer 0.94; forward+backward 1.0,
-      medians of 5 alternating runs), which a threshold of 3/4 used to leave at 64;
+      32-blocks 96), or a wide one (local's 513 keys: 576 at 64, 544 at 32). The CPU kernel
+      runs about as fast per pair at 32 as at 64, so local's and Longformer's bands, which a
+      threshold of 3/4 used to leave at 64, run no slower at 32
+      (measured: eval/results/design-notes-cpu.md#part-block-half);
     - otherwise ``block``.
     """
     stride = part.stride

@@ -12,8 +12,9 @@ runs merge by log-sum-exp, as FlashAttention merges key blocks::
     q0 = merge(run 0 row 0, run 2 row 0)
 
 - Key blocks of runs: the kernel block coarsened up to 8x (512 keys at the default 64) while
-  that fits the keys twice: MoBA's 512-key blocks are then one run each, and the kernel is 1.5x
-  faster per score on 512 keys than on 64.
+  that fits the keys twice: MoBA's 512-key blocks are then one run each, and the kernel is
+  faster per score on 512 keys than on 64
+  (measured: eval/results/design-notes-cpu.md#by-key-run-blocks).
 - FULL runs (every key of the block allowed for each of its queries) are masked by the keys'
   own padding only, or not at all. PARTIAL runs (the query's own block under causal rules, a
   window's edge) get a mask per row, read from the kernel blocks' states per 64-query block
@@ -23,8 +24,8 @@ runs merge by log-sum-exp, as FlashAttention merges key blocks::
   read once per key/value head.
 - A layout that is the same for every sequence and head (one graph for the batch, without key
   padding) is read once: its runs hold every sequence and head at once, one kernel call per key
-  block, masks built once (a graph at 4096 nodes, batch 8, 4 heads: 1.3 GB of masks per call
-  before, built per sequence and head).
+  block, masks built once (they were built per sequence and head before, and a graph's masks
+  per call were large: eval/results/design-notes-cpu.md#by-key-shared-masks).
 - Backward: the kernel's backward per run with the query's merged output and log-sum-exp,
   which gives each run's share of the exact gradient. When the part's softmax mass is merged
   with other parts (``moba | strided``), the mass's gradient enters through an explicit
@@ -32,16 +33,15 @@ runs merge by log-sum-exp, as FlashAttention merges key blocks::
 
 Why by key block and not by query chunk: a chunk of queries against the union of what they
 chose costs the union, which for causal MoBA on random inputs approaches every earlier block
-(the ``chosen_union`` path: 9 s at 8K, against 1.2 s for dense SDPA), and copying each
+(the ``chosen_union`` path, several times dense SDPA at 8K), and copying each
 query's chosen keys costs top_k * b * D per query. Runs by key block cost the chosen pairs plus
 the part of a PARTIAL run's block that is masked, gather only the queries, and materialise no
 scores; each is one dense product, which a 512-key block keeps efficient. Tiles of 128 queries
 x one key block in one batched kernel call were measured too: padding and key copies made them
-slower (2.0 s against 1.3 s at 8K causal, before the per-query-block states). At 8K, causal,
-one thread (``eval/results/bench-routed-cpu``): MoBA 0.51 s forward against 0.61 s for dense
-SDPA and 9.1 s for the union (1.25 s against 2.36 s forward and backward); not causal 0.33 s
-against 1.20 s. Unions with a fixed pattern take this path too: ``moba | local`` (a 1280-key
-window) ran 0.98 s forward against 7.0 s for the union per query block.
+slower. At 8K MoBA by key block is faster than dense SDPA, forward and backward, causal or not,
+and far faster than the union (``eval/results/bench-routed-cpu``). Unions with a fixed pattern
+take this path too: ``moba | local`` (a 1280-key window) runs far faster by key block than as
+the union per query block. (Measured: eval/results/design-notes-cpu.md#by-key-against-union.)
 
 Eager and CPU only, dot-product scores without score bias or dropout (``usable``): the run
 count is data (a host synchronisation per call) and the kernel is the CPU one; elsewhere the
@@ -212,8 +212,9 @@ def _set_listed(
     shape: tuple[int, int, int, int], bk: int,
 ) -> Tensor:  # fmt: skip
     """``ok`` with every listed pair (sequence, query, key), for every head, set True in the row
-    of its (query, key block) pair where that is one of ``pair`` (a graph at 1024 nodes: 5 ms,
-    against 160 ms asking ``allowed_at`` for the 64 keys of each PARTIAL block)."""
+    of its (query, key block) pair where that is one of ``pair``: far faster than asking
+    ``allowed_at`` for the 64 keys of each PARTIAL block
+    (measured: eval/results/design-notes-cpu.md#by-key-listed-pairs)."""
     _, H, Sq, Kb = shape
     b, h, i, j = pair
     code = ((b * H + h) * Sq + i) * Kb + j  # (P,), unique

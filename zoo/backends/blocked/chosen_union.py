@@ -15,8 +15,8 @@ head, padded to the widest row, and masked per query inside::
                                            q1 masked off block 0
 
 For causal MoBA on random inputs the union of a 64-query block approaches every earlier block,
-so this path costs about dense attention plus the masks (9 s against 1.2 s for dense SDPA at 8K
-on CPU, before ``by_key``).
+so this path costs about dense attention plus the masks, several times dense SDPA on CPU
+(measured before ``by_key``: eval/results/design-notes-cpu.md#by-key-against-union).
 
 Query blocks are grouped by the widest row any sequence or head needs (``routed_groups``), so
 that causal rows, which need from one key block to all, are not all padded to the widest.

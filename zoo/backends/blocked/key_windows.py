@@ -48,9 +48,9 @@ def key_windows(x: Tensor, windows: KeyWindows, rows: int) -> Tensor:
 class _Windows(torch.autograd.Function):
     """The view with a backward that adds each window offset's gradient, one strided slice of x
     per offset, into a single buffer of x's size. Autograd through the view would run
-    ``unfold_backward`` and then fill and copy a buffer per view in the chain (narrow, select):
-    local at 8K on a CPU spent 62 ms there, against 173 ms in the attention kernel's own
-    backward."""
+    ``unfold_backward`` and then fill and copy a buffer per view in the chain (narrow, select),
+    a large share of local's backward on a CPU next to the attention kernel's own
+    (measured: eval/results/design-notes-cpu.md#key-windows-backward)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, windows: KeyWindows, rows: int) -> Tensor:

@@ -143,7 +143,8 @@ def _combine_two(
 
 
 # A piece with at most this many keys (Longformer's global column: one) runs as plain matrix
-# products: the kernel's fixed cost per (row, head) made a 1-key piece at 8K tokens take 4 ms.
+# products: the kernel's fixed cost per (row, head) made a 1-key piece at 8K tokens slow
+# (measured: eval/results/design-notes-cpu.md#lse-merge-small-keys).
 SMALL_KEYS = 16
 
 
@@ -159,8 +160,9 @@ def _piece_forward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float):
 
 # A band's backward runs on at most this many bytes of window gradient at a time. The kernel
 # returns zero-filled gradients of the k and v it read: for Longformer's band at 8K, windows of
-# 70 MB each, which cost more in fresh pages than the products that fill them (a CPU, 2
-# threads: 240 ms in one call against 150-170 ms in chunks of 8 query blocks). A chunk's
+# 70 MB each, which cost more in fresh pages than the products that fill them, so chunks of a
+# few query blocks are faster than one call
+# (measured: eval/results/design-notes-cpu.md#band-backward-chunks). A chunk's
 # gradient stays in cache and is added into the keys' at once. Gathered pieces run whole: their
 # gradients are the size of what they gathered, so chunks would only add a concatenation.
 CHUNK_BYTES = 4 << 20
@@ -300,7 +302,8 @@ class _Merged(torch.autograd.Function):
         pieces = _pieces(ctx.layout, tensors)
         # Contiguous once: the kernel's backward reads a piece's rows of it many times (per
         # chunk of a band), and from a strided view (the caller's (B, H, L, D) gradient comes
-        # transposed) local at 8K took 7-9% longer.
+        # transposed) local's backward was slower
+        # (measured: eval/results/design-notes-cpu.md#lse-merge-contiguous-grad).
         grad = grad if grad.is_contiguous() else grad.contiguous()
         grads: list[Tensor | None] = [None] * len(tensors)
 

@@ -4,8 +4,9 @@
 (N, M) queries go to rows offset + n * across + m * along, evenly spaced in n-major order (a
 band's consecutive query blocks: along 1, across the block) or in m-major order (a residue
 order's tokens, token r + s * t at (r, t): across 1, along the stride s), the rows are a view
-of the output, read and written in place instead of gathered and scattered by index. For
-strided attention at 8K on a CPU, the gathers and scatters took 3.5 ms of a 28 ms forward.
+of the output, read and written in place instead of gathered and scattered by index, which
+were a noticeable share of strided attention's forward on a CPU
+(measured: eval/results/design-notes-cpu.md#row-grid).
 """
 
 from __future__ import annotations

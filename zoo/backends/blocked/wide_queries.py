@@ -1,8 +1,9 @@
 """Queries that read most keys (global tokens), split from the blocks that hold them.
 
 A block of 64 queries that holds one global token reads every key block, so the kernel would
-compute 64 queries against all n keys for one query's sake: Longformer at 8K tokens spent 8.5 of
-77 ms there. Split at the query, not the block: the global queries run as a group of their own
+compute 64 queries against all n keys for one query's sake, a sizeable share of Longformer's
+forward (measured: eval/results/design-notes-cpu.md#wide-queries). Split at the query, not the
+block: the global queries run as a group of their own
 against the keys they read, and the rest of their block as an ordinary row of the key blocks
 its queries read::
 

@@ -33,7 +33,7 @@ def test_grouped_kv_matches_the_repeated_reference(variant, backend, kv_heads, p
     (1 of 4) the second: every variant, backend and causality meets both groupings and both
     shapes, at a quarter of the cost of every combination (the suite's 10-minute budget).
     FlexAttention has no backward on CPU: its forward here, its gradients on the GPU
-    (tests/test_gpu_smoke.py)."""
+    (tests/eval/test_gpu_smoke.py)."""
     q_len, kv_len = (100, 100) if padded else (70, 100)
     check_against_reference(
         variant, BACKENDS[backend], q_len=q_len, kv_len=kv_len, causal=causal,

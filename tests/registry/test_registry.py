@@ -15,7 +15,7 @@ import zoo
 import zoo.registry
 from zoo.registry import Registry
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def write(tmp_path: Path, text: str, name: str = "mine.yaml") -> Path:

@@ -19,7 +19,7 @@ from eval.harness.config import ConfigError, load_config
 from eval.harness.report import write_report
 from eval.harness.run import RunConfig, cells, check_cells, check_names, run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CPU = distributed.Context(0, 1, torch.device("cpu"))
 TINY = [
     "tasks=[mqar]",

@@ -42,7 +42,8 @@ def test_encoding_on_backend_matches_reference(variant, name, backend, causal):
 
 
 # The score_mod that carries a bias does not depend on the pattern; flex runs every variant in
-# tests/test_backends.py. One variant of each kind of mask (eager flex costs ~1 s a case on CPU).
+# tests/backends/test_backends.py. One variant of each kind of mask (eager flex costs ~1 s a
+# case on CPU).
 FLEX_VARIANTS = ["local", "bigbird", "strided", "neighborhood_2d", "moba"]
 
 

@@ -151,7 +151,7 @@ def test_the_readme_example_runs_by_name(tmp_path, monkeypatch):
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
     code = re.search(r"```python\n# band.py\n(.*?)```", readme, re.S).group(1)
     (tmp_path / "readme_band.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -68,7 +68,7 @@ print(json.dumps({"cases": len(cases), "failures": failures}))
 
 @pytest.mark.parametrize("seed", [0])  # a second seed swaps the configurations: 45 s more
 def test_compiled_flex_matches_reference_at_every_length(seed):
-    tests_dir = str(Path(__file__).parent)
+    tests_dir = str(Path(__file__).parents[1])
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(
         [sys.executable, "-c", SWEEP, str(seed), tests_dir],

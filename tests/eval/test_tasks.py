@@ -99,7 +99,7 @@ CHECKERS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CHECKERS))  # graph_hops: tests/test_graph_task.py
+@pytest.mark.parametrize("name", sorted(CHECKERS))  # graph_hops: tests/eval/test_graph_task.py
 def test_labels_match_independent_checker(name: str) -> None:
     task = make(name)
     batch = task.sample(200, seed=11)

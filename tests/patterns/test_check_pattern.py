@@ -23,7 +23,7 @@ from zoo.__main__ import main
 from zoo.patterns import FULL, ChosenBlocks, Local, Moba, Pattern, Residue, Spans
 from zoo.patterns.base import state_from
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
