@@ -2,280 +2,32 @@
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Iterable
-
 import torch
 from torch import Tensor
 
 from .backends import Backend, explain_backend, resolve_backend
-from .core.arguments import check_parameters, close_matches, did_you_mean
-from .core.call import (
-    AttentionCall,
-    check_dropout,
-    check_key_padding_mask,
-    check_qkv,
-    resolve_scale,
-    unread_padding,
+from .core.call import AttentionCall, check_dropout, check_qkv, resolve_scale, unread_padding
+from .core.prepare import Encoding, attention_encoding, build_encoding, prepare_call
+from .core.resolve import (
+    CALL_OPTIONS,
+    concrete_params,
+    resolve_call_pattern,
+    resolve_pattern,
+    resolved_params,
 )
 from .core.scores import AdditiveScore, DotProduct
-from .core.shape_cache import concrete, new_call, per_shape
+from .core.shape_cache import new_call
 from .decoding.cache import KVCache, cache_signature
 from .decoding.decode import cache_attention, counts_from_padding, decode_backend, explain_decode
 from .layout.block_layout import allowed_pairs, specialized
-from .mechanisms.dispatch import is_mechanism, mechanism_attention, mechanism_params
-from .patterns import (
-    Causal,
-    GraphLayout,
-    Intersection,
-    Pattern,
-    RouteInputs,
-    made_causal,
-    query_positions,
-    reads_graph,
-)
-from .patterns.node_order import in_node_order
-from .positional import PositionalEncoding
-from .registry import get_encoding_spec, get_spec
+from .mechanisms.dispatch import is_mechanism, mechanism_attention
+from .patterns import Causal, Intersection, Pattern, RouteInputs, reads_graph
 
-Encoding = str | PositionalEncoding | None
-
-
-def resolve_pattern(
-    variant: str | Pattern,
-    causal: bool,
-    params: dict[str, object],
-    *,
-    options: Iterable[str] = (),
-    options_of: str = "",
-) -> Pattern:
-    """The variant's pattern with the caller's parameters, made causal when asked.
-
-    ``options`` are the caller's own arguments, which ``options_of`` names (see
-    ``zoo.core.arguments.check_parameters``): a misspelt one, ``casual=True``, gets its
-    suggestion."""
-    if isinstance(variant, Pattern):
-        if params:
-            hint = did_you_mean(c for key in params for c in close_matches(key, options, 0.6))
-            raise TypeError(
-                f"parameters {sorted(params)} apply to a variant name, not to a Pattern "
-                f"object{hint}"
-            )
-        pattern = variant
-    else:
-        spec = get_spec(variant)
-        check_parameters(
-            f"variant {variant!r}",
-            params,
-            spec.parameters(),
-            options=options,
-            options_of=options_of,
-        )
-        pattern = spec.build(**params)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
-    return made_causal(pattern) if causal else pattern
-
-
-def resolved_params(variant: str | Pattern, params: dict[str, object]) -> dict[str, object]:
-    """Every parameter of a registry variant as this call sets it (defaults and overrides)."""
-    if isinstance(variant, Pattern):
-        return {}
-    if is_mechanism(variant):
-        return mechanism_params(variant, params)
-    return {**get_spec(variant).parameters(), **params}
-
-
-def build_encoding(
-    name: str | PositionalEncoding,
-    *,
-    dim: int,
-    num_heads: int,
-    causal: bool = False,
-    **params: object,
-) -> PositionalEncoding:
-    """A positional encoding from the registry (``zoo.list_encodings()``), or the instance given."""
-    if isinstance(name, PositionalEncoding):
-        if params:
-            raise TypeError(
-                f"parameters {sorted(params)} apply to an encoding name, not to an instance"
-            )
-        return name
-    return get_encoding_spec(name).build(dim=dim, num_heads=num_heads, causal=causal, **params)
-
-
-@per_shape(64)  # built outside a compiled graph, as the per-shape structures
-def _shared_encoding(
-    name: str, dim: int, num_heads: int, causal: bool, device: torch.device
-) -> PositionalEncoding:
-    spec = get_encoding_spec(name)
-    encoding = spec.probe(dim=dim, num_heads=num_heads, causal=causal).to(device)
-    if any(True for _ in encoding.parameters()):
-        raise ValueError(
-            f"pos={name!r} has learned parameters, which a functional call would draw anew each "
-            f"time; build it once and pass the instance: zoo.build_encoding({name!r}, dim=..., "
-            "num_heads=...)"
-        )
-    return encoding
-
-
-def attention_encoding(
-    pos: Encoding, q: Tensor, k: Tensor, causal: bool
-) -> PositionalEncoding | None:
-    """The encoding that acts inside attention (rotate or bias kind), checked against q and k."""
-    if pos is None:
-        return None
-    num_heads, head_dim = q.shape[1], q.shape[-1]
-    if isinstance(pos, str):
-        pos = _shared_encoding(pos, num_heads * head_dim, num_heads, causal, q.device)
-    if not isinstance(pos, PositionalEncoding):
-        raise TypeError(
-            f"pos must be an encoding name or a PositionalEncoding, got {type(pos).__name__}"
-        )
-    if pos.kind == "embed":
-        raise ValueError(
-            f"pos={pos.name!r} adds a table to a model's input (kind 'embed'), not to attention; "
-            "apply it to the input (zoo.MultiHeadAttention does), or use rope, alibi or t5 here"
-        )
-    if pos.kind == "none":
-        return None
-    if pos.kind == "bias" and pos.num_heads != num_heads:
-        raise ValueError(
-            f"pos={pos.name!r} was built for {pos.num_heads} heads, but q has {num_heads}"
-        )
-    pos.check(q_len=q.shape[2], kv_len=k.shape[2], head_dim=head_dim)
-    return pos
-
-
-def call_pattern(
-    variant: str | Pattern,
-    causal: bool,
-    params: dict[str, object],
-    q_len: int,
-    kv_len: int,
-    device: torch.device,
-) -> Pattern:
-    """The call's pattern, resolved and specialised once per shape by a per-shape builder
-    (``zoo.core.shape_cache``), so that under ``torch.compile`` it is made outside the traced graph:
-    a pattern made inside it could not key the per-shape structures of the backends."""
-    if not isinstance(variant, str | Pattern):
-        get_spec(variant)  # a TypeError that names what variant takes
-    frozen = _frozen_params(params)
-    if frozen is None:  # a value that is no parameter at all: resolve_pattern says which
-        return specialized(_resolve_call_pattern(variant, causal, params), q_len, kv_len, device)
-    return _call_pattern(variant, causal, frozen, q_len, kv_len, device)
-
-
-@per_shape(maxsize=256)
-def _call_pattern(
-    variant: str | Pattern,
-    causal: bool,
-    params: tuple,
-    q_len: int,
-    kv_len: int,
-    device: torch.device,
-) -> Pattern:
-    pattern = _resolve_call_pattern(variant, causal, dict(params))
-    return specialized(pattern, q_len, kv_len, device)
-
-
-def _resolve_call_pattern(
-    variant: str | Pattern, causal: bool, params: dict[str, object]
-) -> Pattern:
-    return resolve_pattern(
-        variant, causal, params, options=CALL_OPTIONS, options_of="zoo.attention"
-    )
-
-
-def concrete_params(params: dict[str, object]) -> dict[str, object]:
-    """The parameters with symbolic values as their values: a parameter that changes between
-    calls of a compiled function (dynamo makes it symbolic on the second value) recompiles for
-    each value, as a length does, since patterns and layouts are built per value."""
-    return {
-        name: [concrete(v) for v in value]
-        if isinstance(value, list)
-        else tuple(concrete(v) for v in value)
-        if isinstance(value, tuple)
-        else concrete(value)
-        for name, value in params.items()
-    }
-
-
-def _frozen_params(params: dict[str, object]) -> tuple | None:
-    """The parameters as sorted (name, value) pairs, lists as tuples; None if some value is
-    not a number, string, or list of them (hashable, so a per-shape builder can take them)."""
-    items = []
-    for name in sorted(params):
-        value = params[name]
-        if isinstance(value, list | tuple):
-            value = tuple(value)
-            if not all(isinstance(v, int | float | str) for v in value):
-                return None
-        elif value is not None and not isinstance(value, int | float | str):
-            return None
-        items.append((name, value))
-    return tuple(items)
-
-
-def prepare_call(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    variant: str | Pattern,
-    causal: bool = False,
-    key_padding_mask: Tensor | None = None,
-    dropout_p: float = 0.0,
-    scale: float | None = None,
-    score: AdditiveScore | None = None,
-    pos: Encoding = None,
-    return_weights: bool = False,
-    edge_index: object = None,
-    **params: object,
-) -> AttentionCall:
-    """Check the arguments of ``attention`` and bind them into the call a backend receives;
-    a rotary encoding turns q and k here, before any backend sees them."""
-    check_qkv(q, k, v)
-    new_call()
-    params = concrete_params(params)
-    pattern = call_pattern(variant, causal, params, q.shape[2], k.shape[2], q.device)
-    encoding = attention_encoding(pos, q, k, causal)
-    if encoding is not None and encoding.kind == "rotate":
-        q_pos = query_positions(q.shape[2], k.shape[2], q.device)
-        q, k = encoding.rotate(q, k, q_pos, torch.arange(k.shape[2], device=k.device))
-    key_padding_mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
-    if key_padding_mask is not None:
-        k, v = unread_padding(k, key_padding_mask), unread_padding(v, key_padding_mask)
-    if edge_index is not None and not reads_graph(pattern):
-        raise ValueError(
-            f"edge_index is the graph of variant 'graph'; variant {variant!r} reads no graph"
-        )
-    if pattern.routed:  # blocks chosen by content, or a graph: bound here to this call
-        pattern = pattern.bind(RouteInputs(q, k, key_padding_mask, causal, edge_index=edge_index))
-    order = None
-    bias = encoding is not None and encoding.kind == "bias"
-    if isinstance(pattern, GraphLayout) and pattern.reorder and not bias:
-        # The graph alone (not composed): run in its node order, outputs back in the caller's.
-        pattern, order = in_node_order(pattern)
-        q, k, v = order.gather(q), order.gather(k), order.gather(v)
-        if key_padding_mask is not None:
-            key_padding_mask = order.gather(key_padding_mask, dim=1)
-    return AttentionCall(
-        q=q,
-        k=k,
-        v=v,
-        pattern=pattern,
-        variant=variant if isinstance(variant, str) else type(variant).__name__,
-        key_padding_mask=key_padding_mask,
-        score=score if score is not None else DotProduct(resolve_scale(scale, q.shape[-1])),
-        dropout_p=check_dropout(dropout_p),
-        bias=encoding.bias if encoding is not None and encoding.kind == "bias" else None,
-        learned=tuple(encoding.parameters()) if encoding is not None else (),
-        return_weights=return_weights,
-        causal=causal,
-        variant_params=resolved_params(variant, params),
-        order=order,
-    )
+# Re-exported: code written against zoo.functional finds them here.
+__all__ = [
+    "attention", "build_encoding", "dense_mask", "explain", "prepare_call", "resolve_pattern",
+    "resolved_params",
+]  # fmt: skip
 
 
 def attention(
@@ -419,7 +171,7 @@ def _cached_attention(q, k, v, cache: KVCache, *, variant, backend, causal, key_
         raise TypeError(f"cache must be a zoo KVCache (zoo.new_cache), got {type(cache).__name__}")
     signature = cache_signature(variant, resolved_params(variant, params), k.shape[1])
     if signature != cache.signature:
-        _resolve_call_pattern(variant, causal, params)  # a misspelt parameter: its suggestion
+        resolve_call_pattern(variant, causal, params)  # a misspelt parameter: its suggestion
         cache.check_signature(signature)
     if q.shape[0] != cache.batch_size:
         raise ValueError(f"cache holds {cache.batch_size} sequences, q has {q.shape[0]}")
@@ -436,11 +188,6 @@ def _cached_attention(q, k, v, cache: KVCache, *, variant, backend, causal, key_
         q, k, v, cache, counts=counts, encoding=attention_encoding(pos, q, k, causal),
         score=score, dropout_p=dropout_p, backend=chosen,
     )  # fmt: skip
-
-
-CALL_OPTIONS = tuple(
-    p.name for p in inspect.signature(attention).parameters.values() if p.kind == p.KEYWORD_ONLY
-)
 
 
 def dense_mask(

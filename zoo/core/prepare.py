@@ -1,0 +1,148 @@
+"""The checked call: ``zoo.attention``'s arguments checked and bound into the ``AttentionCall`` a
+backend receives (inputs, the pattern at this shape, encodings, padding, routed choices bound to
+this call's q and k, a graph's node order)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..patterns import GraphLayout, Pattern, RouteInputs, query_positions, reads_graph
+from ..patterns.node_order import in_node_order
+from ..positional import PositionalEncoding
+from ..registry import get_encoding_spec
+from .call import (
+    AttentionCall,
+    check_dropout,
+    check_key_padding_mask,
+    check_qkv,
+    resolve_scale,
+    unread_padding,
+)
+from .resolve import call_pattern, concrete_params, resolved_params
+from .scores import AdditiveScore, DotProduct
+from .shape_cache import new_call, per_shape
+
+Encoding = str | PositionalEncoding | None
+
+
+def build_encoding(
+    name: str | PositionalEncoding,
+    *,
+    dim: int,
+    num_heads: int,
+    causal: bool = False,
+    **params: object,
+) -> PositionalEncoding:
+    """A positional encoding from the registry (``zoo.list_encodings()``), or the instance given."""
+    if isinstance(name, PositionalEncoding):
+        if params:
+            raise TypeError(
+                f"parameters {sorted(params)} apply to an encoding name, not to an instance"
+            )
+        return name
+    return get_encoding_spec(name).build(dim=dim, num_heads=num_heads, causal=causal, **params)
+
+
+@per_shape(64)  # built outside a compiled graph, as the per-shape structures
+def _shared_encoding(
+    name: str, dim: int, num_heads: int, causal: bool, device: torch.device
+) -> PositionalEncoding:
+    spec = get_encoding_spec(name)
+    encoding = spec.probe(dim=dim, num_heads=num_heads, causal=causal).to(device)
+    if any(True for _ in encoding.parameters()):
+        raise ValueError(
+            f"pos={name!r} has learned parameters, which a functional call would draw anew each "
+            f"time; build it once and pass the instance: zoo.build_encoding({name!r}, dim=..., "
+            "num_heads=...)"
+        )
+    return encoding
+
+
+def attention_encoding(
+    pos: Encoding, q: Tensor, k: Tensor, causal: bool
+) -> PositionalEncoding | None:
+    """The encoding that acts inside attention (rotate or bias kind), checked against q and k."""
+    if pos is None:
+        return None
+    num_heads, head_dim = q.shape[1], q.shape[-1]
+    if isinstance(pos, str):
+        pos = _shared_encoding(pos, num_heads * head_dim, num_heads, causal, q.device)
+    if not isinstance(pos, PositionalEncoding):
+        raise TypeError(
+            f"pos must be an encoding name or a PositionalEncoding, got {type(pos).__name__}"
+        )
+    if pos.kind == "embed":
+        raise ValueError(
+            f"pos={pos.name!r} adds a table to a model's input (kind 'embed'), not to attention; "
+            "apply it to the input (zoo.MultiHeadAttention does), or use rope, alibi or t5 here"
+        )
+    if pos.kind == "none":
+        return None
+    if pos.kind == "bias" and pos.num_heads != num_heads:
+        raise ValueError(
+            f"pos={pos.name!r} was built for {pos.num_heads} heads, but q has {num_heads}"
+        )
+    pos.check(q_len=q.shape[2], kv_len=k.shape[2], head_dim=head_dim)
+    return pos
+
+
+def prepare_call(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    variant: str | Pattern,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    score: AdditiveScore | None = None,
+    pos: Encoding = None,
+    return_weights: bool = False,
+    edge_index: object = None,
+    **params: object,
+) -> AttentionCall:
+    """Check the arguments of ``attention`` and bind them into the call a backend receives;
+    a rotary encoding turns q and k here, before any backend sees them."""
+    check_qkv(q, k, v)
+    new_call()
+    params = concrete_params(params)
+    pattern = call_pattern(variant, causal, params, q.shape[2], k.shape[2], q.device)
+    encoding = attention_encoding(pos, q, k, causal)
+    if encoding is not None and encoding.kind == "rotate":
+        q_pos = query_positions(q.shape[2], k.shape[2], q.device)
+        q, k = encoding.rotate(q, k, q_pos, torch.arange(k.shape[2], device=k.device))
+    key_padding_mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
+    if key_padding_mask is not None:
+        k, v = unread_padding(k, key_padding_mask), unread_padding(v, key_padding_mask)
+    if edge_index is not None and not reads_graph(pattern):
+        raise ValueError(
+            f"edge_index is the graph of variant 'graph'; variant {variant!r} reads no graph"
+        )
+    if pattern.routed:  # blocks chosen by content, or a graph: bound here to this call
+        pattern = pattern.bind(RouteInputs(q, k, key_padding_mask, causal, edge_index=edge_index))
+    order = None
+    bias = encoding is not None and encoding.kind == "bias"
+    if isinstance(pattern, GraphLayout) and pattern.reorder and not bias:
+        # The graph alone (not composed): run in its node order, outputs back in the caller's.
+        pattern, order = in_node_order(pattern)
+        q, k, v = order.gather(q), order.gather(k), order.gather(v)
+        if key_padding_mask is not None:
+            key_padding_mask = order.gather(key_padding_mask, dim=1)
+    return AttentionCall(
+        q=q,
+        k=k,
+        v=v,
+        pattern=pattern,
+        variant=variant if isinstance(variant, str) else type(variant).__name__,
+        key_padding_mask=key_padding_mask,
+        score=score if score is not None else DotProduct(resolve_scale(scale, q.shape[-1])),
+        dropout_p=check_dropout(dropout_p),
+        bias=encoding.bias if encoding is not None and encoding.kind == "bias" else None,
+        learned=tuple(encoding.parameters()) if encoding is not None else (),
+        return_weights=return_weights,
+        causal=causal,
+        variant_params=resolved_params(variant, params),
+        order=order,
+    )
