@@ -350,7 +350,7 @@ def test_cli_checks_a_registry_file_with_module_factory_entries(tmp_path):
 def test_the_readme_example_passes_and_its_quoted_error_is_what_a_broken_one_gives(monkeypatch):
     readme = (ROOT / "README.md").read_text()
     code = re.search(r"```python\n(# my_patterns.py\n.*?)```", readme, re.S).group(1)
-    monkeypatch.setattr(zoo.patterns.families, "_FAMILIES", dict(zoo.patterns.families._FAMILIES))
+    monkeypatch.setattr(zoo.patterns.families, "_FAMILIES", zoo.patterns.families._FAMILIES.copy())
 
     def load(source: str) -> types.ModuleType:
         module = types.ModuleType("readme_example")

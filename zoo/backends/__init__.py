@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..core.arguments import suggest
 from ..core.call import AttentionCall
+from ..core.named import Named
 from .base import Backend, Capabilities
 from .blocked import BlockedBackend
 from .flex import FlexBackend
@@ -11,10 +12,20 @@ from .reference import ReferenceBackend
 from .sdpa import SdpaBackend
 from .xformers import XformersBackend
 
-_BACKENDS: dict[str, Backend] = {
-    b.name: b
-    for b in (ReferenceBackend(), SdpaBackend(), FlexBackend(), BlockedBackend(), XformersBackend())
-}
+_BACKENDS: Named[Backend] = Named(
+    "backend",
+    "zoo.list_backends()",
+    {
+        b.name: b
+        for b in (
+            ReferenceBackend(),
+            SdpaBackend(),
+            FlexBackend(),
+            BlockedBackend(),
+            XformersBackend(),
+        )
+    },
+)
 
 
 def clear_caches() -> None:
@@ -28,12 +39,9 @@ def clear_caches() -> None:
 
 def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
     """Make a backend selectable by its ``name`` (``backend="name"``)."""
-    if backend.name in _BACKENDS and not replace:
-        raise ValueError(
-            f"backend {backend.name!r} is already registered; pass replace=True to replace it"
-        )
-    _BACKENDS[backend.name] = backend
-    return backend
+    if not isinstance(backend, Backend):
+        raise TypeError(f"register_backend takes a zoo Backend, got {backend!r}")
+    return _BACKENDS.add(backend.name, backend, replace=replace)
 
 
 def list_backends(available_only: bool = False) -> list[str]:

@@ -21,29 +21,29 @@ bias (ALiBi, T5), dropout or return_weights.
 
 from __future__ import annotations
 
-from ..core.arguments import import_object, suggest
+from ..core.arguments import import_object
+from ..core.named import Named
 from .base import Mechanism
 from .linear import LinearAttention
 from .linformer import LinformerAttention
 from .nystrom import NystromAttention
 from .performer import PerformerAttention
 
-MECHANISMS: dict[str, type[Mechanism]] = {
-    cls.family: cls
-    for cls in (LinearAttention, PerformerAttention, LinformerAttention, NystromAttention)
-}
+MECHANISMS: Named[type[Mechanism]] = Named(
+    "mechanism class",
+    "zoo.mechanisms.MECHANISMS",
+    {
+        cls.family: cls
+        for cls in (LinearAttention, PerformerAttention, LinformerAttention, NystromAttention)
+    },
+)
 
 
-def register_mechanism(cls: type[Mechanism]) -> type[Mechanism]:
+def register_mechanism(cls: type[Mechanism], *, replace: bool = False) -> type[Mechanism]:
     """Class decorator: make a user's mechanism nameable by its ``family`` in registry files."""
     if not (isinstance(cls, type) and issubclass(cls, Mechanism)):
         raise TypeError(f"register_mechanism takes a Mechanism subclass, got {cls!r}")
-    if cls.family in MECHANISMS and MECHANISMS[cls.family] is not cls:
-        raise ValueError(
-            f"a mechanism named {cls.family!r} is already registered; choose another family"
-        )
-    MECHANISMS[cls.family] = cls
-    return cls
+    return MECHANISMS.add(cls.family, cls, replace=replace)
 
 
 def resolve_mechanism(name: str) -> type[Mechanism]:
@@ -53,9 +53,7 @@ def resolve_mechanism(name: str) -> type[Mechanism]:
         if not (isinstance(cls, type) and issubclass(cls, Mechanism)):
             raise ValueError(f"mechanism {name!r} is not a zoo.mechanisms.Mechanism subclass")
         return cls
-    if name not in MECHANISMS:
-        raise ValueError(suggest("mechanism class", name, MECHANISMS, "zoo.mechanisms.MECHANISMS"))
-    return MECHANISMS[name]
+    return MECHANISMS.lookup(name)
 
 
 __all__ = [

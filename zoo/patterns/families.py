@@ -7,11 +7,12 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..core.arguments import check_parameters, import_object, suggest
+from ..core.arguments import check_parameters, import_object
+from ..core.named import Named
 from .base import Pattern
 
 PatternFactory = Callable[..., Pattern]
-_FAMILIES: dict[str, PatternFactory] = {}
+_FAMILIES: Named[PatternFactory] = Named("pattern family", "zoo.list_pattern_families()")
 
 
 @dataclass(frozen=True)
@@ -61,13 +62,8 @@ def register_pattern(
         raise TypeError(f"description must be a str, got {description!r}")
 
     def decorate(factory: PatternFactory) -> PatternFactory:
-        if name in _FAMILIES and not replace and _FAMILIES[name] is not factory:
-            raise ValueError(
-                f"pattern family {name!r} is already registered (by {_FAMILIES[name].__module__}); "
-                "choose another name or pass replace=True"
-            )
         before = _FAMILIES.get(name)
-        _FAMILIES[name] = factory
+        _FAMILIES.add(name, factory, replace=replace)
         if description is not None:
             info = VariantInfo(description, paper, complexity, factory.__module__)
             try:
@@ -98,9 +94,7 @@ def resolve_family(name: str) -> PatternFactory:
                 "function returning a Pattern"
             )
         return factory
-    if name not in _FAMILIES:
-        raise ValueError(suggest("pattern family", name, _FAMILIES, "zoo.list_pattern_families()"))
-    return _FAMILIES[name]
+    return _FAMILIES.lookup(name)
 
 
 def family_parameters(factory: PatternFactory) -> dict[str, object]:

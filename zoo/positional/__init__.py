@@ -18,7 +18,8 @@ t5         bias     num_buckets=32, max_distance=128              Raffel et al. 
 
 from __future__ import annotations
 
-from ..core.arguments import import_object, suggest
+from ..core.arguments import import_object
+from ..core.named import Named
 from .alibi import AlibiEncoding, alibi_slopes
 from .base import PositionalEncoding
 from .learned import LearnedEncoding
@@ -28,20 +29,26 @@ from .rope import RotaryEncoding
 from .sinusoidal import SinusoidalEncoding
 from .t5 import T5RelativeBias, relative_position_bucket
 
-ENCODINGS: dict[str, type[PositionalEncoding]] = {
-    cls.name: cls
-    for cls in (
-        NoPositionalEncoding,
-        SinusoidalEncoding,
-        LearnedEncoding,
-        RotaryEncoding,
-        AlibiEncoding,
-        T5RelativeBias,
-    )
-}
+ENCODINGS: Named[type[PositionalEncoding]] = Named(
+    "encoding class",
+    "zoo.positional.ENCODINGS",
+    {
+        cls.name: cls
+        for cls in (
+            NoPositionalEncoding,
+            SinusoidalEncoding,
+            LearnedEncoding,
+            RotaryEncoding,
+            AlibiEncoding,
+            T5RelativeBias,
+        )
+    },
+)
 
 
-def register_encoding(cls: type[PositionalEncoding]) -> type[PositionalEncoding]:
+def register_encoding(
+    cls: type[PositionalEncoding], *, replace: bool = False
+) -> type[PositionalEncoding]:
     """Class decorator: make a user's encoding nameable by its ``name`` in registry files.
 
     The class subclasses ``PositionalEncoding``, sets ``name`` and ``kind`` and takes
@@ -49,12 +56,7 @@ def register_encoding(cls: type[PositionalEncoding]) -> type[PositionalEncoding]
     """
     if not (isinstance(cls, type) and issubclass(cls, PositionalEncoding)):
         raise TypeError(f"register_encoding takes a PositionalEncoding subclass, got {cls!r}")
-    if cls.name in ENCODINGS and ENCODINGS[cls.name] is not cls:
-        raise ValueError(
-            f"an encoding named {cls.name!r} is already registered; choose another name"
-        )
-    ENCODINGS[cls.name] = cls
-    return cls
+    return ENCODINGS.add(cls.name, cls, replace=replace)
 
 
 def resolve_encoding(name: str) -> type[PositionalEncoding]:
@@ -64,9 +66,7 @@ def resolve_encoding(name: str) -> type[PositionalEncoding]:
         if not (isinstance(cls, type) and issubclass(cls, PositionalEncoding)):
             raise ValueError(f"encoding {name!r} is not a PositionalEncoding subclass")
         return cls
-    if name not in ENCODINGS:
-        raise ValueError(suggest("encoding class", name, ENCODINGS, "zoo.positional.ENCODINGS"))
-    return ENCODINGS[name]
+    return ENCODINGS.lookup(name)
 
 
 __all__ = [

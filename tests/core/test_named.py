@@ -1,0 +1,65 @@
+"""One way to register: patterns, mechanisms, encodings and backends are each kept in a
+``zoo.core.named.Named``, which raises on a name taken by another thing (unless replace=True),
+accepts the same thing twice, and suggests the nearest names for an unknown one."""
+
+from __future__ import annotations
+
+import pytest
+
+import zoo
+from zoo.backends import SdpaBackend
+from zoo.core.named import Named
+from zoo.mechanisms import MECHANISMS, LinearAttention
+from zoo.patterns.families import _FAMILIES
+from zoo.positional import ENCODINGS, RotaryEncoding
+
+
+def test_a_named_table():
+    table = Named("widget", "list_widgets()")
+    thing = object()
+    assert table.add("spanner", thing) is thing
+    assert table.add("spanner", thing) is thing  # the same thing again: fine
+    with pytest.raises(ValueError, match=r"widget 'spanner' is already registered \(by builtins\)"):
+        table.add("spanner", object())
+    other = object()
+    table.add("spanner", other, replace=True)
+    assert table.lookup("spanner") is other
+    with pytest.raises(ValueError, match=r"did you mean 'spanner'\?.*list_widgets\(\)"):
+        table.lookup("spaner")
+    assert isinstance(table.copy(), Named) and table.copy() == table
+
+
+class Rotary2(RotaryEncoding):
+    pass
+
+
+class Linear2(LinearAttention):
+    pass
+
+
+class Sdpa2(SdpaBackend):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("register", "table", "name", "thing"),
+    [
+        (lambda thing, **kw: zoo.register_pattern("local", **kw)(thing), _FAMILIES, "local",
+         lambda **kw: zoo.patterns.Local(3)),
+        (zoo.register_encoding, ENCODINGS, "rope", Rotary2),
+        (zoo.register_mechanism, MECHANISMS, "linear", Linear2),
+        (zoo.register_backend, zoo.backends._BACKENDS, "sdpa", Sdpa2()),
+    ],
+)  # fmt: skip
+def test_every_register_raises_on_a_taken_name_and_replaces_on_request(
+    register, table, name, thing
+):
+    before = table[name]
+    with pytest.raises(ValueError, match=rf"'{name}' is already registered \(by "):
+        register(thing)
+    assert table[name] is before
+    try:
+        register(thing, replace=True)
+        assert table[name] is thing
+    finally:
+        table[name] = before
