@@ -7,7 +7,7 @@ write them, without computing its attention) and times one step of one new token
 token further on). Memory is the cache's ``nbytes``: what the variant keeps at that length.
 
 Zoo decoding backends (``backends``): ``auto`` (sdpa, the impl ``zoo:VARIANT``) and ``flex``
-(``zoo:VARIANT:flex``, ``zoo.decoding.decode_flex``: compiled FlexAttention with a block mask over
+(``zoo:VARIANT:flex``, ``zoo.backends.flex_decode``: compiled FlexAttention with a block mask over
 the cache's slots, made at each step), on CUDA only, for the reason ``flex_sliced`` is.
 
 Peers, one query against all n cached keys and values of full attention:

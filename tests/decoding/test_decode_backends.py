@@ -1,6 +1,6 @@
 """Decoding with a cache on each backend, and for a pattern chosen by content: MoBA's prefill +
 steps equal its causal forward (float64), and flex decoding (eager flex on CPU) matches the
-reference decoding path (zoo.decoding.decode, zoo.decoding.decode_flex)."""
+reference decoding path (zoo.decoding.decode, zoo.backends.flex_decode)."""
 
 import itertools
 
@@ -142,10 +142,51 @@ def test_flex_decoding_matches_the_reference_path(variant, pos, lens):
 def test_flex_decoding_refuses_dropout_and_float64():
     attn = zoo.create_attention("sliding_window", dim=16, num_heads=2, causal=True,
                                 backend=EAGER_FLEX, dropout=0.1, window_size=4)  # fmt: skip
-    with pytest.raises(ValueError, match="backend 'flex' decodes without dropout"):
+    with pytest.raises(
+        ValueError,
+        match=r"backend 'flex' cannot decode this call: it decodes without dropout, got "
+        r"dropout_p=0.1; backends that can: reference, sdpa",
+    ):
         attn(torch.randn(1, 3, 16), cache=attn.new_cache(1, 8))
     attn = attn.double().eval()
     cache = attn.new_cache(1, 8)
-    with pytest.raises(ValueError, match=r"backend 'flex' decodes float32, .*not float64"):
+    with pytest.raises(
+        ValueError,
+        match=r"backend 'flex' cannot decode this call: it decodes float32, .*not float64",
+    ):
         attn(torch.randn(1, 3, 16, dtype=torch.float64), cache=cache)
     assert cache.lengths.tolist() == [0] and (cache.slot_pos < 0).all(), "nothing changed"
+
+
+def test_decoding_is_a_capability_of_a_backend():
+    """A registered backend that declares decoding runs the steps of a cached call named for it
+    (``Backend.decode_step``), not a path chosen by its name; one that declares none leaves them
+    to sdpa, and ``explain`` says so."""
+    from zoo.backends import ReferenceBackend
+
+    class CountingReference(ReferenceBackend):
+        name = "counting_reference"
+        steps = 0
+
+        def decode_step(self, step):
+            type(self).steps += 1
+            return super().decode_step(step)
+
+    zoo.register_backend(CountingReference())
+    try:
+        outs = []
+        for backend in ("counting_reference", "reference"):
+            cache = zoo.new_cache("sliding_window", batch_size=1, max_len=8, num_kv_heads=2,
+                                  head_dim=8, window_size=3)  # fmt: skip
+            q = torch.randn(1, 2, 1, 8, generator=torch.Generator().manual_seed(0))
+            outs.append(zoo.attention(q, q, q, variant="sliding_window", causal=True,
+                                      window_size=3, cache=cache, backend=backend))  # fmt: skip
+        assert CountingReference.steps == 1 and torch.equal(*outs)
+    finally:
+        del zoo.backends._BACKENDS["counting_reference"]
+    cache = zoo.new_cache("sliding_window", batch_size=1, max_len=8, num_kv_heads=2, head_dim=8,
+                          window_size=3)  # fmt: skip
+    q = torch.zeros(1, 2, 1, 8)
+    said = zoo.explain(q, q, q, variant="sliding_window", causal=True, window_size=3,
+                       backend="blocked", cache=cache)  # fmt: skip
+    assert "backend 'blocked' has no decoding path; a cached call runs on sdpa" in said

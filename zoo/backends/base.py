@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ class Capabilities:
     return_weights: bool = False
     sparse: bool = False  # its cost grows with the computed blocks, not with n^2
     routed: bool = False  # runs layouts chosen by content, per sequence and head (MoBA)
+    decode: bool = False  # runs a step of new tokens against a KVCache (``Backend.decode_step``)
 
     def reason_against(self, call: AttentionCall) -> str | None:
         """Why these capabilities do not cover the call, or None."""
@@ -50,6 +52,28 @@ class Capabilities:
         return None
 
 
+@dataclass(frozen=True)
+class DecodeStep:
+    """New tokens' queries against a key-value cache, as ``zoo.decoding.decode`` prepares them
+    for a backend's ``decode_step``: q (B, H, t, D), keys and values (B, H_kv, S, D) (the cache's
+    slots, and the call's own tokens for a long call), positions q_pos (B, t) and key_pos (B, S),
+    key_ok (B, S) slots in use, valid (B, t) real queries, mask (B, 1 or H, t, S) the pairs the
+    pattern allows, a positional bias or None, the score and dropout."""
+
+    q: Tensor
+    keys: Tensor
+    values: Tensor
+    pattern: object
+    q_pos: Tensor
+    key_pos: Tensor
+    key_ok: Tensor
+    valid: Tensor
+    mask: Tensor
+    bias: Callable | None
+    score: object
+    dropout_p: float
+
+
 class Backend:
     """A way to compute attention. Subclasses set ``name`` and ``capabilities``."""
 
@@ -67,6 +91,26 @@ class Backend:
     def forward(self, call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         """(output (B, H, Lq, Dv) in q's dtype, weights (B, H, Lq, Lk) or None)."""
         raise NotImplementedError
+
+    def decode_reason_against(
+        self, score_kind: str, dropout_p: float, dtype: torch.dtype | None
+    ) -> str | None:
+        """Why this backend cannot run a decoding step with these settings, or None."""
+        if not self.capabilities.decode:
+            return "it has no decoding path"
+        if score_kind not in self.capabilities.scores:
+            return f"it computes {', '.join(self.capabilities.scores)} scores, not {score_kind}"
+        if dtype is not None and dtype not in self.capabilities.dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in self.capabilities.dtypes)
+            return f"it decodes {names}, not {str(dtype).removeprefix('torch.')}"
+        if dropout_p and not self.capabilities.dropout:
+            return f"it decodes without dropout, got dropout_p={dropout_p}"
+        return None
+
+    def decode_step(self, step: DecodeStep) -> Tensor:
+        """The step's output (B, H, t, Dv), zeros at padding columns (``zoo.decoding.decode``
+        makes the step: positions, the cache's slots and the mask)."""
+        raise NotImplementedError(f"backend {self.name!r} has no decoding path")
 
     def scored_pairs(self, call: AttentionCall) -> int:
         """How many (query, key) scores one head of one sequence computes: Lq * Lk for a dense
@@ -91,3 +135,11 @@ def repeat_kv(x: Tensor, groups: int) -> Tensor:
 def head_index(num_heads: int, device: torch.device, trailing: int) -> Tensor:
     """Head indices shaped (H, 1, ..., 1) to broadcast against ``trailing`` more dimensions."""
     return torch.arange(num_heads, device=device).view(-1, *([1] * trailing))
+
+
+def step_bias(bias: Callable, heads: int, q_pos: Tensor, key_pos: Tensor) -> Tensor:
+    """(B, H, t, S) positional score bias at absolute positions; q_pos (B, t), key_pos
+    (B, 1 or H, S)."""
+    return bias(
+        head_index(heads, q_pos.device, 2)[None], q_pos[:, None, :, None], key_pos[:, :, None]
+    )

@@ -22,61 +22,18 @@ block itself.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 from torch import Tensor
 
 from ..core.arguments import check_int
 from ..core.call import AttentionCall
 from ..core.shape_cache import concrete, per_shape
-from ..layout.block_layout import build_layout, used_first
+from ..layout.block_layout import build_layout
 from ..layout.frames import Frame, build_frame
-from ..patterns import EMPTY, FULL, PARTIAL, Pattern, Tiles
-from .base import FLOATS, Backend, Capabilities
-
-# Every pattern and shape is a separate compiled graph; dynamo's default of 8 would send the
-# ninth silently to the slow, unfused eager path.
-_RECOMPILE_LIMIT = 256
-
-
-def _flex_module():
-    from torch.nn.attention import flex_attention
-
-    return flex_attention
-
-
-def _kernel(compiled: bool):
-    flex = _flex_module().flex_attention
-    if not compiled or torch.compiler.is_compiling():
-        # Inside a model that torch.compile traces, the model's graph compiles the kernel.
-        return flex
-    return _compiled_kernel()
-
-
-@lru_cache(maxsize=1)
-def _compiled_kernel():
-    flex = _flex_module().flex_attention
-    import torch._dynamo.config as dynamo_config
-
-    for name in ("recompile_limit", "cache_size_limit"):  # the newer name, and the older one
-        if hasattr(dynamo_config, name):
-            setattr(dynamo_config, name, max(getattr(dynamo_config, name), _RECOMPILE_LIMIT))
-    return torch.compile(flex, dynamic=False)
-
-
-def flex_block_tensors(state: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) from a [B, Qb, Kb] state,
-    shaped [B, 1, Qb, ...] (one layout for all heads), or from a [B, H, Qb, Kb] state (a layout
-    chosen by content, per head)."""
-
-    def ordered(which: Tensor) -> tuple[Tensor, Tensor]:
-        count, index = which.sum(dim=-1).to(torch.int32), used_first(which).to(torch.int32)
-        if which.dim() == 3:
-            count, index = count[:, None], index[:, None]
-        return count.contiguous(), index.contiguous()
-
-    return (*ordered(state == PARTIAL), *ordered(state == FULL))
+from ..patterns import EMPTY, PARTIAL, Pattern, Tiles
+from .base import FLOATS, Backend, Capabilities, DecodeStep
+from .flex_decode import flex_decode
+from .flex_kernel import _flex_module, _kernel, flex_block_tensors
 
 
 def flex_frame(pattern: Pattern, q_len: int, kv_len: int, block: int, device) -> Frame:
@@ -197,6 +154,7 @@ class FlexBackend(Backend):
         score_bias=True,
         sparse=True,
         routed=True,
+        decode=True,
     )
 
     def __init__(self, block_size: int = 128, compile: bool = True) -> None:
@@ -269,3 +227,7 @@ class FlexBackend(Backend):
         if not frame.q.identity:
             return frame.q.scatter(out), None
         return out[..., : call.q_len, :], None
+
+    def decode_step(self, step: DecodeStep) -> Tensor:
+        """A block mask over the step's query rows and the cache's slots (``flex_decode``)."""
+        return flex_decode(step, self.block_size, self.compile)

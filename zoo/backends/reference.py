@@ -10,7 +10,16 @@ from torch import Tensor
 from ..core.call import AttentionCall
 from ..core.shape_cache import per_shape
 from ..patterns import Pattern, query_positions
-from .base import FLOATS, Backend, Capabilities, head_index, key_keep, repeat_kv
+from .base import (
+    FLOATS,
+    Backend,
+    Capabilities,
+    DecodeStep,
+    head_index,
+    key_keep,
+    repeat_kv,
+    step_bias,
+)
 
 
 @per_shape(maxsize=64)
@@ -64,7 +73,11 @@ class ReferenceBackend(Backend):
         dropout=True,
         return_weights=True,
         routed=True,
+        decode=True,
     )
+
+    def decode_step(self, step: DecodeStep) -> Tensor:
+        return reference_decode(step)
 
     def forward(self, call: AttentionCall) -> tuple[Tensor, Tensor]:
         dtype = torch.float64 if call.q.dtype == torch.float64 else torch.float32
@@ -79,3 +92,28 @@ class ReferenceBackend(Backend):
         )
         out = dropped @ v
         return out.to(call.q.dtype), weights
+
+
+def reference_decode(step: DecodeStep) -> Tensor:
+    """One step with dense float32 scores (float64 for float64) and the explicit softmax."""
+    q, keys, values, key_pos, q_pos, mask = (
+        step.q,
+        step.keys,
+        step.values,
+        step.key_pos,
+        step.q_pos,
+        step.mask,
+    )
+    bias, score, dropout_p = step.bias, step.score, step.dropout_p
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    groups = q.shape[1] // keys.shape[1]
+    k, v = (repeat_kv(t.to(dtype), groups) for t in (keys, values))
+    qs, k = score.prepare(q.to(dtype), k)
+    scores = score.pairwise(qs, k)  # (B, H, t, S)
+    if bias is not None:
+        key_pos = key_pos[:, None]
+        scores = scores + step_bias(bias, q.shape[1], q_pos, key_pos).to(scores.dtype)
+    weights = safe_softmax(scores.masked_fill(~mask, float("-inf")))
+    if dropout_p:
+        weights = torch.nn.functional.dropout(weights, dropout_p)
+    return (weights @ v).to(q.dtype)

@@ -12,7 +12,8 @@ from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention
 
 from ..core.call import AttentionCall
-from .base import FLOATS, Backend, Capabilities
+from .base import FLOATS, Backend, Capabilities, DecodeStep, step_bias
+from .blocked.index_rows import index_rows
 from .reference import attention_mask, score_bias
 
 
@@ -26,7 +27,11 @@ class SdpaBackend(Backend):
         score_bias=True,
         dropout=True,
         routed=True,
+        decode=True,
     )
+
+    def decode_step(self, step: DecodeStep) -> Tensor:
+        return sdpa_decode(step)
 
     def scored_pairs(self, call: AttentionCall) -> int:
         unmasked = call.key_padding_mask is None and call.bias is None and call.q_len == call.kv_len
@@ -66,3 +71,102 @@ class SdpaBackend(Backend):
             enable_gqa=call.groups > 1,
         )
         return out * has_key, None
+
+
+def sdpa_decode(step: DecodeStep) -> Tensor:
+    """One step on SDPA: with one query per row and fewer than half of the slots allowed, the
+    allowed keys gathered first (``gather_allowed``); otherwise the used slots as they are."""
+    q, keys, values, key_pos, q_pos, mask = (
+        step.q,
+        step.keys,
+        step.values,
+        step.key_pos,
+        step.q_pos,
+        step.mask,
+    )
+    bias, scale, dropout_p = step.bias, step.score.scale, step.dropout_p
+    gathered = None
+    if q.shape[2] == 1:
+        gathered = gather_allowed(mask[:, :, 0], keys, values, key_pos[:, None])
+    if gathered is not None:
+        mask, keys, values, key_pos = gathered
+        mask = mask[:, :, None]
+    else:
+        mask, keys, values, key_pos = used_prefix(mask, keys, values, key_pos)
+        key_pos = key_pos[:, None]  # (B, 1, S)
+    groups = q.shape[1] // keys.shape[1]
+    if bias is None and bool(mask.all()):  # every slot in use: no mask at all
+        attn_mask = None
+        has_key = None
+    else:
+        has_key = mask.any(-1, keepdim=True)  # (B, 1 or H, t, 1)
+        attn_mask = mask | ~has_key  # SDPA gives NaN on a row of no keys
+        if bias is not None:
+            attn_mask = (
+                step_bias(bias, q.shape[1], q_pos, key_pos)
+                .to(q.dtype)
+                .masked_fill(~attn_mask, float("-inf"))
+            )
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q,
+        keys,
+        values,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        scale=scale,
+        enable_gqa=groups > 1,
+    )
+    return out if has_key is None else out * has_key
+
+
+def gather_allowed(
+    mask: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+    """For one query per row: each row's allowed slots, in slot order, packed to the front and
+    cut to the widest row's count; per head where the mask is (a pattern chosen by content).
+    ``mask`` (B, L, S) with L = 1 or H query heads; keys and values (B, H_kv, S, D); key_pos
+    (B, 1, S). Returns the packed mask (B, L, K), keys and values (B, H_kv, K, D) where L = 1,
+    else (B, H, K, D) per query head, and key_pos (B, L, K); or None where the copies would be
+    at least half of what the kernel reads in place (a per-head mask copies keys per query head,
+    so it pays only where few are chosen).
+
+    One pass over the mask (nonzero), the rest O(K): with a cumulative sum and a count over the
+    slots instead, their int64 copies of the (B, H, S) mask dominated a MoBA step over a long
+    cache (measured: eval/results/design-notes-cpu.md#decode-gather-allowed)."""
+    B, L, S = mask.shape
+    row, slot = mask.flatten(0, 1).nonzero(as_tuple=True)  # row-major: by row, then slot
+    counts = torch.bincount(row, minlength=B * L)  # (B * L,)
+    width = max(int(counts.max()), 1)
+    kv_heads = keys.shape[1]
+    if 2 * width * (kv_heads if L == 1 else L) >= S * kv_heads:
+        return None
+    starts = counts.cumsum(0) - counts
+    index = torch.zeros(B * L, width, dtype=torch.long, device=mask.device)
+    index[row, torch.arange(row.numel(), device=mask.device) - starts[row]] = slot
+    index = index.view(B, L, width)
+    packed = (torch.arange(width, device=mask.device) < counts[:, None]).view(B, L, width)
+    if L == 1:
+        by_kv_head = index.expand(B, kv_heads, width)
+    else:  # query head h reads key/value head h // groups: its groups' rows side by side
+        by_kv_head = index.unflatten(1, (kv_heads, -1)).flatten(2, 3)  # (B, H_kv, G * K)
+    # Whole rows of D (``index_rows``): a gather along S with the index expanded over D, or
+    # advanced indexing, copies element by element, far slower on CPU than whole rows
+    # (measured: eval/results/design-notes-cpu.md#decode-whole-rows).
+
+    def take(t: Tensor) -> Tensor:
+        return index_rows(t, 2, by_kv_head).view(B, -1, width, t.shape[-1])
+
+    return packed, take(keys), take(values), key_pos.expand(B, L, S).gather(2, index)
+
+
+def used_prefix(mask: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """The slots up to the last one any query may read (views, no copy): a cache that fills
+    its slots in order (full, causal) is read only as far as it is filled."""
+    used = mask.flatten(0, -2).any(0)  # (S,)
+    width = int(used.nonzero().max()) + 1 if bool(used.any()) else 1
+    if width == mask.shape[-1]:
+        return (mask, *tensors)
+    return (
+        mask[..., :width],
+        *(t[..., :width] if t.dim() == 2 else t[:, :, :width] for t in tensors),
+    )

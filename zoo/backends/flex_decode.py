@@ -20,8 +20,8 @@ after them, ``zoo.decoding.decode``). The block mask covers exactly those rows a
 
 Compiled FlexAttention on CPU pads q, k and v to whole blocks (``zoo.backends.flex``); the
 padded slots are empty and the padded queries invalid, so the output is cropped. Inference only:
-dropout is refused (``zoo.decoding.decode.decode_backend``) and compiled flex has no backward on
-CPU.
+dropout is refused (``Backend.decode_reason_against``: flex declares no dropout) and compiled
+flex has no backward on CPU.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..backends.flex import FlexBackend, _flex_module, _kernel, flex_block_tensors
-from ..patterns import EMPTY, FULL, PARTIAL, Pattern
+from ..patterns import EMPTY, FULL, PARTIAL
+from .base import DecodeStep
+from .flex_kernel import _flex_module, _kernel, flex_block_tensors
 
 
 def _pad(x: Tensor, dim: int, size: int, value: float | bool | int) -> Tensor:
@@ -43,26 +44,20 @@ def _pad(x: Tensor, dim: int, size: int, value: float | bool | int) -> Tensor:
     return torch.cat((x, x.new_full(shape, value)), dim)
 
 
-def flex_decode(
-    q: Tensor,
-    keys: Tensor,
-    values: Tensor,
-    pattern: Pattern,
-    q_pos: Tensor,
-    key_pos: Tensor,
-    key_ok: Tensor,
-    valid: Tensor,
-    mask: Tensor,
-    bias,
-    scale: float,
-    backend: FlexBackend,
-) -> Tensor:
-    """q (B, H, t, D) at positions q_pos (B, t), real where ``valid``; keys, values (B, H_kv, S,
-    D) at key_pos (B, S), present where ``key_ok``; ``mask`` (B, 1 or H, t, S) the step's allowed
-    pairs (``zoo.decoding.decode.step_mask``) -> (B, H, t, Dv)."""
-    block = backend.block_size
+def flex_decode(step: DecodeStep, block: int, compile: bool) -> Tensor:
+    """A decoding step (``zoo.backends.base.DecodeStep``) on FlexAttention with blocks of
+    ``block`` -> (B, H, t, Dv)."""
+    q, keys, values, pattern = step.q, step.keys, step.values, step.pattern
+    q_pos, key_pos, key_ok, valid, mask = (
+        step.q_pos,
+        step.key_pos,
+        step.key_ok,
+        step.valid,
+        step.mask,
+    )
+    bias, scale = step.bias, step.score.scale
     t, slots = q.shape[2], keys.shape[2]
-    whole = backend.compile and q.device.type == "cpu"  # see zoo.backends.flex: whole blocks
+    whole = compile and q.device.type == "cpu"  # see zoo.backends.flex: whole blocks
     q_len = -(-t // block) * block if whole else t
     kv_len = -(-slots // block) * block
     q, q_pos, valid = _pad(q, 2, q_len, 0.0), _pad(q_pos, 1, q_len, 0), _pad(valid, 1, q_len, False)
@@ -88,7 +83,7 @@ def flex_decode(
         def score_mod(score, b, h, q_idx, kv_idx):
             return score + bias(h, q_pos[b, q_idx], key_pos[b, kv_idx]).to(score.dtype)
 
-    out = _kernel(backend.compile)(
+    out = _kernel(compile)(
         q, keys, values, score_mod=score_mod, block_mask=block_mask, scale=scale,
         enable_gqa=q.shape[1] != keys.shape[1],
     )  # fmt: skip
