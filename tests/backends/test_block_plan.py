@@ -8,11 +8,12 @@ import torch
 from helpers import FIXED_VARIANTS, check_against_reference, small_params
 
 import zoo
-from zoo.backends.blocked import BlockedBackend, lse_merge
+from zoo.backends import lse_merge
+from zoo.backends.blocked import BlockedBackend
 from zoo.backends.blocked.block_plan import part_block, plan
 from zoo.backends.blocked.key_windows import KeyWindows
-from zoo.backends.blocked.lse_merge import Piece, merged_attention
 from zoo.backends.blocked.row_grid import RowGrid, row_grid
+from zoo.backends.lse_merge import Piece, merged_attention
 from zoo.functional import prepare_call
 from zoo.layout.frames import build_frame
 

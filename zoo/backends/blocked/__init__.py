@@ -30,6 +30,7 @@ Additive scores map keys with one W_k per query head, so they expand k (``Additi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,7 @@ from ...core.arguments import check_int
 from ...core.call import AttentionCall
 from ...layout.frames import Frame, build_frame
 from ...patterns import Pattern
+from .. import lse_merge
 from ..base import FLOATS, Backend, Capabilities, head_index, repeat_kv
 from ..reference import exp_and_mass
 from .block_plan import GroupPlan, part_block, plan
@@ -56,21 +58,21 @@ class Partial:
     denominator: Tensor  # (B, H, Lq): sum of exp(score - peak) over this part's keys
     peak: Tensor  # (B, H, Lq), detached; -inf where the part allows no key
 
+    def lse(self) -> Tensor:
+        """The log-sum-exp of the part's scores, peak + log(denominator): -inf where it has no
+        key, with a zero gradient there (no log of 0 on the gradient's path)."""
+        has_key = self.denominator > 0
+        mass = torch.where(has_key, self.denominator, 1)
+        return torch.where(has_key, self.peak + torch.log(mass), -math.inf)
+
 
 def merge(partials: list[Partial]) -> Tensor:
-    """softmax over all parts' keys @ v, from each part's normalised output and its softmax mass.
-
-    A part's share of a query's attention is denominator * exp(peak - overall peak), normalised
-    over the parts; a query that no part lets attend gets zero.
-    """
+    """softmax over all parts' keys @ v, from each part's normalised output and log-sum-exp
+    (``lse_merge.merge``, differentiated by autograd); a query that no part lets attend gets
+    zero."""
     if len(partials) == 1:
         return partials[0].output
-    peak = torch.stack([p.peak for p in partials]).amax(dim=0)
-    peak = torch.where(torch.isfinite(peak), peak, 0)
-    mass = [p.denominator * torch.exp(p.peak - peak) for p in partials]
-    total = sum(mass)
-    total = torch.where(total > 0, total, 1)
-    return sum((m / total)[..., None] * p.output for m, p in zip(mass, partials, strict=True))
+    return lse_merge.merge([p.output for p in partials], [p.lse() for p in partials])[0]
 
 
 def by_kv_head(x: Tensor, kv_heads: int) -> Tensor:

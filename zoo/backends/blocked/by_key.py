@@ -60,8 +60,8 @@ from torch import Tensor
 from ...core.call import AttentionCall
 from ...layout.frames import Frame, build_frame
 from ...patterns import EMPTY, FULL, PARTIAL, Pattern
+from ..lse_merge import explicit_backward
 from .chosen_union import routed_state, with_padding
-from .lse_merge import explicit_backward
 
 COARSE = 8  # kernel blocks per key block of a run (512 keys at the default 64)
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

@@ -21,8 +21,8 @@ from ...core.call import AttentionCall
 from ...core.shape_cache import per_shape
 from ...layout.frames import Frame
 from ..base import head_index
+from ..lse_merge import Piece, merged_attention
 from .block_plan import GroupPlan
-from .lse_merge import Piece, merged_attention
 from .row_grid import RowGrid, row_grid
 
 

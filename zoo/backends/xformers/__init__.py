@@ -3,10 +3,10 @@
 A pattern runs as the pieces of ``xformers_plan``: one piece (full, causal, a local window) is one
 ``memory_efficient_attention`` call; several pieces (a window plus global tokens, block-local
 chunks) each run through ``memory_efficient_attention_partial``, which also returns each query's
-log-sum-exp, and merge exactly by it. Their backward pass gives every piece the merged output and
-log-sum-exp: with those, each piece's softmax is the whole pattern's softmax restricted to its
-keys, so the pieces' gradients add up to the pattern's gradient exactly (FlashAttention's backward
-over key blocks, with pieces for blocks).
+log-sum-exp, and merge exactly by it (``lse_merge``). Their backward pass gives every piece the
+merged output and log-sum-exp: with those, each piece's softmax is the whole pattern's softmax
+restricted to its keys, so the pieces' gradients add up to the pattern's gradient exactly
+(FlashAttention's backward over key blocks, with pieces for blocks).
 
 Imported lazily. xFormers' wheels carry compiled operators built for one torch version; where the
 package is missing, its operators do not load against the installed torch, or there is no CUDA
@@ -30,6 +30,7 @@ from torch import Tensor
 from ...core.call import AttentionCall
 from ...layout.block_layout import allowed_pairs
 from ..base import Backend, Capabilities
+from ..lse_merge import lse_for_backward, merge_rows
 from .plan import Mask, Piece, plan_pieces
 
 
@@ -196,29 +197,6 @@ def _slices(piece: Piece, *tensors: Tensor) -> list[Tensor]:
     ]
 
 
-def merge_pieces(pieces, partials, q_len: int) -> tuple[Tensor, Tensor]:
-    """Each query's softmax over the union of its pieces' keys, from their partial outputs and
-    log-sum-exps: (out float32 (B, Lq, H, Kv), lse (B, H, Lq), -inf and zeros where no piece
-    allows a key)."""
-    partials = [(out.float(), lse) for out, lse in partials]
-    out0, lse0 = partials[0]
-    batch, heads, dv = out0.shape[0], lse0.shape[1], out0.shape[-1]
-    peak = lse0.new_full((batch, heads, q_len), -math.inf)
-    for piece, (_, lse) in zip(pieces, partials, strict=True):
-        rows = slice(*piece.rows)
-        peak[..., rows] = torch.maximum(peak[..., rows], lse)
-    peak = torch.where(torch.isfinite(peak), peak, 0)
-    mass = lse0.new_zeros((batch, heads, q_len))
-    total = out0.new_zeros((batch, q_len, heads, dv))
-    for piece, (out, lse) in zip(pieces, partials, strict=True):
-        rows = slice(*piece.rows)
-        share = torch.exp(lse - peak[..., rows])  # zero where the piece allows no key
-        mass[..., rows] += share
-        total[:, rows] += torch.where(share > 0, share, 0).transpose(1, 2)[..., None] * out
-    out = total / torch.where(mass > 0, mass, 1).transpose(1, 2)[..., None]
-    return out, peak + torch.log(mass)
-
-
 class _PieceAttention(torch.autograd.Function):
     """The pieces' attention, merged, with the exact backward described in the module doc."""
 
@@ -230,7 +208,7 @@ class _PieceAttention(torch.autograd.Function):
             out, lse = kernels.partial(pq, pk, pv, piece.mask, scale)
             lse = torch.where(lse == math.inf, -math.inf, lse)  # a row without keys, as FA2 says
             partials.append((_unchunk(out, q.shape[0]), _lse_unchunk(lse, q.shape[0])))
-        out, lse = merge_pieces(pieces, partials, q_len)
+        out, lse = merge_rows([piece.rows for piece in pieces], partials, q_len)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.pieces, ctx.scale, ctx.kernels = pieces, scale, kernels
@@ -239,7 +217,7 @@ class _PieceAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
-        lse = torch.where(torch.isfinite(lse), lse, math.inf)  # no key: p = exp(s - inf) = 0
+        lse = lse_for_backward(lse)
         grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v)]
         batch, grad = q.shape[0], grad.contiguous()
         for piece in ctx.pieces:

@@ -1,23 +1,33 @@
-"""Attention computed in pieces, each a block of queries against one source of keys, merged
-exactly by log-sum-exp into one output.
+"""Softmax attentions over disjoint sets of keys merged exactly by log-sum-exp into one, forward
+and backward: the one merge of the blocked backend (its parts, its CPU pieces, its key-block runs),
+the xformers backend (its pieces) and whatever else splits the keys.
 
-The blocked backend reads a query block's keys from up to three places (``block_plan``: a band
-that is a strided view, shared blocks, gathered blocks), and a pattern of several parts (a band
-and strided columns) in several token orders. Concatenating the sources would copy the band; and
-parts in different orders cannot share one kernel call. Instead each piece runs through the CPU
-FlashAttention kernel, which also returns every query's log-sum-exp, and the pieces merge into
-the rows of the output they belong to, as FlashAttention merges key blocks::
+A partial attention of some queries over some keys is its output (softmax over those keys @ their
+values) and each query's log-sum-exp of scores over them (-inf where it has no key). Partials of
+the same queries over disjoint keys merge as FlashAttention merges key blocks::
 
-    out[r] = sum_i exp(lse_i - lse[r]) * out_i        lse[r] = log sum_i exp(lse_i)
+    out = sum_i exp(lse_i - lse) * out_i        lse = log sum_i exp(lse_i)
 
-over the pieces i that hold query row r. Where a piece's rows lie on a grid of the output (rows
-offset + n * across + m * along: a band's consecutive query blocks, a residue order's strided
-tokens), it reads and writes them as a strided view of the output (``RowGrid``), in place; other
-pieces gather and scatter them by index. The backward gives each piece the merged output and
-log-sum-exp of its rows. With those, a piece's softmax is the whole row's softmax restricted to
-its keys, so the pieces' gradients add up to the exact gradient (the xformers backend merges its
-pieces the same way). The gradients of each piece's q, k and v flow back through their views and
-gathers by autograd.
+in three forms: ``combine_two`` (two partials, in place, for code outside autograd) and
+``combine`` (a list of them, by it); ``merge`` (a list, differentiable: autograd takes the
+gradient); ``merge_rows`` (partials of row ranges of the queries, into one output). A row that no
+part lets attend gets lse -inf and zero output. The backward needs no merge of its own: given the
+merged output and log-sum-exp of its rows (``lse_for_backward``), a partial's softmax is the whole
+row's softmax restricted to its keys, so the partials' gradients (``explicit_backward``, or a
+kernel's backward) add up to the exact gradient.
+
+The blocked backend's path on a CPU (``merged_attention``) runs attention in pieces, each a block
+of queries against one source of keys. It reads a query block's keys from up to three places
+(``block_plan``: a band that is a strided view, shared blocks, gathered blocks), and a pattern of
+several parts (a band and strided columns) in several token orders. Concatenating the sources
+would copy the band; and parts in different orders cannot share one kernel call. Instead each
+piece runs through the CPU FlashAttention kernel, which also returns every query's log-sum-exp,
+and the pieces merge into the rows of the output they belong to (over the pieces that hold query
+row r). Where a piece's rows lie on a grid of the output (rows offset + n * across + m * along: a
+band's consecutive query blocks, a residue order's strided tokens), it reads and writes them as a
+strided view of the output (``RowGrid``), in place; other pieces gather and scatter them by index.
+The backward gives each piece the merged output and log-sum-exp of its rows; the gradients of
+each piece's q, k and v flow back through their views and gathers by autograd.
 
 The kernels are ATen's ``_scaled_dot_product_flash_attention_for_cpu`` and its backward, the ops
 behind ``scaled_dot_product_attention`` on a CPU; they take a float mask, one head size for q, k
@@ -29,13 +39,16 @@ repeated.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from .key_windows import KeyWindows
-from .row_grid import RowGrid
+if TYPE_CHECKING:  # the blocked backend's, which imports this module
+    from .blocked.key_windows import KeyWindows
+    from .blocked.row_grid import RowGrid
 
 _forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -121,25 +134,67 @@ def _unflat(x: Tensor, like: Tensor) -> Tensor:
     return x.unflatten(0, (like.shape[0], like.shape[2])).transpose(1, 2)
 
 
-def _combine(lses: list[Tensor], outs: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """Outputs of the same queries over disjoint keys, merged: (lse, out); -inf and 0 where no
-    part has a key."""
-    lse, out = lses[0], outs[0]
-    for part_lse, part_out in zip(lses[1:], outs[1:], strict=True):
-        lse, out = _combine_two(lse, out, part_lse, part_out)
-    return lse, out
-
-
-def _combine_two(
-    lse_a: Tensor, out_a: Tensor, lse_b: Tensor, out_b: Tensor
+def combine_two(
+    out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """Two outputs merged: b's share of the mass is exp(lse_b) / (exp(lse_a) + exp(lse_b)) =
-    sigmoid(lse_b - lse_a), so the output is one ``lerp``, a single pass over the outputs (a
-    weighted sum of exponentials took four), written into out_a (a kernel's output or a gather,
-    used nowhere else: a fresh output would cost its pages). Where neither has a key
-    (-inf - -inf = nan) the share is 0 and the output a's zeros."""
+    """Two partials of the same rows merged: (out, lse), out written into out_a. b's share of the
+    mass is exp(lse_b) / (exp(lse_a) + exp(lse_b)) = sigmoid(lse_b - lse_a), so the output is one
+    ``lerp``, a single pass over the outputs (a weighted sum of exponentials took four), in place
+    (out_a is a kernel's output, a gather or a view of the output's rows, used nowhere else: a
+    fresh output would cost its pages). Where neither has a key (-inf - -inf = nan) the share is
+    0 and the output a's zeros. Not for autograd: in place, and sigmoid's gradient at that nan is
+    nan (``merge`` is)."""
     share = torch.sigmoid(lse_b - lse_a).nan_to_num(0.0)
-    return torch.logaddexp(lse_a, lse_b), out_a.lerp_(out_b, share[..., None])
+    lse = torch.logaddexp(lse_a, lse_b)
+    return out_a.lerp_(out_b, share[..., None]), lse
+
+
+def combine(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """Partials of the same rows merged by ``combine_two``, one after another, into outs[0]:
+    (out, lse)."""
+    out, lse = outs[0], lses[0]
+    for part_out, part_lse in zip(outs[1:], lses[1:], strict=True):
+        out, lse = combine_two(out, lse, part_out, part_lse)
+    return out, lse
+
+
+def merge(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """Partials of the same rows merged into fresh tensors, for autograd to differentiate:
+    (out, lse). Each part's share is exp(lse_i - m) / sum_j exp(lse_j - m) for the largest lse m
+    (detached: the shares do not depend on it); a part without a key, or a row without any, adds
+    zero and takes zero gradient, never nan."""
+    peak = torch.stack(list(lses)).amax(dim=0).detach()
+    peak = torch.where(torch.isfinite(peak), peak, 0)
+    shares = [torch.exp(lse - peak) for lse in lses]
+    total = sum(shares)
+    has_key = total > 0
+    total = torch.where(has_key, total, 1)
+    out = sum((s / total)[..., None] * o for s, o in zip(shares, outs, strict=True))
+    return out, torch.where(has_key, peak + torch.log(total), -math.inf)
+
+
+def merge_rows(
+    rows: Sequence[tuple[int, int]], partials: Sequence[tuple[Tensor, Tensor]], q_len: int
+) -> tuple[Tensor, Tensor]:
+    """Partials of row ranges [start, stop) of q_len queries, each (out (B, stop - start, H, Dv),
+    lse (B, H, stop - start)), merged where their ranges overlap: (out (B, q_len, H, Dv) in
+    float32 or wider, lse (B, H, q_len)); rows no partial holds get zeros and -inf. Each merges
+    into its rows of the output in place (``combine_two``): a pass over its own rows only."""
+    out0, lse0 = partials[0]
+    batch, heads, dv = out0.shape[0], lse0.shape[1], out0.shape[-1]
+    dtype = torch.promote_types(out0.dtype, torch.float32)
+    out = out0.new_zeros((batch, q_len, heads, dv), dtype=dtype)
+    lse = lse0.new_full((batch, heads, q_len), -math.inf)
+    for (start, stop), (part_out, part_lse) in zip(rows, partials, strict=True):
+        held_out, held_lse = out[:, start:stop], lse[..., start:stop].transpose(1, 2)
+        held_lse.copy_(combine_two(held_out, held_lse, part_out.to(dtype), part_lse.mT)[1])
+    return out, lse
+
+
+def lse_for_backward(lse: Tensor) -> Tensor:
+    """The merged log-sum-exp as a partial's backward takes it: +inf where a row has no key, so
+    every probability exp(score - lse) there is 0, and so is every gradient it adds."""
+    return torch.where(torch.isfinite(lse), lse, math.inf)
 
 
 # A piece with at most this many keys (Longformer's global column: one) runs as plain matrix
@@ -227,14 +282,14 @@ def _merge_into(out: Tensor, lse: Tensor, p: Piece, group_out: Tensor, group_lse
         if p.fresh:
             held_out.copy_(here_out)
             held_lse.copy_(here_lse)
-        else:  # _combine_two lerps into held_out, the output's rows
-            held_lse.copy_(_combine_two(held_lse, held_out, here_lse, here_out)[0])
+        else:  # combine_two lerps into held_out, the output's rows
+            held_lse.copy_(combine_two(held_out, held_lse, here_out, here_lse)[1])
         return
     rows = p.rows.flatten()
     here_lse, here_out = _flat(group_lse[..., None])[..., 0], _flat(group_out)
     if not p.fresh:
         held = lse.index_select(0, rows), out.index_select(0, rows)
-        here_lse, here_out = _combine([held[0], here_lse], [held[1], here_out])
+        here_out, here_lse = combine_two(held[1], held[0], here_out, here_lse)
     lse.index_copy_(0, rows, here_lse)
     out.index_copy_(0, rows, here_out)
 
@@ -287,11 +342,11 @@ class _Merged(torch.autograd.Function):
                 lses.append(
                     _unfold(l, g).to(dtype).masked_fill(p.no_key, -math.inf)
                 )  # the kernel says 0
-            group_lse, group_out = _combine(lses, outs)
+            group_out, group_lse = combine(outs, lses)
             _merge_into(out, lse, members[0], group_out, group_lse)
         out = out[:total].to(first.q.dtype)
         lse[total] = -math.inf  # the row that dropped rows wrote: none of the output's
-        lse = torch.where(torch.isfinite(lse), lse, math.inf)  # inf: no key, p = exp(s - inf) = 0
+        lse = lse_for_backward(lse)
         ctx.save_for_backward(out, lse, *tensors)
         ctx.scale, ctx.layout = scale, layout
         return out
