@@ -17,7 +17,9 @@ CPU = torch.device("cpu")
 
 
 def natten_keys(i: int, size: int, k: int, d: int, causal: bool) -> set[int]:
-    """NATTEN's definition as REFERENCES.md states it, one query on one axis, by enumeration."""
+    """NATTEN's definition (Hassani et al., 2023: a window of k neighbours shifted inward at the
+    borders, within the query's residue class under dilation), one query on one axis, by
+    enumeration."""
     members = [j for j in range(size) if j % d == i % d]  # i's residue class
     x, n = members.index(i), len(members)
     if causal:
