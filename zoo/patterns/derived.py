@@ -6,9 +6,9 @@ blocks are complete), PARTIAL otherwise, so the derived states are exact. The co
 of ``allowed`` on all q_len x kv_len pairs, once per shape (block layouts are cached per shape,
 ``zoo.layout.block_layout.build_layout``), in chunks of ``CHUNK`` pairs: at 64K tokens, 4.3e9
 evaluations, which an analytic ``block_state`` replaces by one expression per block pair (measured:
-eval/results/derived-block-states-cpu.md). Blocks of a 2-D
-tiled order (spans with a ``box``) are evaluated over their whole position range [lo, hi], a
-superset of their positions: EMPTY and FULL stay exact, PARTIAL may be said of an EMPTY block.
+eval/results/derived-block-states-cpu.md). Blocks of a 2-D tiled order (spans with a ``box``) are
+evaluated over their whole position range [lo, hi], a superset of their positions: EMPTY and FULL
+stay exact, PARTIAL may be said of an EMPTY block.
 """
 
 from __future__ import annotations
