@@ -246,21 +246,37 @@ class MultiHeadAttention(nn.Module):
     ) -> Tensor | tuple[Tensor, Tensor]:
         if not torch.compiler.is_compiling() and torch.jit.is_tracing():
             raise RuntimeError(_no_torchscript("torch.jit.trace"))
-        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
-            shown = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-            raise ValueError(f"x must have shape (batch, length, {self.dim}), got {shown}")
+        self._check_x(x)
         if valid_lens is not None:
             valid_lens = check_valid_lens(valid_lens, x.shape[0])
         if cache is not None:
-            if context is not None or key_padding_mask is not None or return_weights:
-                raise ValueError(
-                    "a call with a cache takes x and valid_lens (right padding), not context, "
-                    "key_padding_mask or return_weights"
-                )
+            _check_cached_call(context, key_padding_mask, return_weights)
             return module_step(self, x, cache, valid_lens, positions)
         if positions is not None:
             raise ValueError("positions apply to a call with a cache (cache=...)")
         source = x if context is None else context
+        self._check_source(source, x)
+        if valid_lens is not None:
+            key_padding_mask = _padding_of(valid_lens, key_padding_mask, x, source)
+        if self.pos.kind == "embed":  # each sequence from its own position 0
+            x = self.pos.embed(x)
+            source = x if context is None else self.pos.embed(context)
+        q, k, v = self._heads(x, source)
+        result = self._attend(q, k, v, key_padding_mask, return_weights, edge_index)
+        out, weights = result if return_weights else (result, None)
+        out = self.out_proj(rearrange(out, "b h l d -> b l (h d)"))  # (B, Lq, dim)
+        return (out, weights) if return_weights else out
+
+    def _check_x(self, x: object) -> None:
+        """Refuse an x that is not (batch, length, dim): the projections would fail less
+        clearly."""
+        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
+            shown = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"x must have shape (batch, length, {self.dim}), got {shown}")
+
+    def _check_source(self, source: object, x: Tensor) -> None:
+        """Refuse keys and values' input (context, or x itself) that is not a tensor
+        (batch, kv_len, kv_dim) of x's batch, naming the module option that sets its width."""
         if not isinstance(source, Tensor):
             raise TypeError(
                 f"context must be a tensor (batch, kv_len, {self.kv_dim}), got "
@@ -273,18 +289,28 @@ class MultiHeadAttention(nn.Module):
                 f"{tuple(source.shape)}: its last dim is the module's {width}, {self.kv_dim} "
                 "(build the module with kv_dim= for context of another width)"
             )
-        if valid_lens is not None:
-            if key_padding_mask is not None:
-                raise ValueError("give key_padding_mask or valid_lens, not both")
-            key_padding_mask = padding_from_lengths(valid_lens.to(x.device), source.shape[1])
-        if self.pos.kind == "embed":  # each sequence from its own position 0
-            x = self.pos.embed(x)
-            source = x if context is None else self.pos.embed(context)
+
+    def _heads(self, x: Tensor, source: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q from x, k and v from source, projected and split into heads: k and v into the
+        key/value heads, which grouped-query attention shares among the query heads."""
         heads, kv_heads = self.num_heads, self.num_kv_heads
         q = rearrange(self.q_proj(x), "b l (h d) -> b h l d", h=heads)  # (B, H, Lq, hd)
         k = rearrange(self.k_proj(source), "b l (h d) -> b h l d", h=kv_heads)  # (B, H_kv, Lk, hd)
         v = rearrange(self.v_proj(source), "b l (h d) -> b h l d", h=kv_heads)
-        result = attention(
+        return q, k, v
+
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        key_padding_mask: Tensor | None,
+        return_weights: bool,
+        edge_index: object,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """``zoo.attention`` with the module's options: the weights from the reference backend,
+        which keeps them; a mechanism as the variant, its parameters already in it."""
+        return attention(
             q,
             k,
             v,
@@ -299,9 +325,28 @@ class MultiHeadAttention(nn.Module):
             edge_index=edge_index,
             **(self.params if self.mechanism is None else {}),
         )
-        out, weights = result if return_weights else (result, None)
-        out = self.out_proj(rearrange(out, "b h l d -> b l (h d)"))  # (B, Lq, dim)
-        return (out, weights) if return_weights else out
+
+
+def _check_cached_call(
+    context: Tensor | None, key_padding_mask: Tensor | None, return_weights: bool
+) -> None:
+    """Refuse what a decoding step with a cache does not take: its keys are the cache's, its
+    padding on the right (valid_lens), its weights not kept."""
+    if context is not None or key_padding_mask is not None or return_weights:
+        raise ValueError(
+            "a call with a cache takes x and valid_lens (right padding), not context, "
+            "key_padding_mask or return_weights"
+        )
+
+
+def _padding_of(
+    valid_lens: Tensor, key_padding_mask: Tensor | None, x: Tensor, source: Tensor
+) -> Tensor:
+    """The key padding mask that ``valid_lens`` stands for (one of the two, not both), on x's
+    device, over the keys of ``source``."""
+    if key_padding_mask is not None:
+        raise ValueError("give key_padding_mask or valid_lens, not both")
+    return padding_from_lengths(valid_lens.to(x.device), source.shape[1])
 
 
 def _no_torchscript(how: str) -> str:

@@ -76,27 +76,62 @@ def expand_variants(config: BenchConfig, source: str) -> list[str]:
 
 
 def check_config(config: BenchConfig, source: str, extra_backends: dict | None = None) -> list[str]:
-    """Check names and values; returns the variants the sweep runs."""
+    """Check names and values; returns the variants the sweep runs.
+
+    The checks run in this order and the first failure raises, so a config with several mistakes
+    always reports the same one.
+    """
     variants = expand_variants(config, source)
-    backends = [*zoo.list_backends(), "auto", *(extra_backends or {})]
-    for i, name in enumerate(config.backends):
-        if name not in backends:
-            listing = "zoo.list_backends()"
-            raise ConfigError(_unknown(source, "backends", i, "backend", name, backends, listing))
-    for i, name in enumerate(config.peers):
-        if name not in PEERS:
-            raise ConfigError(_unknown(source, "peers", i, "peer", name, PEERS, "the bench docs"))
-    for i, name in enumerate(config.passes):
-        if name not in PASSES:
-            raise ConfigError(_unknown(source, "passes", i, "pass", name, PASSES, "the bench docs"))
+    _check_backends(config, source, extra_backends)
+    _check_listed(source, "peers", config.peers, "peer", PEERS, "the bench docs")
+    _check_listed(source, "passes", config.passes, "pass", PASSES, "the bench docs")
+    _check_sweep_axes(config, source)
+    _check_minimums(config, source)
+    _check_kv_heads(config, source)
+    _check_dtype(config, source)
+    _check_out_pattern(config, source)
+    _check_device(config, source)
+    _check_params(config, source)
+    return variants
+
+
+def _check_listed(source: str, key: str, names, kind: str, known, listing: str) -> None:
+    """Every entry of the list ``key`` is one of ``known``; the error names the first that is not,
+    its index and the nearest known names (``listing`` says where the full list is)."""
+    for i, name in enumerate(names):
+        if name not in known:
+            raise ConfigError(_unknown(source, key, i, kind, name, known, listing))
+
+
+def _check_backends(config: BenchConfig, source: str, extra_backends: dict | None) -> None:
+    """Every backend is registered in the zoo, is "auto", or is one the caller adds
+    (``extra_backends``, which the zoo's registry does not list)."""
+    known = [*zoo.list_backends(), "auto", *(extra_backends or {})]
+    _check_listed(source, "backends", config.backends, "backend", known, "zoo.list_backends()")
+
+
+def _check_sweep_axes(config: BenchConfig, source: str) -> None:
+    """The lengths and the causal settings are non-empty (an empty axis is an empty sweep) and
+    every length is positive."""
     if not config.lengths or any(n < 1 for n in config.lengths):
         raise ConfigError(f"{source}: lengths must be positive ints, got {config.lengths!r}")
     if not config.causal:
         raise ConfigError(f"{source}: causal must list false, true or both, got []")
+
+
+def _check_minimums(config: BenchConfig, source: str) -> None:
+    """Each numeric key is at least its entry in ``MINIMUMS`` (e.g. at least one repeat, and two
+    points for an exponent fit)."""
     for key, minimum in MINIMUMS.items():
         value = getattr(config, key)
         if value < minimum:
             raise ConfigError(f"{source}: {key} must be at least {minimum}, got {value}")
+
+
+def _check_kv_heads(config: BenchConfig, source: str) -> None:
+    """kv_heads divides heads (grouped-query attention shares each key/value head among a whole
+    group), and the repeat_kv peer, which has nothing to compare otherwise, gets fewer kv_heads
+    than heads."""
     if config.kv_heads is not None and (config.kv_heads < 1 or config.heads % config.kv_heads):
         raise ConfigError(
             f"{source}: kv_heads must divide heads ({config.heads}) or be null, got "
@@ -107,10 +142,19 @@ def check_config(config: BenchConfig, source: str, extra_backends: dict | None =
             f"{source}: the repeat_kv peer compares grouped-query attention with its repeated "
             f"form; set kv_heads below heads ({config.heads}), got {config.kv_heads!r}"
         )
+
+
+def _check_dtype(config: BenchConfig, source: str) -> None:
+    """dtype is "auto" or a name in ``DTYPES`` (what ``resolve_dtype`` can resolve)."""
     if config.dtype != "auto" and config.dtype not in DTYPES:
         raise ConfigError(
             f"{source}: dtype must be auto or one of {', '.join(DTYPES)}, got {config.dtype!r}"
         )
+
+
+def _check_out_pattern(config: BenchConfig, source: str) -> None:
+    """The out pattern formats with only {device} and {timestamp}: caught here rather than after
+    the sweep, when the results are written."""
     try:
         config.out.format(device="cpu", timestamp="0")
     except (KeyError, IndexError, ValueError) as error:
@@ -118,23 +162,37 @@ def check_config(config: BenchConfig, source: str, extra_backends: dict | None =
             f"{source}: out {config.out!r} may use only {{device}} and {{timestamp}} "
             f"(double other braces): {error!r}"
         ) from error
+
+
+def _check_device(config: BenchConfig, source: str) -> None:
+    """device is one of ``DEVICES``; whether CUDA is there is ``resolve_device``'s check."""
     if config.device not in DEVICES:
         raise ConfigError(f"{source}: device must be auto, cpu or cuda, got {config.device!r}")
+
+
+def _check_params(config: BenchConfig, source: str) -> None:
+    """Each params entry names a registered variant or mechanism and maps parameter names to
+    values the variant accepts, in config order."""
     for name, params in config.params.items():
         if name not in zoo.list_attention():
             unknown = suggest("variant", str(name), zoo.list_attention(), "zoo.list_attention()")
             raise ConfigError(f"{source}: params: {unknown}")
         if not isinstance(params, dict):
             raise ConfigError(f"{source}: params: {name} must map parameter names to values")
-        try:
-            if name in zoo.list_mechanisms():
-                spec = zoo.get_mechanism_spec(name)
-                check_parameters(f"mechanism {name!r}", params, spec.parameters())
-            else:
-                zoo.get_spec(name).build(**params)
-        except (TypeError, ValueError) as error:
-            raise ConfigError(f"{source}: params: {name}: {error}") from error
-    return variants
+        _check_param_values(source, name, params)
+
+
+def _check_param_values(source: str, name: str, params: dict) -> None:
+    """The overrides are valid for ``name``: a mechanism's are checked against its declared
+    parameters, a variant's by building it, so a bad value fails here, before any timing."""
+    try:
+        if name in zoo.list_mechanisms():
+            spec = zoo.get_mechanism_spec(name)
+            check_parameters(f"mechanism {name!r}", params, spec.parameters())
+        else:
+            zoo.get_spec(name).build(**params)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"{source}: params: {name}: {error}") from error
 
 
 def resolve_device(name: str, source: str) -> torch.device:

@@ -207,8 +207,21 @@ def _first_difference(view: str, got: Tensor, truth: Tensor, q_len: int, kv_len:
 
 
 def _check_shape(p: Pattern, q_len: int, kv_len: int, blocks, fail) -> None:
+    """Every check of a pattern not chosen by content at one shape: its whole views, its parts,
+    then ``block_state`` of each piece in each token order at each block size."""
     where = f"at q_len={q_len}, kv_len={kv_len}"
     q_pos, k_pos = query_positions(q_len, kv_len), torch.arange(kv_len)
+    truth = _check_views(p, q_pos, k_pos, where, fail)
+    parts = _call("parts()", where, fail, p.parts)
+    part_truths = _check_parts(p, parts, truth, q_pos, k_pos, where, fail)
+    pieces = _pieces(p, parts, part_truths, truth, fail)
+    _check_block_states(pieces, blocks, q_len, kv_len, fail)
+
+
+def _check_views(p: Pattern, q_pos: Tensor, k_pos: Tensor, where: str, fail) -> Tensor:
+    """The allowed pairs (q_len, kv_len), checked to equal ``dense()`` and the ``mask_mod``
+    that FlexAttention runs."""
+    q_len, kv_len = q_pos.shape[0], k_pos.shape[0]
     allowed = _call("allowed()", where, fail, p.allowed, q_pos[:, None], k_pos[None, :])
     truth = _grid("allowed()", allowed, q_len, kv_len, fail)
     dense = _grid(
@@ -221,37 +234,46 @@ def _check_shape(p: Pattern, q_len: int, kv_len: int, blocks, fail) -> None:
     )
     flex = _grid("mask_mod", flex, q_len, kv_len, fail)
     _first_difference("mask_mod", flex, truth, q_len, kv_len, fail)
+    return truth
 
-    # The parts: disjoint pieces whose union is the pattern, each checked like the pattern.
-    parts = _call("parts()", where, fail, p.parts)
+
+def _check_parts(
+    p: Pattern, parts, truth: Tensor, q_pos: Tensor, k_pos: Tensor, where: str, fail
+) -> list[Tensor]:
+    """Each part's allowed pairs, checked like the pattern's: parts are disjoint pieces whose
+    union is the pattern (backends run each on its own and add them up)."""
     if len(parts) == 1 and parts[0] is p:
-        part_truths = [truth]
-    else:
-        part_truths, count = [], torch.zeros(q_len, kv_len, dtype=torch.int32)
-        for n, part in enumerate(parts, start=1):
-            name = f"part {n} of {len(parts)} ({_short(part, 60)})"
-            _check_hashable(part, name, fail)
-            allowed = _call(
-                f"{name} allowed()", where, fail, part.allowed, q_pos[:, None], k_pos[None, :]
-            )
-            part_truth = _grid(f"{name} allowed()", allowed, q_len, kv_len, fail)
-            part_dense = _call(f"{name} dense()", where, fail, part.dense, q_len, kv_len)
-            part_dense = _grid(f"{name} dense()", part_dense, q_len, kv_len, fail)
-            _first_difference(f"{name} dense()", part_dense, part_truth, q_len, kv_len, fail)
-            part_truths.append(part_truth)
-            count += part_truth
-        overlap = torch.nonzero(count > 1)
-        if overlap.numel():
-            i, j = overlap[0].tolist()
-            raise fail(
-                f"parts() overlap at query {i} (position {i + kv_len - q_len}) x key {j} {where}; "
-                "parts must be disjoint"
-            )
-        _first_difference("the union of parts()", count > 0, truth, q_len, kv_len, fail)
+        return [truth]
+    q_len, kv_len = truth.shape
+    part_truths, count = [], torch.zeros(q_len, kv_len, dtype=torch.int32)
+    for n, part in enumerate(parts, start=1):
+        name = f"part {n} of {len(parts)} ({_short(part, 60)})"
+        _check_hashable(part, name, fail)
+        allowed = _call(
+            f"{name} allowed()", where, fail, part.allowed, q_pos[:, None], k_pos[None, :]
+        )
+        part_truth = _grid(f"{name} allowed()", allowed, q_len, kv_len, fail)
+        part_dense = _call(f"{name} dense()", where, fail, part.dense, q_len, kv_len)
+        part_dense = _grid(f"{name} dense()", part_dense, q_len, kv_len, fail)
+        _first_difference(f"{name} dense()", part_dense, part_truth, q_len, kv_len, fail)
+        part_truths.append(part_truth)
+        count += part_truth
+    overlap = torch.nonzero(count > 1)
+    if overlap.numel():
+        i, j = overlap[0].tolist()
+        raise fail(
+            f"parts() overlap at query {i} (position {i + kv_len - q_len}) x key {j} {where}; "
+            "parts must be disjoint"
+        )
+    _first_difference("the union of parts()", count > 0, truth, q_len, kv_len, fail)
+    return part_truths
 
-    # Each piece in each token order a backend runs it in: flex runs the whole pattern in the
-    # natural order, blocked runs each part in its own order. A composition may run a piece in a
-    # third order (``p | strided(stride=3)`` excludes p's pairs in the stride-3 order), so that too.
+
+def _pieces(p: Pattern, parts, part_truths: list[Tensor], truth: Tensor, fail) -> list[tuple]:
+    """(piece, its allowed pairs, token order's stride, name in messages) for each piece in each
+    token order a backend runs it in: flex runs the whole pattern in the natural order, blocked
+    runs each part in its own order. A composition may run a piece in a third order
+    (``p | strided(stride=3)`` excludes p's pairs in the stride-3 order), so that too."""
     pieces = [(p, truth, 1, "")] if len(parts) > 1 or parts[0] is not p else []
     for n, (part, part_truth) in enumerate(zip(parts, part_truths, strict=True), start=1):
         stride = part.stride
@@ -262,6 +284,12 @@ def _check_shape(p: Pattern, q_len: int, kv_len: int, blocks, fail) -> None:
         name = "" if part is p else f"part {n} of {len(parts)} ({_short(part, 60)}) "
         for s in sorted({1, stride, OTHER_STRIDE}, key=order_key):
             pieces.append((part, part_truth, s, name))
+    return pieces
+
+
+def _check_block_states(pieces: list[tuple], blocks, q_len: int, kv_len: int, fail) -> None:
+    """``block_state`` of each piece in its token order at each block size; the prefix sums of
+    a piece's pairs are computed once per (piece, order) and shared by the block sizes."""
     sums: dict[tuple, Tensor] = {}  # prefix sums per (piece, stride), see below
     for bq, bk in blocks:
         for part, part_truth, stride, name in pieces:

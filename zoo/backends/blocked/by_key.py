@@ -109,71 +109,147 @@ def runs(
     Without ``masks_too`` only their rows and blocks (what ``scored_by_key`` counts)."""
     B, H = call.q.shape[:2]
     kv_heads = call.k.shape[1]
-
-    def frame_of(q_block: int, k_block: int) -> tuple[Frame, Tensor | None]:
-        frame = build_frame(part.stride, call.q_len, call.kv_len, q_block, k_block, call.device)
-        return frame, None if padding is None else frame.k.gather(padding[:, :, None])[..., 0]
-
-    factor = 1
-    while factor < COARSE and 2 * factor * block <= call.kv_len:
-        factor *= 2
-    frame, padded = frame_of(1, factor * block)
-    if not frame.k.identity:  # a regrouped order: kernel blocks only
-        factor = 1
-        frame, padded = frame_of(1, block)
-    Kb, bk = frame.k.num_blocks, frame.k.block
+    factor, frame, padded = _run_frame(part, call, block, padding)
+    Kb = frame.k.num_blocks
     state = part.block_state(frame.q.spans().column(), frame.k.spans().row())
     shared = padding is None and state.shape[:2] == (1, 1)
     if shared:  # the runs of one sequence and head, for all of them (``Runs.shared``)
         B, H, kv_heads = 1, 1, 1
     state = with_padding(state, frame, B, H, padded)  # (B, H, Sq, Kb): per query
     full, some = state == FULL, state != EMPTY
-    # Inside a key block, kernel blocks per query block of ``block`` queries: where FULL or
-    # EMPTY there, so for each of its queries. Only PARTIAL ones are asked key by key.
-    fine = state[..., None]
-    if factor > 1:
-        blocks_frame, blocks_padded = frame_of(block, block)
-        fine = routed_state(part, blocks_frame, B, H, blocks_padded)  # (B, H, Qb, kernel blocks)
-        fine = torch.nn.functional.pad(fine, (0, Kb * factor - fine.shape[-1]), value=EMPTY)
-        fine = fine.unflatten(-1, (Kb, factor))  # (B, H, Qb, Kb, factor)
-    Sq, group = state.shape[2], H // kv_heads
+    fine = _kernel_block_states(part, call, block, padding, state, factor, (B, H, Kb))
+    shape = (B, H, state.shape[2], Kb)
     rows, blocks, masks, has_key = [], [], [], []
     for kind in (full, some & ~full):
-        # Pairs ordered by (sequence, kv head, key block), then query: a run per key block.
-        b, hk, j, g, i = (
-            kind.unflatten(1, (kv_heads, group)).permute(0, 1, 4, 2, 3).nonzero(as_tuple=True)
-        )
-        if b.numel() == 0:
+        found = _pairs_by_key_block(kind, frame, padded, shape, kv_heads, call.device)
+        if found is None:
             continue
-        key_block = (b * kv_heads + hk) * Kb + j
-        run_blocks, counts = torch.unique_consecutive(key_block, return_counts=True)
-        slot = (run_blocks % Kb)[:, None] * bk + torch.arange(bk, device=call.device)  # (R, bk)
-        key_ok = frame.k.valid[slot]
-        if padded is not None:
-            key_ok = key_ok & ~padded[(run_blocks // (kv_heads * Kb))[:, None], slot]
-        h = hk * group + g
-        rows += ((b * H + h) * Sq + i).split(counts.tolist())
-        blocks += run_blocks.tolist()
+        pair, kind_rows, kind_blocks, counts, key_ok = found
+        rows += kind_rows
+        blocks += kind_blocks
         if not masks_too:
             continue
         if kind is full:  # masked by padding only, which is not all of it (routed_state)
-            masks += [
-                None if every else _additive(ok.view(1, 1, 1, bk), dtype)
-                for every, ok in zip(key_ok.all(-1).tolist(), key_ok, strict=True)
-            ]
-            has_key.append(torch.ones_like(b, dtype=torch.bool))
+            masks += _padding_masks(key_ok, dtype)
+            has_key.append(torch.ones_like(pair[0], dtype=torch.bool))
             continue
-        sub = fine[b, h, i // block, j] if factor > 1 else fine[b, h, i, j]  # (P, factor)
-        ok = _partial_pairs(part, frame, sub, (b, h, i, j), factor, (B, H, Sq, Kb))  # (P, bk)
-        ok = ok & key_ok.repeat_interleave(counts, dim=0)
-        masks += [_additive(m[None, None], dtype) for m in ok.split(counts.tolist())]
-        has_key.append(ok.any(-1))
+        kind_masks, keyed = _partial_masks(
+            part, frame, fine, pair, factor, block, shape, key_ok, counts, dtype
+        )
+        masks += kind_masks
+        has_key.append(keyed)
     if not rows:
         return None
     none = torch.zeros(0, dtype=torch.bool, device=call.device)  # counted without masks
     has_key = torch.cat(has_key) if has_key else none
     if not shared:
-        return Runs(frame, factor, (B, H, Sq, Kb), rows, blocks, masks, has_key)
+        return Runs(frame, factor, shape, rows, blocks, masks, has_key)
+    return _for_every_sequence_and_head(call, frame, factor, shape, rows, blocks, masks, has_key)
+
+
+def _frame_of(
+    part: Pattern, call: AttentionCall, padding: Tensor | None, q_block: int, k_block: int
+) -> tuple[Frame, Tensor | None]:
+    """``part``'s frame for this call at these block sizes, and its key padding by slot (None
+    without padding)."""
+    frame = build_frame(part.stride, call.q_len, call.kv_len, q_block, k_block, call.device)
+    return frame, None if padding is None else frame.k.gather(padding[:, :, None])[..., 0]
+
+
+def _run_frame(
+    part: Pattern, call: AttentionCall, block: int, padding: Tensor | None
+) -> tuple[int, Frame, Tensor | None]:
+    """(factor, frame, its key padding) of the runs: one query per block, key blocks of
+    ``factor`` kernel blocks, coarsened up to COARSE while that fits the keys twice (the kernel
+    is faster per score on larger blocks); kernel blocks only in a regrouped token order."""
+    factor = 1
+    while factor < COARSE and 2 * factor * block <= call.kv_len:
+        factor *= 2
+    frame, padded = _frame_of(part, call, padding, 1, factor * block)
+    if not frame.k.identity:  # a regrouped order: kernel blocks only
+        factor = 1
+        frame, padded = _frame_of(part, call, padding, 1, block)
+    return factor, frame, padded
+
+
+def _kernel_block_states(
+    part: Pattern, call: AttentionCall, block: int, padding: Tensor | None, state: Tensor,
+    factor: int, shape: tuple[int, int, int],
+) -> Tensor:  # fmt: skip
+    """Inside a key block, the states of its kernel blocks per query block of ``block``
+    queries, (B, H, Qb, Kb, factor) for ``shape`` (B, H, Kb); the per-query ``state`` itself,
+    (B, H, Sq, Kb, 1), when a key block is one kernel block. Where FULL or EMPTY there, so for
+    each of its queries: only PARTIAL ones are asked key by key."""
+    B, H, Kb = shape
+    fine = state[..., None]
+    if factor > 1:
+        blocks_frame, blocks_padded = _frame_of(part, call, padding, block, block)
+        fine = routed_state(part, blocks_frame, B, H, blocks_padded)  # (B, H, Qb, kernel blocks)
+        fine = torch.nn.functional.pad(fine, (0, Kb * factor - fine.shape[-1]), value=EMPTY)
+        fine = fine.unflatten(-1, (Kb, factor))  # (B, H, Qb, Kb, factor)
+    return fine
+
+
+def _pairs_by_key_block(
+    kind: Tensor, frame: Frame, padded: Tensor | None, shape: tuple[int, int, int, int],
+    kv_heads: int, device: torch.device,
+) -> tuple | None:  # fmt: skip
+    """The (query, key block) pairs where ``kind`` (B, H, Sq, Kb) holds, grouped into runs:
+    (pairs (b, h, i, j), each run's flat (b, h, slot) rows, its flat (b, h_kv, key block),
+    the runs' row counts, their keys' validity (R, bk)); None without a pair. The query heads
+    of a key/value head share its runs, so each key block is read once per key/value head."""
+    _, H, Sq, Kb = shape
+    group = H // kv_heads
+    # Pairs ordered by (sequence, kv head, key block), then query: a run per key block.
+    b, hk, j, g, i = (
+        kind.unflatten(1, (kv_heads, group)).permute(0, 1, 4, 2, 3).nonzero(as_tuple=True)
+    )
+    if b.numel() == 0:
+        return None
+    key_block = (b * kv_heads + hk) * Kb + j
+    run_blocks, counts = torch.unique_consecutive(key_block, return_counts=True)
+    bk = frame.k.block
+    slot = (run_blocks % Kb)[:, None] * bk + torch.arange(bk, device=device)  # (R, bk)
+    key_ok = frame.k.valid[slot]
+    if padded is not None:
+        key_ok = key_ok & ~padded[(run_blocks // (kv_heads * Kb))[:, None], slot]
+    h = hk * group + g
+    rows = ((b * H + h) * Sq + i).split(counts.tolist())
+    return (b, h, i, j), rows, run_blocks.tolist(), counts, key_ok
+
+
+def _padding_masks(key_ok: Tensor, dtype: torch.dtype) -> list[Tensor | None]:
+    """FULL runs' masks: each run's keys' padding (1, 1, 1, bk), one row for all of its
+    queries, or None where every key is valid (no mask for the kernel to add)."""
+    bk = key_ok.shape[-1]
+    return [
+        None if every else _additive(ok.view(1, 1, 1, bk), dtype)
+        for every, ok in zip(key_ok.all(-1).tolist(), key_ok, strict=True)
+    ]
+
+
+def _partial_masks(
+    part: Pattern, frame: Frame, fine: Tensor, pair: tuple[Tensor, ...], factor: int,
+    block: int, shape: tuple[int, int, int, int], key_ok: Tensor, counts: Tensor,
+    dtype: torch.dtype,
+) -> tuple[list[Tensor], Tensor]:  # fmt: skip
+    """PARTIAL runs' masks, (1, 1, n, bk) each, a row per query from its kernel blocks' states
+    and its keys' padding; and whether each row keeps a key (a keyless row must get weight 0)."""
+    b, h, i, j = pair
+    sub = fine[b, h, i // block, j] if factor > 1 else fine[b, h, i, j]  # (P, factor)
+    ok = _partial_pairs(part, frame, sub, pair, factor, shape)  # (P, bk)
+    ok = ok & key_ok.repeat_interleave(counts, dim=0)
+    masks = [_additive(m[None, None], dtype) for m in ok.split(counts.tolist())]
+    return masks, ok.any(-1)
+
+
+def _for_every_sequence_and_head(
+    call: AttentionCall, frame: Frame, factor: int, shape: tuple[int, int, int, int],
+    rows: list[Tensor], blocks: list[int], masks: list[Tensor | None], has_key: Tensor,
+) -> Runs:  # fmt: skip
+    """Shared runs, read from one sequence and head (``shape`` (1, 1, Sq, Kb)), as runs of every
+    sequence and head: each run's rows in the order (b, h, query), its masks the same for each."""
+    _, _, Sq, Kb = shape
     B, H = call.q.shape[:2]  # each run for every sequence and head, in the order (b, h, query)
     every = torch.arange(B * H, device=call.device)[:, None] * Sq
     if has_key.numel():
