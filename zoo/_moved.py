@@ -53,15 +53,24 @@ MOVED = {
 }
 
 
+_OWN = ("__spec__", "__name__", "__package__", "__loader__")
+
+
 class _Alias(importlib.abc.Loader):
     def __init__(self, new: str) -> None:
         self.new = new
+        self.own: dict[str, object] = {}
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        return importlib.import_module(self.new)
+        module = importlib.import_module(self.new)
+        self.own = {name: getattr(module, name) for name in _OWN}
+        return module
 
     def exec_module(self, module: ModuleType) -> None:
-        """The module ran at its new place."""
+        """The module ran at its new place; the import machinery set the old name's spec on it,
+        which relative imports and ``importlib.reload`` read: its own go back."""
+        for name, value in self.own.items():
+            setattr(module, name, value)
 
 
 class _MovedFinder(importlib.abc.MetaPathFinder):
@@ -75,7 +84,7 @@ class _MovedFinder(importlib.abc.MetaPathFinder):
 def install() -> None:
     """Answer the old names (once per process)."""
     if not any(isinstance(finder, _MovedFinder) for finder in sys.meta_path):
-        sys.meta_path.append(_MovedFinder())
+        sys.meta_path.insert(0, _MovedFinder())  # before a stale file of an old name
 
 
 install()

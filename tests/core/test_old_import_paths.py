@@ -39,3 +39,11 @@ def test_no_two_modules_share_a_basename():
     names = [p.name for p in Path(zoo.__file__).parent.rglob("*.py")]
     shared = {n for n in names if names.count(n) > 1} - {"__init__.py", "base.py"}
     assert not shared
+
+
+@pytest.mark.parametrize(("old", "new"), sorted(MOVED.items()))
+def test_importing_an_old_name_leaves_the_module_its_own_spec(old, new):
+    """The import machinery set the old name's spec on the module, which relative imports and
+    importlib.reload read (an ImportWarning, then a failed relative import after a reload)."""
+    module = importlib.import_module(old)
+    assert module.__spec__.name == module.__name__ == new

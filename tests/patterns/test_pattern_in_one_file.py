@@ -55,6 +55,7 @@ def one_file(tmp_path_factory):
         sys.modules.pop("one_file_pattern", None)
         zoo_registry.registry().variants.pop(NAME, None)
         families._FAMILIES.pop(NAME, None)
+        families._CODE_VARIANTS.pop(NAME, None)
 
 
 BACKENDS = {
@@ -165,3 +166,12 @@ def test_the_readme_example_runs_by_name(tmp_path, monkeypatch):
         sys.modules.pop("readme_band", None)
         zoo_registry.registry().variants.pop("band_with_first", None)
         families._FAMILIES.pop("band_with_first", None)
+        families._CODE_VARIANTS.pop("band_with_first", None)
+
+
+def test_a_registry_built_anew_keeps_the_variant(one_file, monkeypatch):
+    """A registry loaded after the registration (or anew) adds the families registered as
+    variants, after the zoo's own file."""
+    monkeypatch.setattr(zoo_registry, "_registry", None)
+    assert NAME in zoo.list_variants()
+    assert zoo.get_spec(NAME).description == "Keys within w of the query, and key 0."

@@ -87,7 +87,7 @@ def explain_decode(backend: object, score: DotProduct | AdditiveScore, cache: KV
     asked = backend if isinstance(backend, str) else getattr(backend, "name", "?")
     note = (
         ""
-        if asked in (*decoders(), "auto")
+        if asked in (*decoders(), "auto") or chosen is backend
         else f" (backend {asked!r} has no decoding path; a cached call runs on {chosen.name})"
     )
     return (

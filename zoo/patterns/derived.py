@@ -54,6 +54,10 @@ def _progression(spans: Spans, shape: torch.Size) -> tuple[Tensor, Tensor, int]:
     step = 1 if spans.box is not None else spans.step
     lo, hi = spans.lo.expand(shape).reshape(-1), spans.hi.expand(shape).reshape(-1)
     count = torch.where(hi >= lo, (hi - lo) // step + 1, 0)
+    # An empty block is evaluated at a position of the sequence (its result is ignored): allowed
+    # may index a table by position.
+    some = lo[count > 0]
+    lo = torch.where(count > 0, lo, some.min() if some.numel() else 0)
     return lo, count, step
 
 
@@ -64,17 +68,24 @@ def _evaluate(pattern: Pattern, q: tuple, k: tuple) -> tuple[Tensor, Tensor]:
     width = int(k_count.max()) if k_count.numel() else 0
     height = int(q_count.max()) if q_count.numel() else 0
     k_offsets = torch.arange(max(width, 1), device=k_lo.device)
-    k_pos = k_lo[:, None] + k_step * k_offsets  # (P, width)
     k_valid = k_offsets < k_count[:, None]
+    k_pos = k_lo[:, None] + k_step * _within(k_offsets, k_count)  # (P, width)
     some = torch.zeros(q_lo.numel(), dtype=torch.bool, device=q_lo.device)
     every = torch.ones_like(some)
     rows = max(1, CHUNK // max(1, width * q_lo.numel()))
     for first in range(0, max(height, 1), rows):
         q_offsets = torch.arange(first, min(first + rows, max(height, 1)), device=q_lo.device)
-        q_pos = q_lo[:, None] + q_step * q_offsets  # (P, rows)
+        q_pos = q_lo[:, None] + q_step * _within(q_offsets, q_count)  # (P, rows)
         q_valid = q_offsets < q_count[:, None]
         hit = pattern.allowed(q_pos[:, :, None], k_pos[:, None, :])  # (P, rows, width)
         valid = q_valid[:, :, None] & k_valid[:, None, :]
         some |= (hit & valid).flatten(1).any(dim=1)
         every &= (hit | ~valid).flatten(1).all(dim=1)
     return some, every
+
+
+def _within(offsets: Tensor, count: Tensor) -> Tensor:
+    """(P, n) offsets clamped to each block's last position: the padding of a block narrower
+    than the chunk's widest repeats a position of its own rather than one past the sequence
+    (``allowed`` may index a table by position; the padding's results are ignored)."""
+    return torch.minimum(offsets[None, :], (count[:, None] - 1).clamp(min=0))

@@ -27,6 +27,21 @@ class VariantInfo:
 
 VariantListener = Callable[[str, VariantInfo, bool], None]
 _VARIANT_LISTENERS: list[VariantListener] = []
+# The families registered as variants, kept here so that a registry built later (or anew) adds
+# them too; and how many times a family was replaced by another factory (cached builds of the
+# variants key on it).
+_CODE_VARIANTS: dict[str, VariantInfo] = {}
+_REPLACED = [0]
+
+
+def code_variants() -> dict[str, VariantInfo]:
+    """The families registered with a description, as variants of their names."""
+    return dict(_CODE_VARIANTS)
+
+
+def replacements() -> int:
+    """How many times a family was replaced by another factory."""
+    return _REPLACED[0]
 
 
 def on_variant(listener: VariantListener) -> None:
@@ -64,8 +79,11 @@ def register_pattern(
     def decorate(factory: PatternFactory) -> PatternFactory:
         before = _FAMILIES.get(name)
         _FAMILIES.add(name, factory, replace=replace)
-        if description is not None:
-            info = VariantInfo(description, paper, complexity, factory.__module__)
+        if before is not None and before is not factory:
+            _REPLACED[0] += 1  # patterns built from the old factory are stale
+        info = None if description is None else VariantInfo(description, paper, complexity,
+                                                            factory.__module__)  # fmt: skip
+        if info is not None and not (before is factory and _CODE_VARIANTS.get(name) == info):
             try:
                 for listener in _VARIANT_LISTENERS:  # raises if the name is taken or bad
                     listener(name, info, replace)
@@ -75,6 +93,7 @@ def register_pattern(
                 else:
                     _FAMILIES[name] = before
                 raise
+            _CODE_VARIANTS[name] = info
         return factory
 
     return decorate

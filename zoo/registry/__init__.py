@@ -64,7 +64,7 @@ import yaml
 
 from ..core.arguments import NotImportable, suggest
 from ..core.shape_cache import outside_graph
-from ..patterns.families import VariantInfo, on_variant
+from ..patterns.families import VariantInfo, code_variants, on_variant
 from .encoding_spec import EncodingSpec
 from .mechanism_spec import MechanismSpec
 from .module_spec import ModuleSpec
@@ -325,6 +325,25 @@ class Registry:
         self.files.append(source)
         return [name for entries in parsed.values() for name in entries]
 
+    def add_code_variant(self, name: str, info: VariantInfo, replace: bool = False) -> None:
+        """A family that ``register_pattern`` made a variant: its entry, as YAML would give it;
+        a name already defined raises unless ``replace``."""
+        taken = self.entry(name, NAMESPACES[0])
+        if taken is not None and not (replace and name in self.variants):
+            raise ValueError(
+                f"variant {name!r} is already defined in {taken.source}; choose another name for "
+                f"the pattern registered by {info.source}, or pass replace=True"
+            )
+        spec = VariantSpec(
+            name=name, pattern=name, description=info.description, paper=info.paper,
+            complexity=info.complexity, source=info.source,
+        )  # fmt: skip
+        try:
+            spec.validate()  # its defaults build a pattern
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{info.source}: variant {name!r}: {error}") from error
+        self.variants[name] = spec
+
     def entry(self, name: str, sections: tuple[str, ...]) -> Spec | Unavailable | Invalid | None:
         """The entry of that name in one of the sections, available, unavailable or invalid."""
         for section in sections:
@@ -356,6 +375,10 @@ def _warn(message: str) -> None:
     warnings.warn(f"{message} (the file is named in ZOO_REGISTRY)", RegistryWarning, stacklevel=2)
 
 
+def _warn_code(message: str) -> None:
+    warnings.warn(message, RegistryWarning, stacklevel=2)
+
+
 _registry: Registry | None = None
 
 
@@ -374,6 +397,11 @@ def _load_once() -> bool:
     if _registry is None:
         fresh = Registry()
         fresh.load(BUILTIN_REGISTRY)
+        for name, info in code_variants().items():  # registered before this load
+            try:
+                fresh.add_code_variant(name, info)
+            except ValueError as error:
+                _warn_code(f"{error}; the variant is left out")
         for path in filter(None, os.environ.get("ZOO_REGISTRY", "").split(os.pathsep)):
             fresh.load(path, strict=False)
         _registry = fresh
@@ -381,23 +409,10 @@ def _load_once() -> bool:
 
 
 def _add_code_variant(name: str, info: VariantInfo, replace: bool) -> None:
-    """A family that ``register_pattern`` made a variant: its entry, as YAML would give it."""
-    variants = registry().variants
-    taken = registry().entry(name, NAMESPACES[0])
-    if taken is not None and not (replace and name in variants):
-        raise ValueError(
-            f"variant {name!r} is already defined in {taken.source}; choose another name for "
-            f"the pattern registered by {info.source}, or pass replace=True"
-        )
-    spec = VariantSpec(
-        name=name, pattern=name, description=info.description, paper=info.paper,
-        complexity=info.complexity, source=info.source,
-    )  # fmt: skip
-    try:
-        spec.validate()  # its defaults build a pattern
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"{info.source}: variant {name!r}: {error}") from error
-    variants[name] = spec
+    """A family that ``register_pattern`` made a variant, added to the registry if it is loaded
+    (a registry loaded later adds it in ``_load_once``, after the zoo's own file)."""
+    if _registry is not None:
+        _registry.add_code_variant(name, info, replace)
 
 
 on_variant(_add_code_variant)

@@ -12,7 +12,7 @@ from functools import lru_cache
 
 from ..core.arguments import check_parameters, close_matches, did_you_mean
 from ..patterns import Intersection, Pattern, Union, build_family, made_causal, resolve_family
-from ..patterns.families import family_parameters, list_families
+from ..patterns.families import family_parameters, list_families, replacements
 
 COMBINATORS = ("union", "intersection", "causal")
 
@@ -42,8 +42,8 @@ class VariantSpec:
         try:
             hash(frozen)
         except TypeError:  # a value of no parameter's type (a set, an array): its check says so
-            return _build_cached.__wrapped__(self, frozen)
-        return _build_cached(self, frozen)
+            return _build_cached.__wrapped__(self, frozen, replacements())
+        return _build_cached(self, frozen, replacements())
 
     def __hash__(self) -> int:
         return hash((self.name, self.source))
@@ -68,7 +68,8 @@ def _freeze(value: object) -> object:
 
 
 @lru_cache(maxsize=512)
-def _build_cached(spec: VariantSpec, frozen_params: tuple) -> Pattern:
+def _build_cached(spec: VariantSpec, frozen_params: tuple, replaced: int) -> Pattern:
+    # ``replaced``: a family replaced by another factory builds anew (register_pattern)
     params = dict(frozen_params)
     if isinstance(spec.pattern, str):
         return build_family(spec.pattern, params)
