@@ -94,7 +94,6 @@ def attention(
     and raise ``torch._dynamo.config.recompile_limit`` (8) above 8 lengths. A Pattern passed as
     ``variant`` must be made outside the compiled region (a module attribute, say).
     """
-    params = concrete_params(params)
     if is_mechanism(variant):  # computed differently, not masked: zoo/mechanisms
         if cache is not None:
             raise ValueError(
@@ -115,7 +114,7 @@ def attention(
             scale=scale,
             score=score,
             return_weights=return_weights,
-            params=params,
+            params=concrete_params(params),
         )
     if cache is not None:
         if edge_index is not None:
@@ -125,9 +124,9 @@ def attention(
         return _cached_attention(
             q, k, v, cache, variant=variant, backend=backend, causal=causal,
             key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale, score=score,
-            pos=pos, params=params,
+            pos=pos, params=concrete_params(params),
         )  # fmt: skip
-    call = prepare_call(
+    call = prepare_call(  # makes the parameters concrete itself
         q,
         k,
         v,
