@@ -3,6 +3,7 @@
 
 run CONFIG.yaml [key=value ...]   train and evaluate a sweep (eval/configs/quick.yaml: minutes)
 report RESULTS.jsonl              markdown, CSV and plots from a sweep's results
+findings [NAME ...]               published findings beside the harness's, with verdicts
 bench [CONFIG.yaml] [key=value]   time and memory of every variant and backend, with peers
 bench-decode [CONFIG.yaml] [k=v]  one generation step against a cache, 1K to 64K tokens
 bench-report BENCH.json [...]     one report from a sweep run in pieces (out=DIR), or re-rendered
@@ -23,6 +24,7 @@ import sys
 COMMANDS = {
     "run": "eval.harness.run",
     "report": "eval.harness.report",
+    "findings": "eval.findings.report",
     "bench": "eval.bench.run",
     "bench-decode": "eval.bench.decode",
     "bench-report": "eval.bench.merge",

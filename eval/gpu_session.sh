@@ -13,6 +13,10 @@
 #   RUN_CONFIG=eval/configs/compile_gpu.yaml bash eval/gpu_session.sh standard compile-graph \
 #       train.compile=true                            # compiled training speed (and without)
 #   bash eval/gpu_session.sh decode NAME [key=value]    # eval/configs/bench_decode.yaml (generation)
+#   RUN_CONFIG=eval/configs/findings/mqar_gap_zoology_gpu.yaml bash eval/gpu_session.sh \
+#       standard mqar-gap-zoology                       # a finding's GPU twin (also _uniform_gpu,
+#                                                       # extrapolation_gpu; listops_gpu one
+#                                                       # variant per command: variants=[full])
 #
 # xFormers, where its wheel was carried in .whl/ (see the device tool's README), is installed
 # first into /tmp/site. Run from the repository root. The wheels for torch 2.11+cu130:
@@ -80,3 +84,6 @@ esac
 #   python -m eval auto-table eval/results/bench-gpu/bench.json
 #   cat eval/results/gpu/standard-*.jsonl > eval/results/standard/results.jsonl
 #   python -m eval report eval/results/standard/results.jsonl
+#   mkdir -p eval/results/findings-gpu/NAME && cat eval/results/gpu/standard-NAME*.jsonl \
+#       > eval/results/findings-gpu/NAME/results.jsonl   # each finding's twin, then:
+#   python -m eval findings --gpu

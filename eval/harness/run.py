@@ -14,6 +14,7 @@ import argparse
 import hashlib
 import itertools
 import json
+import os
 import platform
 import sys
 import time
@@ -30,6 +31,7 @@ from zoo.core.arguments import suggest
 from ..tasks import get_task, list_tasks
 from . import distributed
 from .config import ConfigError, build, load_config
+from .workers import append_record, parse_shard, run_in_processes
 
 
 @dataclass
@@ -46,7 +48,9 @@ class ModelConfig:
 class TrainConfig:
     steps: int = 300
     batch_size: int = 32
-    lr: float = 1e-3
+    # One learning rate, or a list: one cell per value, and the report keeps the best per cell
+    # (``best_of``), as Zoology reports each model at the best of a sweep (4 values, 1e-4 to 1e-2).
+    lr: float | list[float] = 1e-3
     weight_decay: float = 0.1
     warmup: float = 0.1  # fraction of the steps
     grad_clip: float = 1.0
@@ -67,6 +71,8 @@ class TrainConfig:
 @dataclass
 class RunConfig:
     name: str = "run"
+    # What the sweep shows and what it cannot, for the top of its report (kept in each record).
+    about: str = ""
     tasks: list[str] = field(default_factory=lambda: ["mqar"])
     task_params: dict[str, dict] = field(default_factory=dict)  # task name -> its parameters
     # task name -> {model: {...}, train: {...}, train_lengths: [...], test_lengths: [...]}:
@@ -79,6 +85,10 @@ class RunConfig:
     train_lengths: list[int] = field(default_factory=lambda: [128])
     test_lengths: list[int] = field(default_factory=list)  # empty: the train length only
     seeds: list[int] = field(default_factory=lambda: [0])
+    # What the report chooses the best of, per cell, by accuracy at the train length: "lr" (the
+    # learning rates of a train.lr list) and/or "seed"; the rest are kept in the results and the
+    # report's sweep table, the chosen one named. Seeds not in best_of are averaged.
+    best_of: list[str] = field(default_factory=lambda: ["lr"])
     causal: bool = False
     backend: str = "auto"
     # cells left out of the product, each a mapping of task / variant / encoding that a cell
@@ -92,6 +102,9 @@ class RunConfig:
     # 1.04 with one. Under torchrun each of the N processes takes this many. On a dedicated
     # many-core CPU, or for larger models, raise it (threads=4, or 0 for one per core).
     threads: int = 1
+    # Cells trained at once, each in its own process with ``threads`` threads (workers.py): on a
+    # 2-core CPU, workers: 2 with threads: 1 trains two cells at a time on both cores.
+    workers: int = 1
     out: str = "eval/results/{name}"
     save_checkpoints: bool = False  # <out>/checkpoints/<cell key>.pt, for attention maps
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -146,8 +159,26 @@ def check_names(config: RunConfig, source: str) -> None:
             if name not in known_by_key[key]:
                 message = suggest(key, str(name), known_by_key[key], f"{key}s")
                 raise ConfigError(f"{source}: exclude[{i}]: {message}")
+    for where, lr in (
+        ("train.lr", config.train.lr),
+        *(
+            (f"task_settings: {task}: train.lr", settings["train"]["lr"])
+            for task, settings in config.task_settings.items()
+            if "lr" in settings.get("train", {})
+        ),
+    ):
+        if not learning_rates(lr) or not all(v > 0 for v in learning_rates(lr)):
+            raise ConfigError(
+                f"{source}: {where} must be a positive number or a non-empty list of them, "
+                f"got {lr!r}"
+            )
+    for i, name in enumerate(config.best_of):
+        if name not in ("lr", "seed"):
+            raise ConfigError(f"{source}: best_of[{i}] must be 'lr' or 'seed', got {name!r}")
     if config.train.batch_size < 1 or config.train.steps < 1:
         raise ConfigError(f"{source}: train.steps and train.batch_size must be positive")
+    if config.workers < 1:
+        raise ConfigError(f"{source}: workers must be >= 1, got {config.workers}")
     if config.threads < 0:
         raise ConfigError(
             f"{source}: threads must be >= 0 (0: torch's default, one per core), "
@@ -162,16 +193,24 @@ def cells(config: RunConfig) -> list[dict[str, Any]]:
         settings = config.task_settings.get(task, {})
         train_lengths = settings.get("train_lengths", config.train_lengths)
         test_lengths = settings.get("test_lengths", config.test_lengths)
-        for train_len, variant, encoding, seed in itertools.product(
-            train_lengths, config.variants, config.encodings, config.seeds
+        lr = settings.get("train", {}).get("lr", config.train.lr)
+        for train_len, variant, encoding, seed, rate in itertools.product(
+            train_lengths, config.variants, config.encodings, config.seeds, learning_rates(lr)
         ):
             names = {"task": task, "variant": variant, "encoding": encoding}
             if any(all(names[k] == v for k, v in rule.items()) for rule in config.exclude):
                 continue
             out.append(
-                make_cell(config, task, settings, train_len, test_lengths, variant, encoding, seed)
+                make_cell(
+                    config, task, settings, train_len, test_lengths, variant, encoding, seed, rate
+                )
             )
     return out
+
+
+def learning_rates(lr: float | list[float]) -> list[float]:
+    """The learning rates of a sweep: ``train.lr`` as a list, or the one value."""
+    return [float(v) for v in lr] if isinstance(lr, list | tuple) else [float(lr)]
 
 
 def make_cell(
@@ -183,8 +222,10 @@ def make_cell(
     variant: str,
     encoding: str,
     seed: int,
+    lr: float,
 ) -> dict[str, Any]:
-    """One cell as plain data; its key hashes everything in it, so a changed setting reruns it."""
+    """One cell as plain data; its key hashes everything in it, so a changed setting reruns it.
+    ``lr`` is the cell's one learning rate, of the sweep's list."""
     cell = {
         "task": task,
         "task_params": config.task_params.get(task, {}),
@@ -198,7 +239,7 @@ def make_cell(
         "causal": config.causal,
         "backend": config.backend,
         "model": {**asdict(config.model), **settings.get("model", {})},
-        "train": {**asdict(config.train), **settings.get("train", {})},
+        "train": {**asdict(config.train), **settings.get("train", {}), "lr": lr},
     }
     cell["key"] = hashlib.sha1(json.dumps(cell, sort_keys=True).encode()).hexdigest()[:16]
     return cell
@@ -260,15 +301,25 @@ def environment(context: distributed.Context) -> dict[str, Any]:
 
 
 def run(
-    config: RunConfig, source: str, context: distributed.Context, show_progress: bool = True
+    config: RunConfig,
+    source: str,
+    context: distributed.Context,
+    show_progress: bool = True,
+    shard: tuple[int, int] = (0, 1),
 ) -> Path:
-    """Run every cell not yet in the results file, with ``config.threads`` CPU threads; returns
-    the results file's path."""
+    """Run every cell not yet in the results file (with ``shard`` (K, N), every N-th of them
+    from the K-th on), with ``config.threads`` CPU threads; returns the results file's path."""
     with distributed.thread_count(config.threads):
-        return _run(config, source, context, show_progress)
+        return _run(config, source, context, show_progress, shard)
 
 
-def _run(config: RunConfig, source: str, context: distributed.Context, show_progress: bool) -> Path:
+def _run(
+    config: RunConfig,
+    source: str,
+    context: distributed.Context,
+    show_progress: bool,
+    shard: tuple[int, int],
+) -> Path:
     from .train import train
 
     out = Path(config.out.format(name=config.name))
@@ -276,10 +327,13 @@ def _run(config: RunConfig, source: str, context: distributed.Context, show_prog
     done = finished_keys(results)
     sweep = cells(config)
     todo = [c for c in sweep if c["key"] not in done]
+    waiting = len(todo)
+    todo = todo[shard[0] :: shard[1]]
     if context.main:
         out.mkdir(parents=True, exist_ok=True)
+        mine = "" if shard[1] == 1 else f" (worker {shard[0] + 1} of {shard[1]}: {len(todo)})"
         print(
-            f"{source}: {len(todo)} cells to run, {len(sweep) - len(todo)} done in {results}",
+            f"{source}: {waiting} cells to run{mine}, {len(sweep) - waiting} done in {results}",
             flush=True,
         )
     total_steps = sum(c["train"]["steps"] for c in todo)
@@ -291,7 +345,12 @@ def _run(config: RunConfig, source: str, context: distributed.Context, show_prog
         )
         if bar is not None:
             bar.set_description(label)
-        record: dict[str, Any] = {"cell": cell, "environment": environment(context)}
+        record: dict[str, Any] = {
+            "cell": cell,
+            "best_of": config.best_of,
+            **({"about": config.about} if config.about else {}),
+            "environment": environment(context),
+        }
         start = time.time()
         try:
             checkpoint = (
@@ -308,9 +367,7 @@ def _run(config: RunConfig, source: str, context: distributed.Context, show_prog
                 torch.cuda.empty_cache()
         record["wall_seconds"] = round(time.time() - start, 2)
         if context.main:
-            with results.open("a") as f:
-                f.write(json.dumps(record) + "\n")
-                f.flush()
+            append_record(results, json.dumps(record) + "\n")
             if bar is None:
                 print(
                     f"{label}: {record['status']} {record.get('accuracy', record.get('reason'))}",
@@ -338,17 +395,28 @@ def main(argv: list[str] | None = None) -> int:
         "--no-progress", action="store_true", help="one line per cell instead of a bar"
     )
     parser.add_argument("--no-report", action="store_true", help="skip the report at the end")
+    # one worker's share of the cells (workers.py starts them; not for direct use)
+    parser.add_argument("--shard", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
         config = load_config(RunConfig, args.config, args.overrides)
         check_names(config, args.config)
         check_cells(cells(config), args.config)
-    except ConfigError as error:
+        shard = (0, 1) if args.shard is None else parse_shard(args.shard)
+    except (ConfigError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if config.workers > 1 and args.shard is None and "WORLD_SIZE" not in os.environ:
+        status = run_in_processes(args.config, args.overrides, config.workers)
+        if status == 0 and not args.no_report:
+            from .report import write_report
+
+            out = Path(config.out.format(name=config.name))
+            print(write_report(out / "results.jsonl", out))
+        return status
     context = distributed.start(config.device)
     try:
-        results = run(config, args.config, context, show_progress=not args.no_progress)
+        results = run(config, args.config, context, not args.no_progress, shard)
     finally:
         distributed.stop(context)
     if context.main and not args.no_report:

@@ -20,6 +20,7 @@ from eval.harness.report import write_report
 from eval.harness.run import RunConfig, cells, check_cells, check_names, run
 
 ROOT = Path(__file__).resolve().parents[2]
+QUICK = "eval/configs/quick.yaml"
 CPU = distributed.Context(0, 1, torch.device("cpu"))
 TINY = [
     "tasks=[mqar]",
@@ -216,6 +217,39 @@ def test_two_process_torchrun_gives_the_same_results_shape(tmp_path):
     assert b["environment"]["world_size"] == 2 and a["environment"]["world_size"] == 1
 
 
+def test_workers_train_the_cells_side_by_side_with_the_same_results(tmp_path):
+    """workers: 2 runs the cells in two processes, one results file, the same records as one
+    process (each cell's seeds are its own), and the report at the end."""
+    overrides = [*TINY, "variants=[local, full, bigbird]", "train.steps=5",
+                 "variant_params={local: {window_size: 4}, bigbird: {block_size: 8}}"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    records = {}
+    for workers in (1, 2):
+        out = tmp_path / f"workers-{workers}"
+        done = subprocess.run(
+            [sys.executable, "-m", "eval", "run", "--no-progress", str(ROOT / QUICK), *overrides,
+             f"workers={workers}", f"out={out}"],
+            env=env, capture_output=True, text=True, timeout=subprocess_timeout(300),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        records[workers] = {r["cell"]["key"]: r for r in read(out / "results.jsonl")}
+        assert (out / "report.md").exists()
+    assert records[1].keys() == records[2].keys() and len(records[1]) == 3
+    for key, one in records[1].items():
+        assert records[2][key]["accuracy"] == one["accuracy"]
+        assert records[2][key]["loss_curve"] == one["loss_curve"]
+    assert "worker 2 of 2" in done.stdout
+
+
+@pytest.mark.parametrize("text", ["2/2", "1", "a/b", "-1/2", "0/0"])
+def test_a_bad_shard_is_named(text):
+    from eval.harness.workers import parse_shard
+
+    with pytest.raises(ValueError, match=f"--shard must be K/N .*got {text!r}"):
+        parse_shard(text)
+    assert parse_shard("1/3") == (1, 3)
+
+
 @pytest.mark.parametrize(
     "overrides,message",
     [
@@ -337,6 +371,10 @@ def test_generation_is_greedy_on_fed_answers(tmp_path):
         assert 0 <= record["generation_accuracy"]["32"] <= 1
         if feed == "false":
             assert record["generation_accuracy"] == record["accuracy"]
+        report = write_report(tmp_path / feed / "results.jsonl")
+        assert "greedy generation" in report.splitlines()[4]  # the summary's header
+        assert f"{record['generation_accuracy']['32']:.3f}" in report
+        assert (tmp_path / feed / "generation.png").exists()
 
 
 def test_the_threads_setting_is_applied_during_the_sweep_and_restored(tmp_path, monkeypatch):

@@ -262,3 +262,63 @@ def test_fed_answers_hold_the_previous_answer(name, module) -> None:
         assert module.solve(row, feed_answers=True) == target
     with pytest.raises(ValueError, match="feed_answers must be true or false, got 'yes'"):
         make(name, feed_answers="yes")
+
+
+def chi_square(observed: torch.Tensor, expected: torch.Tensor) -> float:
+    return float(((observed - expected) ** 2 / expected).sum())
+
+
+def chi_square_bound(df: int) -> float:
+    """Far above the 99.9th percentile of a chi-square with ``df`` degrees of freedom (mean df,
+    variance 2 df): a correct generator never fails it at the fixed seeds used here, and a wrong
+    law overshoots it by orders of magnitude."""
+    return df + 8 * (2 * df) ** 0.5
+
+
+@pytest.mark.parametrize("power_a", [0.01, 0.5, 1.0])
+def test_mqar_gap_index_follows_its_law_exactly(power_a: float) -> None:
+    """With one pair the gap index g (1..S) is drawn with probability a * g**(a - 1), normalised:
+    the definition itself, checked by a chi-square test over every index."""
+    task = get_task("mqar", seq_len=64, num_kv_pairs=1, power_a=power_a)
+    b = task.sample(20000, seed=3)
+    index = (b.targets[:, 2:] != IGNORE).nonzero()[:, 1] // 2  # zero-based g - 1
+    slots = (64 - 2) // 2
+    observed = torch.bincount(index, minlength=slots).double()
+    g = torch.arange(1, slots + 1, dtype=torch.float64)
+    law = power_a * g ** (power_a - 1)
+    expected = law / law.sum() * len(index)
+    assert chi_square(observed, expected) < chi_square_bound(slots - 1)
+    if power_a != 1.0:  # the uniform law would pass a power law's test only by accident
+        uniform = torch.full_like(expected, len(index) / slots)
+        assert chi_square(observed, uniform) > 10 * chi_square_bound(slots - 1)
+
+
+def test_mqar_gaps_without_replacement_match_sequential_draws() -> None:
+    """With several pairs, the gap indices are drawn one by one without replacement in Zoology's
+    rule; torch.multinomial(replacement=False) draws exactly so, independently of the generator's
+    Gumbel-top-k: the two give the same distribution of indices (two-sample chi-square)."""
+    kv, seq_len, power_a, n = 4, 64, 0.01, 5000
+    task = get_task("mqar", seq_len=seq_len, num_kv_pairs=kv, power_a=power_a)
+    b = task.sample(n, seed=5)
+    ours = (b.targets[:, 2 * kv :] != IGNORE).nonzero()[:, 1] // 2
+    slots = (seq_len - 2 * kv) // 2
+    g = torch.arange(1, slots + 1, dtype=torch.float64)
+    weights = (power_a * g ** (power_a - 1)).expand(n, slots)
+    generator = torch.Generator().manual_seed(11)
+    theirs = torch.multinomial(weights, kv, replacement=False, generator=generator).flatten()
+    a = torch.bincount(ours, minlength=slots).double()
+    c = torch.bincount(theirs, minlength=slots).double()
+    statistic = float(((a - c) ** 2 / (a + c).clamp_min(1)).sum())
+    assert statistic < chi_square_bound(slots - 1)
+
+
+def test_induction_distance_is_uniform_over_its_range() -> None:
+    """The first special token sits uniformly in [0, L - 3], so the distance to the query,
+    (L - 1) - p, is uniform over 2..L-1."""
+    length = 40
+    b = get_task("induction", seq_len=length).sample(20000, seed=4)
+    distance = b.meta["distance"]
+    assert int(distance.min()) == 2 and int(distance.max()) == length - 1
+    observed = torch.bincount(distance - 2, minlength=length - 2).double()
+    expected = torch.full_like(observed, len(distance) / (length - 2))
+    assert chi_square(observed, expected) < chi_square_bound(length - 3)

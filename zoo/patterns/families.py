@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -118,11 +119,22 @@ def resolve_family(name: str) -> PatternFactory:
 
 def family_parameters(factory: PatternFactory) -> dict[str, object]:
     """The family's parameters and their defaults (``inspect.Parameter.empty`` if required)."""
-    return {
-        p.name: p.default
+    try:
+        return dict(_signature_defaults(factory))
+    except TypeError:  # an unhashable callable object as a factory: read it every time
+        return dict(_signature_defaults.__wrapped__(factory))
+
+
+@functools.lru_cache(maxsize=256)
+def _signature_defaults(factory: PatternFactory) -> tuple[tuple[str, object], ...]:
+    # Every call with a registry variant reads its parameters; inspect.signature took a tenth of
+    # zoo.attention's own time in a training step. A replaced family is a new factory object, so
+    # the cache never answers for the old one.
+    return tuple(
+        (p.name, p.default)
         for p in inspect.signature(factory).parameters.values()
         if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
-    }
+    )
 
 
 def build_family(name: str, params: dict[str, object]) -> Pattern:

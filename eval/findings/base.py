@@ -1,0 +1,146 @@
+"""What a finding is: a published claim, the presets that test it, and the verdicts on its
+parts, judged from the presets' results by the published protocol (each cell at the best of its
+learning-rate sweep, eval/harness/selection.py).
+
+A claim's verdict is ``agrees`` when the measured values meet it; when they do not, it is ``not
+converged`` if a cell it reads did not converge (eval/harness/convergence.py: a model that did
+not learn says nothing about what the variant can do) and ``disagrees`` otherwise; ``not run``
+when a preset has no results yet. The thresholds that turn a paper's words into a test ("about
+1.0", "near chance") are written once, here, and shown with every verdict.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..harness.config import load_config
+from ..harness.convergence import CONVERGED, training_state
+from ..harness.report import read_results
+from ..harness.run import RunConfig
+from ..harness.selection import choose
+
+AGREES, DISAGREES, NOT_CONVERGED, NOT_RUN = "agrees", "disagrees", "not converged", "not run"
+# "about 1.0" in a paper's words: at least this accuracy.
+NEAR_ONE = 0.9
+# "near chance": within this of the accuracy of always answering the most frequent target.
+NEAR_CHANCE = 0.1
+# "better than": by at least this much accuracy.
+MARGIN = 0.1
+
+
+@dataclass
+class Claim:
+    """One published statement, what was measured for it, and the verdict."""
+
+    claim: str
+    measured: str
+    verdict: str
+
+
+@dataclass
+class Judgement:
+    """A finding's claims, the tables that show the measured values, and its figures (a
+    matplotlib Figure, the file name to save it under, its caption)."""
+
+    claims: list[Claim]
+    tables: list[str] = field(default_factory=list)
+    figures: list[tuple[Any, str, str]] = field(default_factory=list)
+
+    @property
+    def verdict(self) -> str:
+        verdicts = {c.verdict for c in self.claims}
+        for verdict in (NOT_RUN, DISAGREES, NOT_CONVERGED):
+            if verdict in verdicts:
+                return verdict
+        return AGREES
+
+
+@dataclass
+class Finding:
+    """A published finding and the presets that reproduce it."""
+
+    name: str
+    title: str
+    source: str  # the paper(s), with the table or figure
+    published: str  # the published numbers, as markdown
+    # role -> preset (eval/configs/findings/*.yaml); the judge reads records by role
+    configs: dict[str, str]
+    gpu_configs: dict[str, str]  # the same roles at the published size, for the GPU campaign
+    # (role -> its chosen records, role -> preset) -> the judgement
+    judge: Callable[[dict[str, list[dict[str, Any]]], dict[str, str]], Judgement]
+
+    def results_path(self, config: str, root: Path) -> Path:
+        """Where a preset's results are, relative to ``root`` (the repository)."""
+        run = load_config(RunConfig, root / config)
+        return Path(run.out.format(name=run.name)) / "results.jsonl"
+
+    def presets(self, gpu: bool = False) -> dict[str, str]:
+        return self.gpu_configs if gpu else self.configs
+
+    def evaluate(self, root: Path, gpu: bool = False) -> Judgement:
+        """Judge the finding from its presets' results under ``root`` (the GPU twins' with
+        ``gpu``); a preset not run yet gives no records, and the claims that read it are
+        ``not run``, naming the command that runs it."""
+        chosen = {}
+        for role, config in self.presets(gpu).items():
+            path = root / self.results_path(config, root)
+            records = read_results(path) if path.exists() else []
+            chosen[role] = [r for s in choose(records) for r in s.chosen]
+        return self.judge(chosen, self.presets(gpu))
+
+
+def not_run(what: str, missing: list[str], config: str) -> Claim:
+    """The claim for a preset whose cells have no successful results yet."""
+    return Claim(what, f"no results for {', '.join(missing)}: python -m eval run {config}", NOT_RUN)
+
+
+def verdict(holds: bool, records: list[dict[str, Any]]) -> str:
+    """AGREES when the claim holds; otherwise NOT_CONVERGED if one of the records it reads did
+    not converge, else DISAGREES."""
+    if holds:
+        return AGREES
+    if any(training_state(r) != CONVERGED for r in records):
+        return NOT_CONVERGED
+    return DISAGREES
+
+
+def by_variant(records: list[dict[str, Any]], key: str = "variant") -> dict[str, list[dict]]:
+    """Successful records grouped by a cell field (the variant or the encoding)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        if r.get("status") == "ok":
+            out.setdefault(r["cell"][key], []).append(r)
+    return out
+
+
+def mean(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+def fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def figure(panels: int = 1, width: float = 6.5) -> tuple[Any, list[Any]]:
+    """A matplotlib figure of ``panels`` side by side, drawn without a display."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width * panels, 4), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, list(fig.subplots(1, panels, squeeze=False)[0])
+
+
+def chance(records: list[dict[str, Any]]) -> float:
+    """The accuracy of always answering the most frequent training target, over the records."""
+    return mean([r.get("chance_accuracy") for r in records]) or 0.0
+
+
+def training_of(records: list[dict[str, Any]]) -> str:
+    """The training states of the records, with the chosen learning rates."""
+    return ", ".join(f"lr {r['cell']['train']['lr']:g}: {training_state(r)}" for r in records)

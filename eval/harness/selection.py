@@ -1,0 +1,114 @@
+"""The published protocol's choice: per cell, the best of a learning-rate sweep (and of seeds,
+where a config asks for it), as Zoology reports each model at its best learning rate.
+
+A *cell of the protocol* is everything that shaped a result except what the sweep varies: the
+task, lengths, variant, encoding and settings, without ``train.lr`` (and without the seed when
+the config's ``best_of`` names "seed"). Its candidates are the sweep's learning rates; each is
+scored by its accuracy at the train length, averaged over seeds (or, with "seed" in best_of, the
+best seed's). The best score wins; a tie goes to the smaller learning rate. Every candidate stays
+in the results and in the report's sweep table, the chosen one marked.
+
+Accuracy is measured on the evaluation sequences the report also shows, as Zoology selects on
+its validation accuracy: the chosen score is the best of a handful, slightly optimistic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+IDENTITY = ("task", "train_len", "variant", "encoding", "seed")
+
+
+def setting_of(cell: dict[str, Any], leave_out: tuple[str, ...] = ()) -> str:
+    """A short name for everything else that shaped a cell (parameters, model, training), so that
+    cells of different configs in one results file are never averaged together as seeds.
+    ``leave_out`` names training settings the name ignores ("lr": the cells of one sweep)."""
+    rest = {k: v for k, v in cell.items() if k not in (*IDENTITY, "key", "test_lengths")}
+    rest["train"] = {k: v for k, v in rest.get("train", {}).items() if k not in leave_out}
+    return hashlib.sha1(json.dumps(rest, sort_keys=True).encode()).hexdigest()[:6]
+
+
+@dataclass
+class Sweep:
+    """One cell of the protocol: its candidates' scores and the chosen learning rate (and seed)."""
+
+    task: str
+    train_len: int
+    variant: str
+    encoding: str
+    setting: str
+    best_of: tuple[str, ...]
+    # lr (None in records without one) -> score at the train length (None: every run failed)
+    scores: dict[float | None, float | None] = field(default_factory=dict)
+    chosen_lr: float | None = None
+    chosen_seed: int | None = None
+    chosen: list[dict[str, Any]] = field(default_factory=list)  # the chosen records
+
+
+def latest(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each cell's latest record (a rerun cell's last line wins)."""
+    return list({r["cell"]["key"]: r for r in records}.values())
+
+
+def accuracy_at_train_length(record: dict[str, Any]) -> float | None:
+    if record.get("status") != "ok":
+        return None
+    return (record.get("accuracy") or {}).get(str(record["cell"]["train_len"]))
+
+
+def choose(records: list[dict[str, Any]]) -> list[Sweep]:
+    """The sweeps in ``records`` (each cell's latest record), each with its chosen records."""
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for record in latest(records):
+        cell = record["cell"]
+        best_of = tuple(sorted(record.get("best_of", ["lr"])))
+        key = (
+            cell["task"],
+            cell["train_len"],
+            cell["variant"],
+            cell["encoding"],
+            setting_of(cell, leave_out=("lr",)),
+            best_of,
+        )
+        groups[key].append(record)
+    sweeps = []
+    for (task, train_len, variant, encoding, setting, best_of), members in sorted(
+        groups.items(), key=lambda item: item[0][:5]
+    ):
+        sweep = Sweep(task, train_len, variant, encoding, setting, best_of)
+        by_lr: dict[float | None, list[dict[str, Any]]] = defaultdict(list)
+        for record in members:
+            by_lr[record["cell"].get("train", {}).get("lr")].append(record)
+        best: tuple[float, float, list[dict[str, Any]]] | None = None
+        for lr, runs in sorted(by_lr.items(), key=lambda item: item[0] or 0.0):
+            scored = [(accuracy_at_train_length(r), r) for r in runs]
+            ok = [(a, r) for a, r in scored if a is not None]
+            if not ok:
+                sweep.scores[lr] = None
+                continue
+            if "seed" in best_of:
+                accuracy, record = max(ok, key=lambda item: (item[0], -item[1]["cell"]["seed"]))
+                score, chosen = accuracy, [record]
+            else:
+                score, chosen = statistics.fmean(a for a, _ in ok), [r for _, r in ok]
+            sweep.scores[lr] = score
+            if best is None or score > best[1]:
+                best = (lr, score, chosen)
+        if best is None:  # every candidate failed: show the failures
+            sweep.chosen = members
+        else:
+            sweep.chosen_lr, _, sweep.chosen = best
+            if "seed" in best_of:
+                sweep.chosen_seed = sweep.chosen[0]["cell"]["seed"]
+        sweeps.append(sweep)
+    return sweeps
+
+
+def chosen_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records the protocol reports: each sweep's chosen ones."""
+    return [r for sweep in choose(records) for r in sweep.chosen]

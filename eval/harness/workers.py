@@ -1,0 +1,64 @@
+"""Cells trained side by side: ``workers: N`` runs a sweep's cells in N processes at once, each
+with the config's ``threads``, so that a 2-core CPU trains two small models at a time (one
+thread each) instead of one. The harness's models are too small for two threads to speed one up
+(eval/harness/run.py, ``threads``), so a sweep's wall time on such a machine halves.
+
+Each worker is ``python -m eval run CONFIG ... --shard K/N``: it takes every N-th cell not yet
+done, from the K-th on, and appends its records to the one results file under a lock; the
+parent waits for all of them and writes the report. Results do not depend on the number of
+workers (every cell's seeds are its own). On one GPU, workers share it; under torchrun, keep 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from pathlib import Path
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"K/N"`` -> (K, N) with 0 <= K < N; a ValueError naming the value otherwise."""
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        index, count = -1, 0
+    if not 0 <= index < count:
+        raise ValueError(f"--shard must be K/N with 0 <= K < N (e.g. 0/2), got {text!r}")
+    return index, count
+
+
+def run_in_processes(config: str, overrides: list[str], workers: int) -> int:
+    """Run the sweep in ``workers`` processes; returns the worst exit status."""
+    command = [sys.executable, "-m", "eval", "run", config, *overrides]
+    processes = [
+        subprocess.Popen([*command, "--shard", f"{k}/{workers}", "--no-report", "--no-progress"])
+        for k in range(workers)
+    ]
+    try:
+        return max(p.wait() for p in processes)
+    finally:
+        for p in processes:  # an interrupted parent stops its workers
+            if p.poll() is None:
+                p.terminate()
+
+
+def append_record(path: Path, line: str) -> None:
+    """Append one line to ``path`` whole, even with other workers appending to it."""
+    with path.open("a") as f, _locked(f):
+        f.write(line)
+        f.flush()
+
+
+@contextlib.contextmanager
+def _locked(f):
+    try:
+        import fcntl
+    except ImportError:  # no POSIX locks (Windows): one worker per results file
+        yield
+        return
+    fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)

@@ -1,0 +1,174 @@
+"""The findings' verdicts, on tiny synthetic result records: a claim met agrees, one missed
+disagrees when training converged and reads "not converged" when it did not, a preset without
+results is "not run"; and ``python -m eval findings`` writes the report and its plots."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eval.findings import (
+    AGREES,
+    DISAGREES,
+    FINDINGS,
+    NOT_CONVERGED,
+    NOT_RUN,
+    mqar_gap,
+)
+from eval.findings.report import ROOT, write_findings
+
+CONVERGED_CURVE = [3.4, 2.0, 1.0, 0.5, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3]
+FALLING_CURVE = [3.4, 3.0, 2.6, 2.2, 1.9, 1.6, 1.4, 1.2, 1.0, 0.8]
+
+
+def record(task, variant, encoding="learned", accuracy=None, gaps=None, train_len=64,
+           params=None, curve=CONVERGED_CURVE, lr=1e-3):  # fmt: skip
+    cell = {
+        "task": task, "train_len": train_len, "variant": variant, "encoding": encoding,
+        "seed": 0, "key": f"{task}-{variant}-{encoding}-{lr}", "test_lengths": [train_len],
+        "variant_params": params or {}, "causal": True, "model": {"depth": 2},
+        "train": {"lr": lr},
+    }  # fmt: skip
+    accuracy = accuracy or {str(train_len): 0.5}
+    slices = {str(train_len): {"gap": {str(b): a for b, a in (gaps or {}).items()}}}
+    return {
+        "cell": cell, "status": "ok", "accuracy": accuracy, "slices": slices,
+        "loss_curve": curve, "marginal_loss": 3.4, "chance_accuracy": 0.03,
+    }  # fmt: skip
+
+
+WINDOW = {"window_size": [15, 0]}  # reach: 16 in one layer, 31 in two
+
+
+def mqar(full, window, routed, window_curve=CONVERGED_CURVE):
+    """gap bucket -> accuracy for each variant, as records of both gap laws."""
+    records = [
+        record("mqar", "full", gaps=full),
+        record("mqar", "local", gaps=window, params=WINDOW, curve=window_curve),
+        record("mqar", "moba", gaps=routed),
+    ]
+    return {role: records for role in mqar_gap.LAWS}
+
+
+def judge(chosen):
+    """The judgement of the finding whose roles ``chosen`` holds, by its CPU presets."""
+    (finding,) = [f for f in FINDINGS.values() if set(f.configs) == set(chosen)]
+    return finding.judge(chosen, finding.configs)
+
+
+def verdicts(judgement):
+    return [c.verdict for c in judgement.claims]
+
+
+def test_mqar_gap_agrees_when_the_window_recalls_only_within_its_reach():
+    judged = judge(
+        mqar(
+            full={2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0, 32: 0.98},
+            window={2: 1.0, 4: 1.0, 8: 0.99, 16: 0.95, 32: 0.05},
+            routed={2: 1.0, 4: 1.0, 8: 1.0, 16: 0.9, 32: 0.6},
+        )
+    )
+    assert verdicts(judged) == [AGREES] * 8 and judged.verdict == AGREES
+    # buckets within the stack's reach (2 x 15 + 1 = 31): 2-16; beyond: 32
+    assert "[2, 4, 8, 16]" in judged.claims[1].measured
+    assert "[32]" in judged.claims[2].measured
+    assert judged.figures and "gap 32" in judged.tables[0]
+
+
+def test_mqar_gap_disagrees_or_is_not_converged_when_the_window_fails_near():
+    failing = {2: 0.0, 4: 0.06, 8: 0.07, 16: 0.15, 32: 0.03}
+    full = {b: 1.0 for b in failing}
+    converged = judge(mqar(full, failing, full))
+    assert verdicts(converged)[:4] == [AGREES, DISAGREES, AGREES, AGREES]
+    assert converged.verdict == DISAGREES
+    unlearned = judge(mqar(full, failing, full, window_curve=FALLING_CURVE))
+    assert verdicts(unlearned)[1] == NOT_CONVERGED and unlearned.verdict == NOT_CONVERGED
+
+
+def test_mqar_gap_without_results_is_not_run():
+    judged = judge({config: [] for config in mqar_gap.LAWS})
+    assert verdicts(judged) == [NOT_RUN, NOT_RUN] and judged.verdict == NOT_RUN
+    assert "python -m eval run eval/configs/findings/" in judged.claims[0].measured
+
+
+def curves(**by_encoding):
+    names = ("64", "128", "256", "512")
+    return {
+        "extrapolation": [
+            record("induction", "full", encoding=e, accuracy=dict(zip(names, acc, strict=True)))
+            for e, acc in by_encoding.items()
+        ]
+    }
+
+
+def test_extrapolation_orders_the_encodings():
+    published_like = curves(
+        sinusoidal=(1.0, 0.59, 0.27, 0.19), learned=(1.0, 0.3, 0.1, 0.1),
+        rope=(1.0, 0.84, 0.31, 0.18), alibi=(1.0, 1.0, 0.98, 0.97), t5=(1.0, 0.99, 0.97, 0.95),
+    )  # fmt: skip
+    judged = judge(published_like)
+    assert verdicts(judged) == [AGREES] * 4
+    flat = curves(sinusoidal=(1.0,) * 4, learned=(1.0,) * 4, rope=(1.0,) * 4,
+                  alibi=(1.0,) * 4, t5=(1.0,) * 4)  # fmt: skip
+    assert verdicts(judge(flat)) == [AGREES, DISAGREES, DISAGREES, AGREES]
+    assert judge({"extrapolation": []}).verdict == NOT_RUN
+
+
+def test_listops_ordering():
+    def run(full, local, longformer, bigbird):
+        accuracies = {"full": full, "block_local": local, "longformer": longformer,
+                      "bigbird": bigbird}  # fmt: skip
+        return judge({"listops": [
+            record("listops", v, accuracy={"128": a}, train_len=128)
+            for v, a in accuracies.items()
+        ]})  # fmt: skip
+
+    assert verdicts(run(0.37, 0.05, 0.36, 0.36)) == [AGREES] * 3
+    same = run(0.2, 0.2, 0.2, 0.2)
+    assert verdicts(same) == [DISAGREES, DISAGREES, AGREES]
+    assert same.figures[0][1] == "listops_curves.png"
+
+
+def test_the_findings_report_is_written_with_its_plots(tmp_path):
+    root = tmp_path / "repo"
+    for finding in FINDINGS.values():
+        for config in finding.configs.values():
+            (root / config).parent.mkdir(parents=True, exist_ok=True)
+            (root / config).write_text((ROOT / config).read_text())
+    data = mqar(
+        full={2: 1.0, 32: 1.0}, window={2: 1.0, 32: 0.0}, routed={2: 1.0, 32: 0.8}
+    )  # fmt: skip
+    for role, records in data.items():
+        path = root / FINDINGS["mqar-gap"].results_path(FINDINGS["mqar-gap"].configs[role], root)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    text = write_findings(list(FINDINGS), tmp_path / "out", root)
+    assert "## Multi-query associative recall per gap: agrees" in text
+    assert "## The ListOps ordering: not run" in text
+    assert (tmp_path / "out" / "mqar_gap.png").stat().st_size > 0
+    assert (tmp_path / "out" / "report.md").read_text() == text
+
+
+@pytest.mark.parametrize("name", list(FINDINGS))
+def test_every_finding_names_presets_that_exist_and_load(name):
+    from eval.harness.config import load_config
+    from eval.harness.run import RunConfig, cells, check_names
+
+    finding = FINDINGS[name]
+    assert set(finding.configs) == set(finding.gpu_configs), "every preset has its GPU twin"
+    for config in [*finding.configs.values(), *finding.gpu_configs.values()]:
+        run = load_config(RunConfig, ROOT / config)
+        check_names(run, config)
+        made = cells(run)
+        assert len({c["train"]["lr"] for c in made}) == 4, "the published sweep of 4 rates"
+
+
+def test_extrapolation_splits_failures_by_trained_distance():
+    from eval.findings.extrapolation import by_distance
+
+    r = record("induction", "full", encoding="t5")
+    r["slices"]["512"] = {"distance": {"2": 1.0, "32": 0.8, "64": 0.1, "256": 0.0}}
+    # buckets [2, 3] and [32, 63] lie below the train length 64; [64, 127] and [256, 511] beyond
+    assert by_distance([r], 512, 64) == (pytest.approx(0.9), pytest.approx(0.05))
+    assert by_distance([r], 512, 32) == (pytest.approx(1.0), pytest.approx(0.3))
