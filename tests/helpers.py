@@ -158,9 +158,11 @@ def allowed_mask(
 ):
     """(B or 1, 1 or H, Lq, Lk) pairs that may attend: the pattern's dense view and the padding.
     A variant chosen by content has no fixed mask: its blocks are chosen from ``qk`` = (q, k)
-    (turned by ``pos`` first, as attention does)."""
-    pattern = variant if isinstance(variant, zoo.Pattern) else zoo.get_spec(variant).build()
-    if pattern.routed:
+    (turned by ``pos`` first, as attention does); one drawn per head (``Pattern.per_head``) is
+    drawn for q's heads, as attention draws it."""
+    is_pattern = isinstance(variant, zoo.Pattern)
+    pattern = variant if is_pattern else zoo.get_spec(variant).build(**params)
+    if pattern.routed or pattern.per_head:
         q, k = qk
         call = prepare_call(
             q, k, k, variant=variant, causal=causal, key_padding_mask=key_padding, pos=pos,

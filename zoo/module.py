@@ -226,6 +226,7 @@ class MultiHeadAttention(nn.Module):
             batch_size=batch_size,
             max_len=max_len,
             num_kv_heads=self.num_kv_heads,
+            num_heads=self.num_heads,
             head_dim=self.head_dim,
             causal=self.causal,
             dtype=weight.dtype if dtype is None else dtype,

@@ -15,17 +15,20 @@ from zoo.backends.blocked.key_windows import KeyWindows
 from zoo.backends.blocked.row_grid import RowGrid, row_grid
 from zoo.backends.lse_merge import Piece, merged_attention
 from zoo.functional import prepare_call
+from zoo.layout.block_layout import head_layout
 from zoo.layout.frames import build_frame
 
 
-def read_pairs(variant, causal, q_len, kv_len, block, params, split=False):
+def read_pairs(variant, causal, q_len, kv_len, block, params, split=False, heads=1, head=0):
     """(Lq, Lk) how many times the plan's groups leave each (query, key) pair unmasked (with
-    ``split``, global queries split from their blocks, as the CPU path plans)."""
-    q = torch.zeros(1, 1, q_len, 8)
+    ``split``, global queries split from their blocks, as the CPU path plans). A layout drawn
+    per head (bigbird's random blocks) is planned per head, as blocked runs it: head 0's here,
+    whose pairs are ``dense_mask``'s (or head ``head`` of ``heads``)."""
+    q = torch.zeros(1, heads, q_len, 8)
     k = torch.zeros(1, 1, kv_len, 8)
     call = prepare_call(q, k, k, variant=variant, causal=causal, **params)
     count = torch.zeros(q_len, kv_len, dtype=torch.int64)
-    for part in call.pattern.parts():
+    for part in head_layout(call.pattern, head).parts():
         frame = build_frame(part.stride, q_len, kv_len, block, block, torch.device("cpu"))
         for group in plan(part, frame, 0.25, split):
             q_slot = group.query_slots(block)
@@ -62,6 +65,20 @@ def test_every_allowed_pair_is_read_once(variant, params, causal, q_len, kv_len,
     assert torch.equal(count, allowed.to(torch.int64))
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_each_head_of_bigbird_drawn_per_head_is_read_once(causal):
+    """blocked runs a layout drawn per head head by head, each on its own plan: every head's
+    pairs are read exactly once, and the heads' pairs differ."""
+    heads, n, params = 3, 200, {"block_size": 8, "random_blocks": 2}
+    q = torch.zeros(1, heads, n, 8)
+    dense = prepare_call(q, q, q, variant="bigbird", causal=causal, **params).pattern.dense(n, n)
+    assert not torch.equal(dense[0, 0], dense[0, 1])
+    for h in range(heads):
+        for split in (False, True):
+            count = read_pairs("bigbird", causal, n, n, 16, params, split, heads, h)
+            assert torch.equal(count, dense[0, h].to(torch.int64)), (h, split)
+
+
 def test_registry_variants_are_read_once():
     for variant in FIXED_VARIANTS:
         params = small_params(variant)
@@ -79,7 +96,7 @@ def test_longformer_and_bigbird_read_their_band_as_a_view():
         ("bigbird", {"block_size": 64, "random_blocks": 3}, (3 * 64, 2 * 64, 3 * 64)),
     ]:
         q = torch.zeros(1, 1, n, 8)
-        (part,) = prepare_call(q, q, q, variant=variant, **params).pattern.parts()
+        (part,) = head_layout(prepare_call(q, q, q, variant=variant, **params).pattern, 0).parts()
         frame = build_frame(part.stride, n, n, 64, 64, torch.device("cpu"))
         groups = plan(part, frame, 0.25)
         banded = [g for g in groups if g.window is not None]

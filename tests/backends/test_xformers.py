@@ -41,7 +41,8 @@ PLANNED = [
 ]
 LENGTHS = [(100, 100), (37, 100), (100, 37), (16, 16)]
 NOT_PLANNED = [
-    ("bigbird", {}, "union only of one local window and global tokens"),
+    ("bigbird", {}, r"one layout for every head, not one per head \('bigbird'\)"),
+    ("bigbird", {"random_per_head": False}, "union only of one local window and global tokens"),
     ("strided", {}, "union only of one local window and global tokens"),
     ("dilated", {}, "no plan for an intersection of several sparse patterns"),
     ("random", {}, "no plan for Random"),

@@ -25,6 +25,7 @@ class Capabilities:
     return_weights: bool = False
     sparse: bool = False  # its cost grows with the computed blocks, not with n^2
     routed: bool = False  # runs layouts chosen by content, per sequence and head (MoBA)
+    per_head: bool = False  # runs fixed layouts that differ per query head (Pattern.per_head)
     decode: bool = False  # runs a step of new tokens against a KVCache (``Backend.decode_step``)
 
     def reason_against(self, call: AttentionCall) -> str | None:
@@ -41,6 +42,8 @@ class Capabilities:
             return f"it runs full and causal attention only, not the pattern of {call.variant!r}"
         if call.pattern.routed and not self.routed:
             return f"it cannot run blocks chosen by content ({call.variant!r})"
+        if call.pattern.per_head and not self.per_head:
+            return f"it runs one layout for every head, not one per head ({call.variant!r})"
         if call.score.kind not in self.scores:
             return f"it computes {', '.join(self.scores)} scores, not {call.score.kind}"
         if call.bias is not None and not self.score_bias:

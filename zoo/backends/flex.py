@@ -5,7 +5,9 @@ The pattern's ``allowed`` is the mask_mod for partial blocks, a positional bias 
 kernel is compiled once per shape and pattern and cached by ``torch.compile``. Compiled
 FlexAttention on CPU runs inference only: no backward, so training on CPU goes to another backend.
 Block masks are cached per pattern and shape; a key padding mask makes the layout per sequence
-(wholly padded key blocks are skipped, partly padded ones masked).
+(wholly padded key blocks are skipped, partly padded ones masked). A pattern that differs per
+query head (``Pattern.per_head``) gives a block mask per head, cached per shape and number of
+heads like the others.
 
 Strided and dilated patterns run here in the natural token order, where their blocks are dense;
 the ``blocked`` backend runs them in their regrouped order. A 2-D pattern of one part runs in its
@@ -50,7 +52,7 @@ def _slot_mask(pattern: Pattern, frame: Frame, q_len: int, kv_len: int):
     q_pos, k_pos, k_valid = frame.q.position, frame.k.position, frame.k.valid
 
     def tiled_mask(b, h, q_idx, kv_idx):
-        return pattern.allowed(q_pos[q_idx], k_pos[kv_idx]) & k_valid[kv_idx]
+        return pattern.allowed_at(b, h, q_pos[q_idx], k_pos[kv_idx]) & k_valid[kv_idx]
 
     return tiled_mask
 
@@ -73,7 +75,8 @@ def _pattern_block_mask(
     """The block mask of a pattern; with ``whole_blocks`` for q, k and v padded to whole blocks
     (the frame's slots), whose padded keys the mask_mod leaves out."""
     frame = flex_frame(pattern, q_len, kv_len, block, device)
-    state = build_layout(pattern, frame).state[None]
+    state = build_layout(pattern, frame).state
+    state = state if state.dim() == 4 else state[None]  # [1, H, ...] for a pattern per head
     mask_mod = _slot_mask(pattern, frame, q_len, kv_len)
     if whole_blocks and frame.k.identity and frame.k.slots != kv_len:
         pattern_mask = mask_mod
@@ -100,6 +103,8 @@ def _padded_block_mask(call: AttentionCall, block: int, whole_blocks: bool = Fal
     keep = frame.k.gather(~call.key_padding_mask[:, :, None])[..., 0]  # (B, slots); False: padding
     by_block = keep.view(keep.shape[0], -1, block)
     any_kept, all_kept = by_block.any(-1)[:, None, :], by_block.all(-1)[:, None, :]
+    if state.dim() == 4:  # [1, H, ...] for a pattern per head: (B, 1, 1, key blocks)
+        any_kept, all_kept = any_kept[:, None], all_kept[:, None]
     state = torch.where(all_kept, state, torch.clamp(state, max=PARTIAL))
     state = torch.where(any_kept, state, EMPTY)
     pattern_mask = _slot_mask(call.pattern, frame, call.q_len, call.kv_len)
@@ -154,6 +159,7 @@ class FlexBackend(Backend):
         score_bias=True,
         sparse=True,
         routed=True,
+        per_head=True,
         decode=True,
     )
 
@@ -191,7 +197,9 @@ class FlexBackend(Backend):
             state = call.pattern.block_state(frame.q.spans().column(), frame.k.spans().row())
             blocks = float((state != EMPTY).sum(dim=(-1, -2)).float().mean())
             return round(blocks * self.block_size**2)
-        return build_layout(call.pattern, frame).computed_blocks * self.block_size**2
+        layout = build_layout(call.pattern, frame)
+        heads = layout.state.shape[1] if layout.state.dim() == 4 else 1  # a pattern per head
+        return layout.computed_blocks * self.block_size**2 // heads
 
     def forward(self, call: AttentionCall) -> tuple[Tensor, None]:
         score_mod = None

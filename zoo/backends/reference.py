@@ -47,8 +47,9 @@ def attention_mask(call: AttentionCall) -> Tensor:
     """(B or 1, H or 1, Lq, Lk) bool: the pattern and the key padding."""
     if call.pattern.routed:  # chosen by content: (B, H, Lq, Lk), made for this call only
         mask = call.pattern.dense(call.q_len, call.kv_len)
-    else:
-        mask = dense_mask(call.pattern, call.q_len, call.kv_len, call.device)[None, None]
+    else:  # (Lq, Lk), or (1, H, Lq, Lk) for a pattern per head, once per shape
+        mask = dense_mask(call.pattern, call.q_len, call.kv_len, call.device)
+        mask = mask if mask.dim() == 4 else mask[None, None]
     keep = key_keep(call)
     return mask if keep is None else mask & keep[:, None, None, :]
 
@@ -73,6 +74,7 @@ class ReferenceBackend(Backend):
         dropout=True,
         return_weights=True,
         routed=True,
+        per_head=True,
         decode=True,
     )
 

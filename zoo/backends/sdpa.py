@@ -27,6 +27,7 @@ class SdpaBackend(Backend):
         score_bias=True,
         dropout=True,
         routed=True,
+        per_head=True,
         decode=True,
     )
 

@@ -108,7 +108,9 @@ def prepare_call(
     check_qkv(q, k, v)
     new_call()
     params = concrete_params(params)
-    pattern = call_pattern(variant, causal, params, q.shape[2], k.shape[2], q.device)
+    pattern = call_pattern(
+        variant, causal, params, q.shape[2], k.shape[2], q.device, heads=q.shape[1]
+    )
     encoding = attention_encoding(pos, q, k, causal)
     if encoding is not None and encoding.kind == "rotate":
         q_pos = query_positions(q.shape[2], k.shape[2], q.device)

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ..layout.block_layout import specialized
+from ..layout.block_layout import specialized, with_heads
 from ..mechanisms.dispatch import is_mechanism, mechanism_params
 from ..patterns import Pattern, made_causal
 from ..registry import get_spec
@@ -78,16 +78,22 @@ def call_pattern(
     q_len: int,
     kv_len: int,
     device: torch.device,
+    heads: int = 1,
 ) -> Pattern:
     """The call's pattern, resolved and specialised once per shape by a per-shape builder
     (``zoo.core.shape_cache``), so that under ``torch.compile`` it is made outside the traced graph:
-    a pattern made inside it could not key the per-shape structures of the backends."""
+    a pattern made inside it could not key the per-shape structures of the backends. A pattern
+    that differs per query head (``Pattern.per_head``) is drawn for ``heads`` query heads, once
+    per shape and number of heads."""
     if not isinstance(variant, str | Pattern):
         get_spec(variant)  # a TypeError that names what variant takes
     frozen = _frozen_params(params)
     if frozen is None:  # a value that is no parameter at all: resolve_pattern says which
-        return specialized(resolve_call_pattern(variant, causal, params), q_len, kv_len, device)
-    return _call_pattern(variant, causal, frozen, q_len, kv_len, device)
+        pattern = resolve_call_pattern(variant, causal, params)
+        pattern = specialized(pattern, q_len, kv_len, device)
+    else:
+        pattern = _call_pattern(variant, causal, frozen, q_len, kv_len, device)
+    return with_heads(pattern, heads) if pattern.per_head else pattern
 
 
 @per_shape(maxsize=256)

@@ -43,6 +43,7 @@ from torch import Tensor
 from ..backends import Backend, get_backend, list_backends
 from ..backends.base import DecodeStep
 from ..core.scores import AdditiveScore, DotProduct
+from ..layout.block_layout import with_heads
 from ..patterns import Pattern, RouteInputs
 from ..positional import PositionalEncoding
 from .cache import KVCache
@@ -172,6 +173,8 @@ def cache_attention(
         key_pos = torch.cat((cache.slot_pos, positions), dim=1)
         key_ok = torch.cat((cache.slot_pos >= 0, valid), dim=1)
     pattern = cache.pattern
+    if pattern.per_head:  # drawn for this call's query heads (refused if the cache's differ)
+        pattern = with_heads(pattern, q.shape[1])
     if pattern.routed:  # chosen here from the cache's keys, slot j at position j (retention)
         pattern = pattern.bind(  # a cache with a ring has no block sums (key_block_sums)
             RouteInputs(q, keys, ~key_ok, causal=True, q_pos=positions,
@@ -193,8 +196,10 @@ def step_mask(
     pattern: Pattern, q_pos: Tensor, key_pos: Tensor, key_ok: Tensor, valid: Tensor, heads: int
 ) -> Tensor:
     """(B, 1, t, S) the pairs a call's queries at q_pos (B, t) may attend among keys at key_pos
-    (B, S); (B, H, t, S) for a pattern chosen by content, whose pairs differ per head."""
+    (B, S); (B, H, t, S) for a pattern whose pairs differ per head (chosen by content, or
+    drawn per head)."""
     b = torch.arange(q_pos.shape[0], device=q_pos.device)[:, None, None, None]
-    h = torch.arange(heads if pattern.routed else 1, device=q_pos.device)[None, :, None, None]
+    per_head = pattern.routed or pattern.per_head
+    h = torch.arange(heads if per_head else 1, device=q_pos.device)[None, :, None, None]
     allowed = pattern.allowed_at(b, h, q_pos[:, None, :, None], key_pos[:, None, None, :])
     return allowed & key_ok[:, None, None, :] & valid[:, None, :, None]

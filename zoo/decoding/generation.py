@@ -14,8 +14,9 @@ from torch import Tensor
 from ..core.arguments import check_int
 from ..core.scores import DotProduct
 from ..functional import resolve_pattern, resolved_params
-from ..layout.block_layout import specialized
+from ..layout.block_layout import specialized, with_heads
 from ..patterns import Pattern
+from ..patterns.retention import keep_all
 from .cache import KVCache, cache_plan, cache_signature
 from .decode import cache_attention, decode_backend
 
@@ -27,6 +28,7 @@ def new_cache(
     max_len: int,
     num_kv_heads: int,
     head_dim: int,
+    num_heads: int | None = None,
     value_dim: int | None = None,
     causal: bool = True,
     dtype: torch.dtype = torch.float32,
@@ -40,6 +42,11 @@ def new_cache(
     generator does not have yet, so ``causal`` must be True (it is here to be said explicitly).
     A pattern chosen by content (moba) keeps every key and chooses its blocks at each call from
     the cache's keys (``zoo.patterns.retention``, ``zoo.decoding.decode``).
+
+    ``num_heads``: the query heads (``MultiHeadAttention.new_cache`` passes its own). A pattern
+    that differs per query head (``bigbird``'s random blocks drawn per head) keeps the union of
+    the keys its heads read, and refuses a call with another number of query heads; without
+    ``num_heads`` it keeps every key (any head may read any of them) and takes any number.
     """
     check_int("batch_size", batch_size)
     check_int("max_len", max_len)
@@ -53,9 +60,20 @@ def new_cache(
     device = torch.device("cpu") if device is None else torch.device(device)
     resolved = resolve_pattern(variant, True, dict(params))
     cpu = specialized(resolved, max_len, max_len, torch.device("cpu"))  # the same random draw
+    pattern = specialized(resolved, max_len, max_len, device)
+    if num_heads is not None:
+        check_int("num_heads", num_heads)
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}"
+            )
+        if cpu.per_head:  # each head's own blocks: the cache keeps the union of what they read
+            cpu, pattern = with_heads(cpu, num_heads), with_heads(pattern, num_heads)
+    # A pattern drawn per head whose heads are unknown: any head may read any key.
+    plan = keep_all(max_len) if cpu.per_head and num_heads is None else cache_plan(cpu, max_len)
     return KVCache(
-        pattern=specialized(resolved, max_len, max_len, device),
-        plan=cache_plan(cpu, max_len),
+        pattern=pattern,
+        plan=plan,
         signature=cache_signature(variant, resolved_params(variant, params), num_kv_heads),
         batch_size=batch_size,
         num_kv_heads=num_kv_heads,

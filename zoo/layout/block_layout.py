@@ -92,6 +92,24 @@ def specialized(pattern: Pattern, q_len: int, kv_len: int, device: torch.device)
     return pattern
 
 
+@per_shape(maxsize=256)
+def with_heads(pattern: Pattern, heads: int) -> Pattern:
+    """``pattern.for_heads(heads)`` once per (specialised) pattern and number of query heads, so
+    that a per-head pattern's layouts and masks are found again (``Pattern.per_head``)."""
+    pattern = pattern.for_heads(heads)
+    pattern.parts()
+    return pattern
+
+
+@per_shape(maxsize=1024)
+def head_layout(pattern: Pattern, h: int) -> Pattern:
+    """``pattern.head(h)`` once per pattern drawn per head and head, so that the plans of each
+    head's layout are found again (``Pattern.head``)."""
+    pattern = pattern.head(h)
+    pattern.parts()
+    return pattern
+
+
 def allowed_pairs(pattern: Pattern, q_len: int, kv_len: int, block: int = 128) -> int:
     """The exact number of allowed pairs, counted block by block: full blocks by size, partial
     blocks by evaluating the mask on them alone, empty blocks never. Each disjoint part of the

@@ -10,6 +10,7 @@ from .block_local_2d import BlockLocal2D, block_local_2d
 from .compose import Difference, Intersection, Union
 from .families import build_family, list_families, register_pattern, resolve_family
 from .full import Causal, Full, made_causal
+from .global_blocks import GlobalBlocks
 from .global_tokens import Global
 from .graph import Graph, GraphLayout, graph, reads_graph
 from .grid import Tiles
@@ -32,6 +33,7 @@ __all__ = [
     "Difference",
     "Full",
     "Global",
+    "GlobalBlocks",
     "Graph",
     "GraphLayout",
     "Intersection",

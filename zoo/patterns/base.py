@@ -29,6 +29,14 @@ Patterns chosen by content (``routed``, see ``zoo.patterns.routed``) are bound t
 first (``bind``); the bound pattern's views then carry leading (batch, heads) dimensions, which
 broadcast against a fixed pattern's in unions and intersections. A fixed pattern is the special
 case: ``bind`` returns it unchanged and ``allowed_at`` ignores the batch and head.
+
+A fixed pattern may still differ per query head (``per_head``: ``random`` with ``per_head``,
+BigBird's per-head random blocks). ``for_heads(H)`` gives its layout for H query heads, once per
+shape and number of heads (``zoo.layout.block_layout.with_heads``); that layout's views carry the
+routed form's leading dimensions with a batch of one (``allowed_at`` reads the head,
+``block_state`` [1, H, q blocks, k blocks], ``dense`` [1, H, q_len, kv_len]), so backends run it
+where they run routed layouts, and ``routed`` stays False: it is chosen by position, cached per
+shape, and a cache for generation keeps only what its heads read.
 """
 
 from __future__ import annotations
@@ -138,6 +146,24 @@ class Pattern:
     def routed(self) -> bool:
         """Whether its pairs are chosen by content (from q and k), not by position alone."""
         return False
+
+    @property
+    def per_head(self) -> bool:
+        """Whether its pairs differ per query head while fixed by position (not chosen by
+        content): ``for_heads`` gives its layout for a number of heads."""
+        return False
+
+    def for_heads(self, heads: int) -> Pattern:
+        """The pattern for ``heads`` query heads: a per-head pattern (``per_head``) draws its
+        heads here, its views then carrying [1, H, ...] leading dimensions (see the module
+        docstring); any other pattern is the same for every head and returns itself."""
+        return self
+
+    def head(self, h: int) -> Pattern:
+        """Head ``h`` of a layout drawn per head (``for_heads``) as a pattern of one layout,
+        with 2-D views and a plan of its own (the ``blocked`` backend runs such a layout head by
+        head); any other pattern is the same for every head and returns itself."""
+        return self
 
     def listed_pairs(self, batch: int) -> tuple[Tensor, Tensor, Tensor] | None:
         """(sequence, query position, key position) of every allowed pair, for a layout that

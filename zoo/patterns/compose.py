@@ -74,6 +74,16 @@ class Union(Pattern):
     def bind(self, inputs: object) -> Pattern:
         return Union(tuple(c.bind(inputs) for c in self.children)) if self.routed else self
 
+    @property
+    def per_head(self) -> bool:
+        return any(c.per_head for c in self.children)
+
+    def for_heads(self, heads: int) -> Pattern:
+        return Union(tuple(c.for_heads(heads) for c in self.children)) if self.per_head else self
+
+    def head(self, h: int) -> Pattern:
+        return Union(tuple(c.head(h) for c in self.children)) if self.per_head else self
+
     def block_state(self, q: Spans, k: Spans) -> Tensor:
         return reduce(torch.maximum, (c.block_state(q, k) for c in self.children))
 
@@ -144,6 +154,18 @@ class Intersection(Pattern):
             inputs = inputs.made_causal()  # type: ignore[attr-defined]
         return Intersection(tuple(c.bind(inputs) for c in self.children))
 
+    @property
+    def per_head(self) -> bool:
+        return any(c.per_head for c in self.children)
+
+    def for_heads(self, heads: int) -> Pattern:
+        if not self.per_head:
+            return self
+        return Intersection(tuple(c.for_heads(heads) for c in self.children))
+
+    def head(self, h: int) -> Pattern:
+        return Intersection(tuple(c.head(h) for c in self.children)) if self.per_head else self
+
     def block_state(self, q: Spans, k: Spans) -> Tensor:
         return reduce(torch.minimum, (c.block_state(q, k) for c in self.children))
 
@@ -198,6 +220,20 @@ class Difference(Pattern):
         if not self.routed:
             return self
         return Difference(self.include.bind(inputs), self.exclude.bind(inputs))
+
+    @property
+    def per_head(self) -> bool:
+        return self.include.per_head or self.exclude.per_head
+
+    def for_heads(self, heads: int) -> Pattern:
+        if not self.per_head:
+            return self
+        return Difference(self.include.for_heads(heads), self.exclude.for_heads(heads))
+
+    def head(self, h: int) -> Pattern:
+        if not self.per_head:
+            return self
+        return Difference(self.include.head(h), self.exclude.head(h))
 
     def block_state(self, q: Spans, k: Spans) -> Tensor:
         kept = torch.clamp(self.include.block_state(q, k), max=PARTIAL)

@@ -2,19 +2,65 @@
 
 Positions are cut into blocks of ``block_size`` (the last one shorter when the length is not a
 multiple). For every query block, ``num_blocks`` distinct key blocks are drawn uniformly (Floyd's
-algorithm); with fewer key blocks than that, the query block sees them all. The draw uses a CPU
-``torch.Generator`` seeded with ``seed``: the same seed and lengths give the same blocks on every
-device, in training and in evaluation. Query positions before 0 (more queries than keys) get no
-random block.
+algorithm) among its candidates; with fewer candidates than that, the query block sees them all.
+The draw uses a CPU ``torch.Generator`` seeded with ``seed``: the same seed and lengths give the
+same blocks on every device, in training and in evaluation. Query positions before 0 (more
+queries than keys) get no random block.
+
+Candidates (``among``):
+
+- ``"all"`` (the default of the ``random`` variant, which has no window to avoid): every key
+  block. Inside a union a draw may then land on a block that the union reads anyway.
+- ``"outside"``: the key blocks that the rest of a BigBird union does not already read: not
+  within ``window_neighbors`` blocks of the query block (``block_local``'s window, ``|i - j| <=
+  window_neighbors``) and not one of the ``global_blocks`` global blocks placed by
+  ``global_position`` (``zoo.patterns.global_blocks``). Every query block then gets exactly
+  ``num_blocks`` extra blocks wherever enough candidates exist, as in the paper's ITC form and
+  Hugging Face's ``_bigbird_block_rand_mask_with_head``, which draw among the blocks outside the
+  window and the globals. This is the default of the ``bigbird`` variant: with ``"all"``, a
+  middle row of 16 blocks of 64 (1K tokens) got 2.0 distinct extra blocks on average instead of
+  3, 2.7 to 2.9 at 2K to 8K. A row with fewer candidates than ``num_blocks`` (a short sequence,
+  the first rows of a causal one) gets all of them; its other table slots hold -1 (no block).
+  (Hugging Face draws from a "plan" that keeps long sequences' random blocks among the first
+  2r + 5 blocks; the zoo draws among all candidates. Given the same table, the two attend the
+  same pairs: ``tests/patterns/test_bigbird_hf.py``.)
+
+Per head (``per_head``). BigBird and Hugging Face draw one table per head
+(``_bigbird_block_rand_mask_with_head``). With ``per_head=True`` (the default of the ``bigbird``
+variant, ``random_per_head``) query head h draws its own table with seed ``seed + h`` (mod 2**64),
+by the same rules as the shared table, so head 0's table is the shared one and a head's table does
+not depend on how many heads there are. It is still a fixed pattern (chosen by position, not by
+content, unlike ``zoo.patterns.routed``): ``specialize`` gives a ``RandomBlocks`` whose views are
+head 0's (what pictures and ``zoo.dense_mask`` show), and ``for_heads(H)`` (``Pattern.for_heads``,
+which ``zoo.attention`` applies once per shape and number of query heads) gives the layout of H
+heads: ``table`` [H, blocks, r], ``allowed_at`` reads the head, ``block_state`` is [1, H, query
+blocks, key blocks] and ``dense`` [1, H, q_len, kv_len], the (batch, heads) form of a routed
+layout with a batch of one, which backends take where they take routed layouts. Under
+grouped-query attention the table is per *query* head: the query heads that share a key/value
+head draw their own blocks (HF's BigBird has no grouped heads; per query head keeps the paper's
+per-head draw). A cache for generation keeps the union of what its heads read.
+
+The shared table (``per_head=False``, the ``random`` variant's default and ``random_per_head:
+false`` for ``bigbird``) serves the fast path: one layout for every head. ``blocked`` then runs
+one plan with one kernel call per row group for all heads (per head: each head's layout,
+``Pattern.head``, on its own plan, built once per shape, a kernel call per head and group); sdpa
+and the reference take one [Lq, Lk] mask (per head: [H, Lq, Lk], H times the memory); flex one
+``BlockMask`` for all heads (per head: one per head, each built once per shape); and only the
+shared table goes on to xFormers' planner (xFormers declines a layout per head). ``bigbird``
+draws per head by default because that is BigBird as published and as Hugging Face implements
+it (``tests/patterns/test_bigbird_hf.py`` compares all heads in one call), and every backend
+that takes it computes it forward and backward (``tests/patterns/test_random_per_head.py``,
+and the registry-wide tests of ``tests/backends``).
 
 Non-causal form: the draw depends on the seed and the key length (queries are aligned to the keys'
 end, see ``zoo.patterns.base``): query block i chooses among all key blocks, so a longer sequence
 gives block i other blocks than a shorter one. Causal form (``causal=True``, see
 ``Pattern.causal_form``): query block i chooses its blocks among the blocks 0 .. i, its own
-included, with the same seed, and the choice depends on the seed and i only. A prefix of a
-longer sequence therefore sees exactly the blocks it saw alone, which is what decoding with a
-cache needs (``zoo.decoding.cache``); a block with no more than ``num_blocks`` blocks at or before
-it sees them all::
+included (``"outside"``: less its window and the global blocks at the start, the causal form of
+``global_blocks``), with the same seed, and the choice depends on the seed and i only. A prefix
+of a longer sequence therefore sees exactly the blocks it saw alone, which is what decoding with
+a cache needs (``zoo.decoding.cache``); a block with no more than ``num_blocks`` candidates at or
+before it sees them all::
 
     block_size=2, num_blocks=1, seed=0 (6x6), one possible draw
     . . x x . .
@@ -35,6 +81,9 @@ from torch import Tensor
 from ..core.arguments import check_int, check_seed
 from .base import Pattern, Spans, state_from
 from .families import register_pattern
+from .global_blocks import check_position, global_block_indices
+
+AMONG = ("all", "outside")
 
 
 def draw_blocks(num_q_blocks: int, num_k_blocks: int, count: int, seed: int) -> Tensor:
@@ -55,6 +104,35 @@ def draw_causal_blocks(num_blocks: int, count: int, seed: int) -> Tensor:
     return torch.where((rows < count)[:, None], every, chosen)
 
 
+def draw_outside(
+    num_blocks: int, count: int, seed: int, window: int, avoid: tuple[int, ...], causal: bool
+) -> Tensor:
+    """[num_blocks, count]: row i holds ``count`` distinct blocks drawn uniformly among the blocks
+    0 .. num_blocks - 1 (``causal``: 0 .. i) that are neither within ``window`` blocks of i nor in
+    ``avoid``, sorted; a row with fewer candidates holds them all, then -1 (no block). Causal: row
+    i depends on the seed, i, ``window`` and ``avoid`` only (the stream is read row by row)."""
+    rows = torch.arange(num_blocks)
+    limit = rows + 1 if causal else torch.full((num_blocks,), num_blocks)  # candidates < limit
+    near = rows[:, None] + torch.arange(-window, window + 1)[None, :]
+    globals_ = torch.tensor(avoid, dtype=torch.long).expand(num_blocks, len(avoid))
+    taken = torch.cat([near, globals_], dim=1)
+    beyond = num_blocks + 1  # sorts after every block; never <= a rank's block
+    taken = torch.where((taken >= 0) & (taken < limit[:, None]), taken, beyond).sort(1).values
+    repeat = torch.zeros_like(taken, dtype=torch.bool)
+    repeat[:, 1:] = taken[:, 1:] == taken[:, :-1]
+    taken = torch.where(repeat, beyond, taken).sort(1).values  # distinct, ascending
+    size = limit - (taken < beyond).sum(1)  # candidates per row
+    ranks = _floyd(_uniform(num_blocks, count, seed), size.clamp(min=count), count)
+    every = torch.arange(count).expand(num_blocks, count)
+    short = torch.where(every < size[:, None], every, -1)  # all candidates, then no block
+    ranks = torch.where((size < count)[:, None], short, ranks)
+    # The rank-th candidate: step over the taken blocks at or below it, in ascending order.
+    blocks = ranks.clone()
+    for column in range(taken.shape[1]):
+        blocks += (taken[:, column : column + 1] <= blocks).long()
+    return torch.where(ranks >= 0, blocks, -1)
+
+
 def _uniform(rows: int, count: int, seed: int) -> Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.rand(rows, max(count, 1), generator=generator, dtype=torch.float64)
@@ -71,29 +149,74 @@ def _floyd(uniform: Tensor, candidates: Tensor, count: int) -> Tensor:
     return chosen.sort(dim=1).values
 
 
+SEED_SPAN = 2**64  # torch.Generator's seeds: head h draws with (seed + h) mod 2**64
+
+
 @register_pattern("random")
 @dataclass(frozen=True)
 class Random(Pattern):
-    """Per query block, ``num_blocks`` key blocks drawn with ``seed``; see the module docstring."""
+    """Per query block, ``num_blocks`` key blocks drawn with ``seed``; see the module docstring.
+
+    ``per_head``: False (the default here) draws one table shared by every head, the fast path
+    (one layout for all heads); True draws one per query head, head h with ``seed + h``, as
+    BigBird and Hugging Face do (the ``bigbird`` variant's default)."""
 
     block_size: int = 64
     num_blocks: int = 3
     seed: int = 0
+    among: str = "all"  # or "outside": the blocks that the next three leave (module docstring)
+    window_neighbors: int = 0
+    global_blocks: int = 0
+    global_position: str = "first_last"
+    per_head: bool = False  # one table per query head (module docstring)
+
+    _causal = False  # the causal form draws among the blocks at or before each query block
 
     def __post_init__(self) -> None:
         check_int("block_size", self.block_size)
         check_int("num_blocks", self.num_blocks)
         check_seed("seed", self.seed)
+        if self.among not in AMONG:
+            choices = ", ".join(map(repr, AMONG))
+            raise ValueError(f"among must be one of {choices}, got {self.among!r}")
+        check_int("window_neighbors", self.window_neighbors, minimum=0)
+        check_int("global_blocks", self.global_blocks, minimum=0)
+        check_position("global_position", self.global_position)
+        if not isinstance(self.per_head, bool):
+            raise TypeError(f"per_head must be True or False, got {self.per_head!r}")
+
+    def _table(self, blocks: int, causal: bool, seed: int | None = None) -> Tensor:
+        seed = self.seed if seed is None else seed
+        if self.among == "all":
+            if causal:
+                return draw_causal_blocks(blocks, self.num_blocks, seed)
+            return draw_blocks(blocks, blocks, self.num_blocks, seed)
+        # Causal: the global blocks of global_blocks' causal form, those at the start.
+        count, position = self.global_blocks, self.global_position
+        if causal and position == "first_last":
+            count, position = (count + 1) // 2, "first"
+        avoid = global_block_indices(count, position, blocks)
+        return draw_outside(blocks, self.num_blocks, seed, self.window_neighbors, avoid, causal)
+
+    def head_tables(self, blocks: int, heads: int) -> Tensor:
+        """[heads, blocks, r]: head h's table drawn with seed (seed + h) mod 2**64."""
+        draws = [
+            self._table(blocks, self._causal, (self.seed + h) % SEED_SPAN) for h in range(heads)
+        ]
+        return torch.stack(draws)
 
     def specialize(self, q_len: int, kv_len: int, device: torch.device | None = None) -> Pattern:
         # Bottom-right alignment puts the last query at position kv_len - 1, so both sides have
         # the same number of blocks and the draw depends on kv_len alone.
         num_blocks = (kv_len - 1) // self.block_size + 1
-        table = draw_blocks(num_blocks, num_blocks, self.num_blocks, self.seed)
-        return RandomBlocks(self.block_size, table.to(device))
+        table = self._table(num_blocks, causal=self._causal).to(device)
+        return RandomBlocks(self.block_size, table, self if self.per_head else None)
 
     def causal_form(self) -> Pattern:
-        return CausalRandom(self.block_size, self.num_blocks, self.seed)
+        return CausalRandom(
+            self.block_size, self.num_blocks, self.seed, self.among, self.window_neighbors,
+            self.global_blocks, self.global_position, self.per_head,
+        )  # fmt: skip
 
     def _needs_lengths(self, *args: object) -> Tensor:
         raise TypeError("a random pattern needs its lengths first: call specialize(q_len, kv_len)")
@@ -105,10 +228,7 @@ class Random(Pattern):
 class CausalRandom(Random):
     """The causal form of ``Random``: query block i draws among blocks 0 .. i (module docstring)."""
 
-    def specialize(self, q_len: int, kv_len: int, device: torch.device | None = None) -> Pattern:
-        num_blocks = (kv_len - 1) // self.block_size + 1
-        table = draw_causal_blocks(num_blocks, self.num_blocks, self.seed)
-        return RandomBlocks(self.block_size, table.to(device))
+    _causal = True
 
     def causal_form(self) -> Pattern:
         return self
@@ -116,49 +236,120 @@ class CausalRandom(Random):
 
 @dataclass(frozen=True, eq=False)
 class RandomBlocks(Pattern):
-    """A ``Random`` pattern with its blocks drawn for one key length (compared by identity)."""
+    """A ``Random`` pattern with its blocks drawn for one key length (compared by identity).
+
+    ``table`` is [blocks, r], one table for every head, or [H, blocks, r], one per query head
+    (``for_heads``), whose views carry a heads axis: ``allowed_at`` reads the head,
+    ``block_state`` is [1, H, query blocks, key blocks] and ``dense`` [1, H, q_len, kv_len].
+    ``source``: the ``Random`` drawn per head that made it (None: shared by every head, or the
+    tables were given per head); a [blocks, r] table with a source is head 0's, whose views serve
+    one-layout views (pictures, ``zoo.dense_mask``) until ``for_heads`` draws the others. A
+    [H, blocks, r] table may be given directly (Hugging Face's per-head draw, say): it then runs
+    on calls with H query heads."""
 
     block_size: int
-    table: Tensor  # [blocks, drawn key blocks per query block]
+    table: Tensor  # [blocks, r] or [H, blocks, r]; -1: no block
+    source: Random | None = None
 
-    def allowed(self, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
+    @property
+    def per_head(self) -> bool:  # type: ignore[override]
+        return self.source is not None or self.table.dim() == 3
+
+    @property
+    def heads(self) -> int | None:
+        """The number of query heads the tables were drawn for; None: one table (head 0's, or
+        shared by every head)."""
+        return self.table.shape[0] if self.table.dim() == 3 else None
+
+    def for_heads(self, heads: int) -> Pattern:
+        if self.heads is not None:
+            if heads != self.heads:
+                raise ValueError(
+                    f"random blocks drawn for {self.heads} query heads, the call has {heads}"
+                )
+            return self
+        if self.source is None:
+            return self
+        check_int("heads", heads)
+        tables = self.source.head_tables(self.table.shape[0], heads).to(self.table.device)
+        return RandomBlocks(self.block_size, tables, self.source)
+
+    def head(self, h: int) -> Pattern:
+        """Head h's table as a pattern of one layout (``Pattern.head``)."""
+        return self if self.heads is None else RandomBlocks(self.block_size, self.table[h])
+
+    def _hit(self, table: Tensor, q_pos: Tensor, kv_pos: Tensor, head: Tensor | None) -> Tensor:
         q_block = q_pos // self.block_size
         k_block = kv_pos // self.block_size
-        last = self.table.shape[0] - 1
+        last = table.shape[-2] - 1
         row = q_block.clamp(0, last)
+
+        def at(column: int) -> Tensor:
+            return table[row, column] if head is None else table[head, row, column]
+
         # One comparison per drawn column, no reduction: FlexAttention compiles a mask_mod as a
         # pointwise function of scalar indices, and a reduction inside it is miscompiled.
-        hit = self.table[row, 0] == k_block
-        for column in range(1, self.table.shape[1]):
-            hit = hit | (self.table[row, column] == k_block)
+        hit = at(0) == k_block
+        for column in range(1, table.shape[-1]):
+            hit = hit | (at(column) == k_block)
         return hit & (q_block >= 0) & (q_block <= last)
 
+    def allowed(self, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
+        if self.heads is not None:
+            raise TypeError(
+                "random blocks drawn per head differ per head: use allowed_at(b, h, ...)"
+            )
+        return self._hit(self.table, q_pos, kv_pos, None)
+
+    def allowed_at(self, b: Tensor, h: Tensor, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
+        if self.heads is None:
+            return self._hit(self.table, q_pos, kv_pos, None)
+        return self._hit(self.table, q_pos, kv_pos, h)
+
     def _drawn_prefix_sums(self) -> Tensor:
-        """2-D prefix sums of the [blocks, blocks] drawn-or-not matrix, for rectangle counts."""
+        """2-D prefix sums of the [(H,) blocks, blocks] drawn-or-not matrix, for rectangle
+        counts."""
         if "_sums" not in self.__dict__:
-            n = self.table.shape[0]
-            drawn = torch.zeros(n + 1, n + 1, dtype=torch.int32, device=self.table.device)
-            drawn[1:, 1:].scatter_(1, self.table, 1)
-            self.__dict__["_sums"] = drawn.cumsum(0).cumsum(1)
+            table = self.table if self.heads is not None else self.table[None]
+            heads, n = table.shape[0], table.shape[1]
+            # Column 0 of ``drawn`` takes the -1 slots (no block), then serves as the zero
+            # column of the sums.
+            drawn = torch.zeros(heads, n + 1, n + 1, dtype=torch.int32, device=table.device)
+            drawn[:, 1:].scatter_(2, table + 1, 1)
+            drawn[:, :, 0] = 0
+            sums = drawn.cumsum(1).cumsum(2)
+            self.__dict__["_sums"] = sums if self.heads is not None else sums[0]
         return self.__dict__["_sums"]
 
     def block_state(self, q: Spans, k: Spans) -> Tensor:
-        b, last = self.block_size, self.table.shape[0] - 1
+        b, last = self.block_size, self.table.shape[-2] - 1
         sums = self._drawn_prefix_sums()
         # The rectangle of pattern blocks that the two kernel blocks touch; clamps only keep the
         # indices of empty spans in range (state_from marks those EMPTY anyway).
         q0, q1 = (torch.clamp(q.lo, min=0) // b).clamp(0, last), (q.hi // b).clamp(0, last)
         k0, k1 = (k.lo // b).clamp(0, last), (k.hi // b).clamp(0, last)
-        count = sums[q1 + 1, k1 + 1] - sums[q0, k1 + 1] - sums[q1 + 1, k0] + sums[q0, k0]
+        if self.heads is None:
+            count = sums[q1 + 1, k1 + 1] - sums[q0, k1 + 1] - sums[q1 + 1, k0] + sums[q0, k0]
+        else:  # [H, ...]: one rectangle count per head
+            count = (
+                sums[:, q1 + 1, k1 + 1] - sums[:, q0, k1 + 1] - sums[:, q1 + 1, k0]
+                + sums[:, q0, k0]
+            )  # fmt: skip
         area = (q1 - q0 + 1) * (k1 - k0 + 1)
         some = (q.hi >= 0) & (count > 0)
-        return state_from(some, some & (count == area) & (q.lo >= 0), q, k)
+        state = state_from(some, some & (count == area) & (q.lo >= 0), q, k)
+        return state if self.heads is None else state[None]  # [1, H, ...]
 
     def dense(self, q_len: int, kv_len: int) -> Tensor:
+        if self.heads is not None:
+            return torch.stack([self._dense(t, q_len, kv_len) for t in self.table])[None]
+        return self._dense(self.table, q_len, kv_len)
+
+    def _dense(self, table: Tensor, q_len: int, kv_len: int) -> Tensor:
         b, offset = self.block_size, kv_len - q_len
         mask = torch.zeros(q_len, kv_len, dtype=torch.bool)
-        for q_block, row in enumerate(self.table.tolist()):
+        for q_block, row in enumerate(table.tolist()):
             rows = slice(max(q_block * b - offset, 0), max((q_block + 1) * b - offset, 0))
-            for k_block in row:
+            for k_block in (k for k in row if k >= 0):
                 mask[rows, k_block * b : (k_block + 1) * b] = True
         return mask

@@ -24,6 +24,11 @@ From the last readers follow two stores:
 A pattern chosen by content (``routed``: MoBA) may choose any earlier block at any later step, so
 its cache pins every position, slot j holding position j (the routed pattern then scores the
 cache's keys in position order, ``zoo.decoding.decode``).
+
+A pattern that differs per query head (``Pattern.per_head``), drawn for its heads
+(``for_heads``), answers block states per head ([1, H, ...]); a key's last reader is the last
+over every head, so the cache keeps the union of what the heads read (one store for all heads,
+as the keys are shared by the query heads of a key/value head anyway).
 """
 
 from __future__ import annotations
@@ -76,6 +81,8 @@ def last_needed(pattern: Pattern, max_len: int) -> Tensor:
         mid = (lo + hi + 1) // 2
         state = pattern.block_state(Spans(mid, end, 1, complete), key_span)
         read = state != EMPTY
+        if read.dim() > 1:  # per head ([1, H, max_len]): read by any head
+            read = read.reshape(-1, max_len).any(0)
         lo, hi = torch.where(read, mid, lo), torch.where(read, hi, mid - 1)
     return lo
 
@@ -83,7 +90,7 @@ def last_needed(pattern: Pattern, max_len: int) -> Tensor:
 def retention(pattern: Pattern, max_len: int) -> Retention:
     """The stores of a cache for ``pattern`` (causal, specialised to ``max_len``)."""
     if pattern.routed:  # any earlier key may be chosen later: keep all, in position order
-        return Retention(max_len, 0, 0, torch.arange(max_len))
+        return keep_all(max_len)
     last = last_needed(pattern, max_len)
     keys = torch.arange(max_len)
     life = last - keys
@@ -93,3 +100,9 @@ def retention(pattern: Pattern, max_len: int) -> Retention:
     pinned = to_end & (life > window)
     ring = window + 1 if bool(((life >= 0) & ~pinned).any()) else 0
     return Retention(max_len, window, ring, keys[pinned])
+
+
+def keep_all(max_len: int) -> Retention:
+    """Every position pinned, slot j holding position j: for a pattern chosen by content, or
+    one per head whose heads are not known."""
+    return Retention(max_len, 0, 0, torch.arange(max_len))

@@ -15,7 +15,10 @@ inputs. The protocol extends ``Pattern`` in one step:
 Backends see only bound patterns (``zoo.attention`` binds after the rotary encoding turns q and k)
 and treat ``pattern.routed`` as "the layout has (batch, heads) dimensions": the reference builds
 the dense (B, H, Lq, Lk) mask, ``blocked`` gathers each sequence and head's key blocks, ``flex``
-builds a per-sequence, per-head ``BlockMask``.
+builds a per-sequence, per-head ``BlockMask``. A fixed pattern drawn per query head
+(``Pattern.per_head``, ``Pattern.for_heads``) has the same leading dimensions with a batch of one,
+and runs on those paths (``blocked``: head by head, each head's layout a fixed pattern), without
+being ``routed``: its layout is cached per shape and number of heads.
 
 The choice gets no gradient (it is made under ``torch.no_grad``); the attention over the chosen
 keys does.

@@ -24,13 +24,14 @@ variant.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from ..layout.frames import Axis, Frame, build_frame
 from ..patterns.base import EMPTY, FULL, PARTIAL, Pattern, query_positions
-from ..patterns.compose import order_key
+from ..patterns.compose import memo_parts, order_key
 from ..patterns.grid import Tiles
 from .check_routed import check_routed
 
@@ -146,12 +147,71 @@ def check_pattern(
             check_routed(p, q_len, kv_len, blocks, fail)
         else:
             _check_shape(p, q_len, kv_len, blocks, fail)
+            if p.per_head:  # drawn per query head: each head's views, as one layout each
+                _check_heads(p, q_len, kv_len, blocks, fail)
         checked += 1
     if not checked:
         raise PatternCheckError(
             f"pattern {label} fits none of the lengths checked ({'; '.join(skipped)})"
         )
     return checked
+
+
+HEADS = 3  # the query heads a pattern drawn per head is checked at
+
+
+@dataclass(frozen=True, eq=False)
+class OneHead(Pattern):
+    """Head ``head`` of a layout drawn per query head (``Pattern.for_heads``), as a pattern of
+    one layout, so that each head's views are checked as a fixed pattern's."""
+
+    pattern: Pattern
+    head: int
+
+    @property
+    def stride(self):  # type: ignore[override]
+        return self.pattern.stride
+
+    @property
+    def kind(self) -> str:
+        return self.pattern.kind
+
+    def allowed(self, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
+        b, h = torch.tensor(0), torch.tensor(self.head)
+        return self.pattern.allowed_at(b, h, q_pos, kv_pos)
+
+    def block_state(self, q, k) -> Tensor:
+        state = self.pattern.block_state(q, k)
+        return state[0, self.head] if state.dim() == 4 else state
+
+    def dense(self, q_len: int, kv_len: int) -> Tensor:
+        dense = self.pattern.dense(q_len, kv_len)
+        return dense[0, self.head] if dense.dim() == 4 else dense
+
+    def parts(self) -> tuple[Pattern, ...]:
+        return memo_parts(self, lambda: tuple(OneHead(p, self.head) for p in self.pattern.parts()))
+
+
+def _check_heads(p: Pattern, q_len: int, kv_len: int, blocks, fail) -> None:
+    """A pattern drawn per head: ``for_heads(HEADS)`` gives [1, H, ...] views, each head's
+    agreeing with itself, and head 0's are the views of the pattern before ``for_heads``."""
+    where = f"at q_len={q_len}, kv_len={kv_len}"
+    drawn = _call(f"for_heads({HEADS})", where, fail, p.for_heads, HEADS)
+    dense = _call("dense() of the heads", where, fail, drawn.dense, q_len, kv_len)
+    if tuple(dense.shape) != (1, HEADS, q_len, kv_len):
+        raise fail(
+            f"for_heads({HEADS}).dense() has shape {tuple(dense.shape)}, not "
+            f"[1, {HEADS}, {q_len}, {kv_len}] {where}",
+            disagree=False,
+        )
+    _first_difference("head 0 of for_heads().dense()", dense[0, 0], p.dense(q_len, kv_len),
+                      q_len, kv_len, fail)  # fmt: skip
+    for h in range(HEADS):
+
+        def fail_head(message: str, disagree: bool = True, h: int = h) -> PatternCheckError:
+            return fail(f"head {h} of {HEADS}: {message}", disagree)
+
+        _check_shape(OneHead(drawn, h), q_len, kv_len, blocks, fail_head)
 
 
 def _short(pattern: object, limit: int = 80) -> str:

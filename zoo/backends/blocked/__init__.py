@@ -17,6 +17,13 @@ Memory is O(B * H * computed pairs) in both: a query block against its keys, nev
 Layouts chosen by content (MoBA) run key block by key block (``by_key``): the queries
 that chose a key block attend it in one kernel call and merge by log-sum-exp, so the cost is the
 chosen pairs; where that path does not apply, the union per query block (``chosen_union``).
+A fixed layout that differs per query head (``Pattern.per_head``: BigBird's random blocks drawn
+per head) runs head by head (``by_head``): each query head's layout is a fixed pattern
+(``Pattern.head``) with its own plan, built once per shape, against its key/value head, so its
+band windows, shared global blocks and memory bounds are those of one layout; the cost is a
+kernel call per head and group instead of per group. With additive scores (weights per head) it
+takes the routed paths, its [1, H, ...] block states read per call. The shared table
+(``random_per_head: false``) is the faster path: one plan and one kernel call for every head.
 
 Under ``torch.compile`` it traces as one graph (``fullgraph=True``), forward and backward: the
 plans, with their data-dependent row groups and band windows, are built once per shape outside
@@ -31,7 +38,7 @@ Additive scores map keys with one W_k per query head, so they expand k (``Additi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -39,6 +46,7 @@ from torch.nn.functional import dropout, scaled_dot_product_attention
 
 from ...core.arguments import check_int
 from ...core.call import AttentionCall
+from ...layout.block_layout import head_layout
 from ...layout.frames import Frame, build_frame
 from ...patterns import Pattern
 from .. import lse_merge
@@ -48,6 +56,42 @@ from .block_plan import GroupPlan, part_block, plan
 from .by_key import attention_by_key, scored_by_key, usable
 from .chosen_union import routed_attention, routed_pairs
 from .merged import merged_blocked, merges_pieces
+
+
+def per_call(pattern: Pattern) -> bool:
+    """Whether a layout runs on the paths of routed layouts, with (batch, heads) dimensions:
+    chosen by content (``routed``), or fixed but different per query head (``per_head``) where
+    it does not run head by head (``by_head``)."""
+    return pattern.routed or pattern.per_head
+
+
+def by_head(call: AttentionCall) -> bool:
+    """Whether the call runs one query head at a time, each head's layout a fixed pattern with
+    its own per-shape plan (``Pattern.head``): a layout drawn per head, not chosen by content,
+    with dot-product scores (an additive score's weights are per head: those calls take the
+    routed paths)."""
+    return call.pattern.per_head and not call.pattern.routed and call.score.kind == "dot"
+
+
+def head_calls(call: AttentionCall) -> list[AttentionCall]:
+    """One call per query head h: q's head h, its key/value head, head h's layout (once per
+    shape, ``head_layout``), the positional bias read at head h."""
+    groups = call.groups
+
+    def at_head(h: int) -> AttentionCall:
+        g = h // groups
+        bias = call.bias
+        if bias is not None:
+
+            def bias(heads, q_pos, k_pos, _bias=call.bias, _h=h):
+                return _bias(heads + _h, q_pos, k_pos)
+
+        return replace(
+            call, q=call.q[:, h : h + 1], k=call.k[:, g : g + 1], v=call.v[:, g : g + 1],
+            pattern=head_layout(call.pattern, h), bias=bias,
+        )  # fmt: skip
+
+    return [at_head(h) for h in range(call.q.shape[1])]
 
 
 @dataclass
@@ -159,6 +203,7 @@ class BlockedBackend(Backend):
         dropout=True,
         sparse=True,
         routed=True,
+        per_head=True,
     )
 
     def __init__(
@@ -174,7 +219,7 @@ class BlockedBackend(Backend):
 
     def _frame(self, call: AttentionCall, part: Pattern) -> Frame:
         size = self.block_size
-        if not part.routed:  # a layout chosen by content has no plan to compare blocks with
+        if not per_call(part):  # a layout per sequence or head has no plan to compare with
             size = part_block(part, call.q_len, call.kv_len, size, self.waste, call.device)
         return build_frame(part.stride, call.q_len, call.kv_len, size, size, call.device)
 
@@ -192,11 +237,14 @@ class BlockedBackend(Backend):
         key block with runs shared by every sequence and head (``by_key``: one graph
         for the batch), the path that costs least per score (``auto``)."""
         B, H = call.q.shape[:2]
+        if by_head(call):  # each head its own plan: their mean
+            counted = [self.scored_and_shared(c)[0] for c in head_calls(call)]
+            return round(sum(counted) / max(len(counted), 1)), False
 
         split = self._merges(call, call.pattern.parts())
 
         def pairs(part: Pattern) -> tuple[int, bool]:
-            if not part.routed:
+            if not per_call(part):
                 return sum(g.masked.numel() for g in self._plan(call, part, split)[1]), False
             if usable(call):
                 return scored_by_key(call, part, self.block_size)
@@ -211,13 +259,20 @@ class BlockedBackend(Backend):
             dtype = (
                 torch.float32 if call.q.dtype in (torch.bfloat16, torch.float16) else call.q.dtype
             )
+        if by_head(call):  # a layout per head: each head on its own plan, as a fixed pattern
+            outs = [self.forward(c)[0] for c in head_calls(call)]
+            return torch.cat(outs, dim=1), None
         parts = call.pattern.parts()
-        if call.pattern.routed:  # a layout chosen by content, per sequence and head
+        if per_call(call.pattern):  # a layout per sequence and head (chosen by content or per head)
             fused = len(parts) == 1 and call.score.kind == "dot" and call.bias is None
             out = merge(
-                [self._routed(call, p, dtype, fused) if p.routed else self._explicit(call, p, dtype)
-                 for p in parts]
-            )  # fmt: skip
+                [
+                    self._routed(call, p, dtype, fused)
+                    if per_call(p)
+                    else self._explicit(call, p, dtype)
+                    for p in parts
+                ]
+            )
         elif self._merges(call, parts):
             planned = [self._plan(call, p, split_queries=True) for p in parts]
             out = merged_blocked(call, planned, self._frame_inputs(call, dtype), dtype)
@@ -247,7 +302,7 @@ class BlockedBackend(Backend):
         backward on a CPU. Otherwise one fused call on the band's view is as fast (local's
         forward) or faster (block_local's forward + backward)
         (measured: eval/results/design-notes-cpu.md#band-backward-chunks)."""
-        if not merges_pieces(call) or call.pattern.routed:
+        if not merges_pieces(call) or per_call(call.pattern):
             return False
         if len(parts) > 1:
             return True
