@@ -6,16 +6,23 @@ cell appends one JSON line to ``<out>/results.jsonl`` and flushes it, so an inte
 started again, skips the cells already done and loses nothing. A cell that fails (out of memory,
 a variant that cannot run a length) is recorded as failed with the reason and the sweep goes on;
 the next run of the sweep tries it again, and the report keeps each cell's latest record.
+
+A cell's key covers its config, not the zoo's code: after a change to what a variant computes
+(its definition or its registry defaults), run the sweep into a fresh ``out``. Each record names
+the commit it ran at (``environment.commit``, with ``+changes`` when the tree had uncommitted
+changes).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import itertools
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 import traceback
@@ -297,7 +304,28 @@ def environment(context: distributed.Context) -> dict[str, Any]:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
+        "commit": source_commit(),
     }
+
+
+@functools.cache
+def source_commit() -> str | None:
+    """The repository's commit, ``+changes`` when its tracked files differ from it; None outside
+    a git checkout (an installed package) or without git."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root, capture_output=True, text=True,
+        )  # fmt: skip
+    except OSError:
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
 def run(

@@ -4,6 +4,7 @@ the same results, the report renders, and bad configs fail with the file and the
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -74,6 +75,8 @@ def test_records_hold_what_the_report_needs(tmp_path):
         )
         assert {"gap", "num_kv_pairs"} <= set(r["slices"]["64"])
         assert r["steps_per_second"] > 0 and r["environment"]["torch"] == torch.__version__
+        if (ROOT / ".git").exists():  # the commit it ran at, marked when the tree had changes
+            assert re.fullmatch(r"[0-9a-f]{12}(\+changes)?", r["environment"]["commit"])
         assert r["cell"]["variant_params"] and r["cell"]["key"]
 
 
