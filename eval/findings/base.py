@@ -108,6 +108,17 @@ def verdict(holds: bool, records: list[dict[str, Any]]) -> str:
     return DISAGREES
 
 
+def verdict_all(parts: list[tuple[bool, list[dict[str, Any]]]]) -> str:
+    """The verdict on a claim about several cells, each part (whether it holds, the records it
+    reads): DISAGREES when a part fails on cells that converged, NOT_CONVERGED when the parts
+    that fail have a cell that did not, AGREES when every part holds."""
+    failing = [records for holds, records in parts if not holds]
+    if not failing:
+        return AGREES
+    verdicts = {verdict(False, records) for records in failing}
+    return DISAGREES if DISAGREES in verdicts else NOT_CONVERGED
+
+
 def by_variant(records: list[dict[str, Any]], key: str = "variant") -> dict[str, list[dict]]:
     """Successful records grouped by a cell field (the variant or the encoding)."""
     out: dict[str, list[dict[str, Any]]] = {}

@@ -24,6 +24,7 @@ from .base import (
     not_run,
     training_of,
     verdict,
+    verdict_all,
 )
 from .base import (
     figure as new_figure,
@@ -42,13 +43,14 @@ def judge(chosen: dict[str, list[dict[str, Any]]], presets: dict[str, str]) -> J
                 for v, rs in cells.items()}  # fmt: skip
     level = chance(records)
     strong = (FULL, *SPARSE)
-    every = [r for rs in cells.values() for r in rs]
     claims = [
         Claim(
             f"full, Longformer and BigBird score well above local (by >= {MARGIN}; LRA: 36.37, "
             "35.63, 36.05 against 15.82)",
             ", ".join(f"{v} {fmt(accuracy[v])}" for v in (*strong, LOCAL)),
-            verdict(all(accuracy[v] >= accuracy[LOCAL] + MARGIN for v in strong), every),
+            verdict_all(
+                [(accuracy[v] >= accuracy[LOCAL] + MARGIN, cells[v] + cells[LOCAL]) for v in strong]
+            ),
         ),
         Claim(
             f"local scores about a constant guess (within {NEAR_CHANCE} of {level:.3f}; LRA: "

@@ -127,6 +127,7 @@ def figure(panels: list[tuple]) -> Any:
         ax.set(xscale="log", xlabel="gap from key to query (bucket's lower bound)",
                ylabel="accuracy", title=law, ylim=(-0.02, 1.02))  # fmt: skip
         ax.set_xticks(sorted(gaps[FULL]), labels=[str(b) for b in sorted(gaps[FULL])])
+        ax.minorticks_off()
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small", loc="lower left")
     return fig

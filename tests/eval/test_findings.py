@@ -108,10 +108,10 @@ def test_extrapolation_orders_the_encodings():
         rope=(1.0, 0.84, 0.31, 0.18), alibi=(1.0, 1.0, 0.98, 0.97), t5=(1.0, 0.99, 0.97, 0.95),
     )  # fmt: skip
     judged = judge(published_like)
-    assert verdicts(judged) == [AGREES] * 4
+    assert verdicts(judged) == [AGREES] * 5
     flat = curves(sinusoidal=(1.0,) * 4, learned=(1.0,) * 4, rope=(1.0,) * 4,
                   alibi=(1.0,) * 4, t5=(1.0,) * 4)  # fmt: skip
-    assert verdicts(judge(flat)) == [AGREES, DISAGREES, DISAGREES, AGREES]
+    assert verdicts(judge(flat)) == [AGREES, DISAGREES, DISAGREES, AGREES, DISAGREES]
     assert judge({"extrapolation": []}).verdict == NOT_RUN
 
 
@@ -172,3 +172,13 @@ def test_extrapolation_splits_failures_by_trained_distance():
     # buckets [2, 3] and [32, 63] lie below the train length 64; [64, 127] and [256, 511] beyond
     assert by_distance([r], 512, 64) == (pytest.approx(0.9), pytest.approx(0.05))
     assert by_distance([r], 512, 32) == (pytest.approx(1.0), pytest.approx(0.3))
+
+
+def test_a_claim_over_several_cells_disagrees_when_a_converged_cell_fails():
+    from eval.findings.base import verdict_all
+
+    converged = [record("mqar", "full")]
+    learning = [record("mqar", "local", curve=FALLING_CURVE)]
+    assert verdict_all([(True, converged), (True, learning)]) == AGREES
+    assert verdict_all([(False, converged), (False, learning)]) == DISAGREES
+    assert verdict_all([(True, converged), (False, learning)]) == NOT_CONVERGED

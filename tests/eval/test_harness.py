@@ -4,8 +4,8 @@ the same results, the report renders, and bad configs fail with the file and the
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
