@@ -49,6 +49,7 @@ class Judgement:
     claims: list[Claim]
     tables: list[str] = field(default_factory=list)
     figures: list[tuple[Any, str, str]] = field(default_factory=list)
+    measured_on: str = ""  # the machines, versions and commits of the records judged
 
     @property
     def verdict(self) -> str:
@@ -90,7 +91,23 @@ class Finding:
             path = root / self.results_path(config, root)
             records = read_results(path) if path.exists() else []
             chosen[role] = [r for s in choose(records) for r in s.chosen]
-        return self.judge(chosen, self.presets(gpu))
+        judgement = self.judge(chosen, self.presets(gpu))
+        judgement.measured_on = provenance([r for rs in chosen.values() for r in rs])
+        return judgement
+
+
+def provenance(records: list[dict[str, Any]]) -> str:
+    """Where the records were measured: each distinct device, torch version, threads and commit."""
+    seen = []
+    for r in records:
+        env = r.get("environment", {})
+        where = (
+            f"{env.get('device', '?')}, torch {env.get('torch', '?')}, "
+            f"{env.get('threads', '?')} thread(s) per cell, commit {env.get('commit') or '?'}"
+        )
+        if where not in seen:
+            seen.append(where)
+    return "; ".join(seen)
 
 
 def not_run(what: str, missing: list[str], config: str) -> Claim:

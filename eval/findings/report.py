@@ -29,7 +29,9 @@ def section(finding: Finding, judgement: Judgement, out: Path, gpu: bool = False
     text = (
         f"## {finding.title}: {judgement.verdict}\n\n"
         f"**Published** ({finding.source}): {finding.published}\n\n"
-        f"**Run:**\n\n{commands}\n\n{claims}\n"
+        f"**Run:**\n\n{commands}\n\n"
+        + (f"Measured on {judgement.measured_on}.\n\n" if judgement.measured_on else "")
+        + f"{claims}\n"
     )
     for table in judgement.tables:
         text += f"\n{table}\n"
