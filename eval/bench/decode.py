@@ -160,7 +160,9 @@ def _peer(peer, config, variant, params, n, device, dtype, gen, q) -> dict:
     pattern = specialized(resolve_pattern(variant, True, dict(params)), 1, n + 1, device)
     if pattern.routed:
         return {**cell, "ms": None, "status": "skipped: chosen by content, no fixed block mask"}
-    mask = create_block_mask(pattern.mask_mod(1, n + 1), None, None, 1, n + 1, device=device)
+    pattern = pattern.for_heads(config.heads)  # a pattern per head (BigBird) draws each head's
+    mask_heads = config.heads if pattern.per_head else None
+    mask = create_block_mask(pattern.mask_mod(1, n + 1), None, mask_heads, 1, n + 1, device=device)
     flex = torch.compile(flex_attention, dynamic=False)
     groups = config.heads // kv_heads
     cell["ms"] = _timed(lambda: flex(q, k, v, block_mask=mask, enable_gqa=groups > 1), device,

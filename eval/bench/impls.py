@@ -276,9 +276,12 @@ class FlexStandard:
             pattern = pattern.specialize(n, n, device)
         except ValueError as error:
             raise CellSkip("unsupported", str(error)) from error
+        heads = point.q.shape[1]
+        pattern = pattern.for_heads(heads)  # a pattern per head (BigBird) draws each head's
         mask_mod = pattern.mask_mod(n, n)
+        mask_heads = heads if pattern.per_head else None  # a mask per head, or one for all
         mask, build_ms = timed_once(
-            lambda: create_block_mask(mask_mod, None, None, n, n, device=device), device
+            lambda: create_block_mask(mask_mod, None, mask_heads, n, n, device=device), device
         )
         kernel = compiled_flex_attention()
 

@@ -97,6 +97,19 @@ def test_a_backend_that_cannot_run_a_call_is_recorded_and_the_sweep_goes_on(tmp_
     assert by_backend["blocked"]["status"] == "ok" and by_backend["blocked"]["checked"]
 
 
+def test_flex_peer_draws_a_mask_per_head_for_a_pattern_per_head(tmp_path):
+    """BigBird's random blocks differ per head: the create_block_mask peer must build its mask
+    for every head (one mask from head 0's table fails the check against the reference)."""
+    path = write_config(
+        tmp_path, variants=["bigbird"], backends=["sdpa"], peers=["flex_standard"],
+        lengths=[160], check_max_len=256, params={"bigbird": {"block_size": 8, "random_blocks": 2}},
+    )  # fmt: skip
+    assert bench.main([path]) == 0
+    _, cells = read_cells(tmp_path)
+    (flex,) = [c for c in cells if c["backend"] == "flex_standard"]
+    assert flex["status"] == "ok" and flex["checked"] and flex["max_error"] < 1e-4, flex
+
+
 class Zeros(Backend):
     """A deliberately wrong backend: every output is zero."""
 
