@@ -11,7 +11,6 @@ when a preset has no results yet. The thresholds that turn a paper's words into 
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +18,8 @@ from typing import Any
 
 from ..harness.config import load_config
 from ..harness.convergence import CONVERGED, training_state
-from ..harness.report import read_results
-from ..harness.run import RunConfig
+from ..harness.report import mean, read_results
+from ..harness.run import RunConfig, results_file
 from ..harness.selection import choose
 
 AGREES, DISAGREES, NOT_CONVERGED, NOT_RUN = "agrees", "disagrees", "not converged", "not run"
@@ -76,8 +75,7 @@ class Finding:
 
     def results_path(self, config: str, root: Path) -> Path:
         """Where a preset's results are, relative to ``root`` (the repository)."""
-        run = load_config(RunConfig, root / config)
-        return Path(run.out.format(name=run.name)) / "results.jsonl"
+        return results_file(load_config(RunConfig, root / config))
 
     def presets(self, gpu: bool = False) -> dict[str, str]:
         return self.gpu_configs if gpu else self.configs
@@ -143,25 +141,6 @@ def by_variant(records: list[dict[str, Any]], key: str = "variant") -> dict[str,
         if r.get("status") == "ok":
             out.setdefault(r["cell"][key], []).append(r)
     return out
-
-
-def mean(values: list[float]) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.fmean(values) if values else None
-
-
-def fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
-
-
-def figure(panels: int = 1, width: float = 6.5) -> tuple[Any, list[Any]]:
-    """A matplotlib figure of ``panels`` side by side, drawn without a display."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width * panels, 4), layout="constrained")
-    FigureCanvasAgg(fig)
-    return fig, list(fig.subplots(1, panels, squeeze=False)[0])
 
 
 def chance(records: list[dict[str, Any]]) -> float:

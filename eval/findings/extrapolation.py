@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..harness.plots import new_figure
+from ..harness.report import fmt, mean
 from .base import (
     NEAR_ONE,
     Claim,
@@ -16,14 +18,9 @@ from .base import (
     Judgement,
     by_variant,
     chance,
-    fmt,
-    mean,
     not_run,
     verdict,
     verdict_all,
-)
-from .base import (
-    figure as new_figure,
 )
 
 ABSOLUTE, ROTARY, BIASES = ("sinusoidal", "learned"), "rope", ("alibi", "t5")
@@ -153,7 +150,7 @@ def by_distance(
 
 
 def figure(curves: dict[str, dict[int, float]], train_len: int, level: float) -> Any:
-    fig, (ax,) = new_figure()
+    fig, (ax,) = new_figure(1, width=6.5, height=4)
     markers = iter("osD^v<>")
     for encoding, points in curves.items():
         xs = sorted(points)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..harness.plots import new_figure
+from ..harness.report import fmt, mean
 from .base import (
     MARGIN,
     NEAR_CHANCE,
@@ -19,15 +21,10 @@ from .base import (
     Judgement,
     by_variant,
     chance,
-    fmt,
-    mean,
     not_run,
     training_of,
     verdict,
     verdict_all,
-)
-from .base import (
-    figure as new_figure,
 )
 
 FULL, LOCAL, SPARSE = "full", "block_local", ("longformer", "bigbird")
@@ -105,7 +102,7 @@ def by_depth(records: list[dict[str, Any]]) -> dict[int, float]:
 def figure(cells: dict[str, list[dict[str, Any]]]) -> Any:
     """The training loss of each variant's chosen cell against the fraction of steps, with the
     marginal loss (a model that ignores its input) as a line."""
-    fig, (ax,) = new_figure()
+    fig, (ax,) = new_figure(1, width=6.5, height=4)
     marginal = []
     for variant, records in cells.items():
         for r in records:

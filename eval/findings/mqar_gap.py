@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..harness.plots import new_figure
+from ..harness.report import fmt, mean
 from .base import (
     MARGIN,
     NEAR_CHANCE,
@@ -22,13 +24,8 @@ from .base import (
     Judgement,
     by_variant,
     chance,
-    fmt,
-    mean,
     not_run,
     verdict,
-)
-from .base import (
-    figure as new_figure,
 )
 
 FULL, WINDOW, ROUTED = "full", "local", "moba"
@@ -116,7 +113,7 @@ def judge(chosen: dict[str, list[dict[str, Any]]], presets: dict[str, str]) -> J
 
 def figure(panels: list[tuple]) -> Any:
     """Accuracy per gap bucket, one panel per gap law, the window's reach and chance marked."""
-    fig, axes = new_figure(len(panels), width=5.5)
+    fig, axes = new_figure(len(panels), width=5.5, height=4)
     for ax, (law, gaps, one_layer, stack, level) in zip(axes, panels, strict=True):
         for variant, marker in ((FULL, "o"), (WINDOW, "s"), (ROUTED, "^")):
             xs = sorted(gaps[variant])

@@ -33,11 +33,13 @@ OFFSET = 0.01  # how far apart coinciding series are drawn (accuracy units)
 NOTE_WIDTH = 100  # characters per line of a note under a panel
 
 
-def _figure(panels: int, width: float = 5.5, rows: int = 1):
+def new_figure(panels: int, width: float = 5.5, rows: int = 1, height: float = 4.2):
+    """A matplotlib figure drawn without a display: ``rows`` x ``panels`` axes (one row: a
+    sequence of axes)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(width * panels, 4.2 * rows), layout="constrained")
+    fig = Figure(figsize=(width * panels, height * rows), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(rows, panels, squeeze=False)
     return fig, (axes[0] if rows == 1 else axes)
@@ -216,7 +218,7 @@ def accuracy_vs_length_figure(flat: list[dict[str, Any]]):
     tasks = sorted({r["task"] for r in flat})
     styles = _styles(flat)
     several = len({r["train_len"] for r in flat}) > 1
-    fig, axes = _figure(len(tasks), width=7.7)
+    fig, axes = new_figure(len(tasks), width=7.7)
     columns = 1
     for ax, task in zip(axes, tasks, strict=True):
         points: dict[tuple, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -365,7 +367,7 @@ def accuracy_vs_cost_figure(flat: list[dict[str, Any]]):
     styles = _styles(flat)
     several = len({r["train_len"] for r in flat}) > 1
     device = device_of(flat)
-    fig, axes = _figure(len(tasks), width=7.7, rows=2)
+    fig, axes = new_figure(len(tasks), width=7.7, rows=2)
     columns = 1
     for p, task in enumerate(tasks):
         at_train = [
@@ -487,7 +489,7 @@ def generation_figure(flat: list[dict[str, Any]]):
     several = len({r["train_len"] for r in flat}) > 1
     widest = max(len({(r["variant"], r["encoding"], r["train_len"], r["test_len"]) for r in rows
                       if r["task"] == t}) for t in tasks)  # fmt: skip
-    fig, axes = _figure(len(tasks), width=max(5.5, 0.7 * widest + 2.0))
+    fig, axes = new_figure(len(tasks), width=max(5.5, 0.7 * widest + 2.0))
     for ax, task in zip(axes, tasks, strict=True):
         groups: dict[tuple, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
         for r in rows:

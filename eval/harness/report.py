@@ -83,12 +83,14 @@ def rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _mean(values: list[float | None]) -> float | None:
+def mean(values: list[float | None]) -> float | None:
+    """The mean of the values that are not None; None when there are none."""
     values = [v for v in values if v is not None]
     return statistics.fmean(values) if values else None
 
 
-def _fmt(value: float | None, digits: int = 3) -> str:
+def fmt(value: float | None, digits: int = 3) -> str:
+    """A table cell: the value to ``digits`` places, or "-" for None."""
     return "-" if value is None else f"{value:.{digits}f}"
 
 
@@ -120,12 +122,12 @@ def summary_table(flat: list[dict[str, Any]]) -> str:
         table.append([
             task, train_len, test_len, variant, encoding, *([setting] if several else []),
             ", ".join(f"{lr:g}" for lr in rates),
-            _fmt(_mean([m["accuracy"] for m in ok])),
-            *([_fmt(_mean([m.get("generation_accuracy") for m in ok]))] if generated else []),
+            fmt(mean([m["accuracy"] for m in ok])),
+            *([fmt(mean([m.get("generation_accuracy") for m in ok]))] if generated else []),
             _training(ok),
-            _fmt(_mean([m["train_seconds"] for m in ok]), 1),
-            _fmt(_mean([m["steps_per_second"] for m in ok]), 1),
-            _fmt(_mean([m["peak_memory_mb"] for m in ok]), 0),
+            fmt(mean([m["train_seconds"] for m in ok]), 1),
+            fmt(mean([m["steps_per_second"] for m in ok]), 1),
+            fmt(mean([m["peak_memory_mb"] for m in ok]), 0),
             status,
         ])  # fmt: skip
     headers = [
@@ -171,7 +173,7 @@ def sweep_table(sweeps: list[Sweep]) -> str | None:
     for s in sweeps:
         cells = []
         for lr in rates:
-            text = "" if lr not in s.scores else _fmt(s.scores[lr])
+            text = "" if lr not in s.scores else fmt(s.scores[lr])
             cells.append(f"**{text}**" if lr == s.chosen_lr else text)
         best_seed = [] if s.chosen_seed is None else [f"seed {s.chosen_seed}"]
         table.append([

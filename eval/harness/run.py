@@ -281,6 +281,11 @@ def check_cells(cells_: list[dict[str, Any]], source: str) -> None:
                 )
 
 
+def results_file(config: RunConfig) -> Path:
+    """Where the sweep's records go: ``<out>/results.jsonl``, ``{name}`` in out filled in."""
+    return Path(config.out.format(name=config.name)) / "results.jsonl"
+
+
 def finished_keys(path: Path) -> set[str]:
     """Keys of the cells whose latest record succeeded (failed ones run again)."""
     if not path.exists():
@@ -350,8 +355,8 @@ def _run(
 ) -> Path:
     from .train import train
 
-    out = Path(config.out.format(name=config.name))
-    results = out / "results.jsonl"
+    results = results_file(config)
+    out = results.parent
     done = finished_keys(results)
     sweep = cells(config)
     todo = [c for c in sweep if c["key"] not in done]
@@ -436,19 +441,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if config.workers > 1 and args.shard is None and "WORLD_SIZE" not in os.environ:
         status = run_in_processes(args.config, args.overrides, config.workers)
-        if status == 0 and not args.no_report:
-            from .report import write_report
-
-            out = Path(config.out.format(name=config.name))
-            print(write_report(out / "results.jsonl", out))
-        return status
-    context = distributed.start(config.device)
-    try:
-        results = run(config, args.config, context, not args.no_progress, shard)
-    finally:
-        distributed.stop(context)
-    if context.main and not args.no_report:
+        main_process = True
+    else:
+        context = distributed.start(config.device)
+        try:
+            run(config, args.config, context, not args.no_progress, shard)
+        finally:
+            distributed.stop(context)
+        status, main_process = 0, context.main
+    if status == 0 and main_process and not args.no_report:
         from .report import write_report
 
+        results = results_file(config)
         print(write_report(results, results.parent))
-    return 0
+    return status
