@@ -123,3 +123,22 @@ def test_random_checks_its_new_parameters():
         Random(global_position="last")
     with pytest.raises(ValueError, match="position must be one of"):
         zoo.dense_mask("bigbird", 64, block_size=8, global_position="middle")
+
+
+@pytest.mark.parametrize(
+    ("given", "words"),
+    [
+        ({"random_per_head": "yes"}, ["random_per_head", "True or False", "'yes'"]),
+        ({"global_blocks": 0}, ["global_blocks", "positive", "0"]),
+        ({"global_position": "end"}, ["global_position", "'first_last'", "'end'"]),
+        ({"window_neighbors": -1}, ["window_neighbors", "at least 0", "-1"]),
+    ],
+)
+def test_a_bad_parameter_is_named_as_the_variant_takes_it(given, words):
+    """bigbird passes its parameters to families that know them by other names (random_per_head
+    is random's per_head): the error names the one the caller gave."""
+    q = torch.randn(1, 2, 64, 8)
+    with pytest.raises((TypeError, ValueError)) as error:
+        zoo.attention(q, q, q, variant="bigbird", **given)
+    assert str(error.value).startswith(words[0]), error.value
+    assert all(w in str(error.value) for w in words), error.value

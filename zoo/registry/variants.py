@@ -98,7 +98,21 @@ def _compose(node: object, params: dict[str, object]) -> Pattern:
         value = {}
     if not isinstance(value, dict):
         raise ValueError(f"the parameters of pattern {key!r} must be a mapping, got {value!r}")
-    return build_family(key, {k: _substitute(v, params) for k, v in value.items()})
+    try:
+        return build_family(key, {k: _substitute(v, params) for k, v in value.items()})
+    except (TypeError, ValueError) as error:
+        raise _named_as_given(error, key, value) from error
+
+
+def _named_as_given(error: Exception, family: str, value: dict) -> Exception:
+    """The family's error, naming the variant's parameter where the family knows it by another
+    name (bigbird's ``random_per_head`` is the ``random`` family's ``per_head``)."""
+    message = str(error)
+    for inner, spec in value.items():
+        renamed = isinstance(spec, str) and spec.startswith("$") and spec[1:] != inner
+        if renamed and message.startswith((f"{inner} ", f"{inner}=")):
+            return type(error)(f"{spec[1:]} (the {family} pattern's {inner}): {message}")
+    return error
 
 
 def _check_pattern_name(name: object) -> None:
