@@ -86,7 +86,7 @@ def test_check_all_checks_every_variant_graph_included(capsys):
 def test_the_console_script_imports_a_module_from_the_working_directory(
     tmp_path, monkeypatch, capsys
 ):
-    """The README's ``zoo check my_patterns:BandAndFirst w=16``, run from the folder of
+    """The docs' ``zoo check my_patterns:BandAndFirst w=16``, run from the folder of
     my_patterns.py: the console script's sys.path lacks the working directory (``python -m zoo``
     has it), so the import failed."""
     (tmp_path / "cli_band_patterns.py").write_text(
@@ -147,3 +147,16 @@ def test_zoo_help_exits_0(argv, capsys):
         main(argv)
     assert exit_.value.code == 0
     assert "usage: zoo" in capsys.readouterr().out
+
+
+def test_zoo_readme_fills_a_stale_table_and_names_a_missing_page(tmp_path, monkeypatch, capsys):
+    page = tmp_path / "page.md"
+    page.write_text("intro\n<!-- encodings:start -->\nstale\n<!-- encodings:end -->\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["readme", "page.md"]) == 0
+    assert "page.md: updated" in capsys.readouterr().out
+    assert "| `rope`" in page.read_text() and "stale" not in page.read_text()
+    assert main(["readme", "page.md"]) == 0
+    assert "already up to date" in capsys.readouterr().out
+    assert main(["readme", "missing.md"]) == 2
+    assert "missing.md is not a file" in capsys.readouterr().err

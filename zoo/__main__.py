@@ -3,6 +3,8 @@
 zoo list                           the variants, mechanisms and positional encodings as tables
 zoo show NAME [--seq-len N] [--causal] [--out FILE.png] [key=value ...]
                                    the variant's allowed pairs as a heatmap
+zoo gallery [--seq-len N] [--out FILE.png]
+                                   every variant's allowed pairs in one picture
 zoo table [--seq-len N] [--layers L]
                                    the seeds' comparison table, computed for every variant
 zoo attention-map NAME [--seq-len N] [--out FILE.png] [key=value ...]
@@ -10,7 +12,9 @@ zoo attention-map NAME [--seq-len N] [--out FILE.png] [key=value ...]
                                    (python -m eval attention-map draws a trained one)
 zoo encoding NAME [--length N] [--dim D] [--out FILE.png]
                                    an absolute encoding's table P and a few of its columns
-zoo readme [PATH]                  write the generated tables into the README
+zoo readme [PATH ...]              fill the generated tables of the README and the docs pages
+                                   (run from the repository's root; default: every page that
+                                   has one)
 zoo check NAME [--lengths N,N,...] [key=value ...] | zoo check --all
                                    check that a pattern's three views agree (exit 1 if not);
                                    NAME: a variant, a pattern family or package.module:factory
@@ -93,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--seq-len", type=positive_int, default=256)
     show.add_argument("--causal", action="store_true")
     show.add_argument("--out", default=None, help="PNG path (default: NAME.png)")
+    gallery = commands.add_parser("gallery", help="every variant's allowed pairs in one PNG")
+    gallery.add_argument("--seq-len", type=positive_int, default=256)
+    gallery.add_argument("--out", default="variants.png", help="PNG path (default: variants.png)")
     table = commands.add_parser("table", help="the seeds' comparison table for every variant")
     table.add_argument("--seq-len", type=positive_int, default=1024)
     table.add_argument("--layers", type=positive_int, default=2)
@@ -105,8 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     encoding.add_argument("--length", type=positive_int, default=128)
     encoding.add_argument("--dim", type=positive_int, default=64)
     encoding.add_argument("--out", default=None, help="PNG path (default: NAME.png)")
-    readme = commands.add_parser("readme", help="write the generated tables into a README")
-    readme.add_argument("path", nargs="?", default="README.md")
+    readme = commands.add_parser(
+        "readme", help="fill the generated tables of the README and the docs pages"
+    )
+    readme.add_argument("paths", nargs="*", help="pages (default: every page with a table)")
     check = commands.add_parser("check", help="check that a pattern's three views agree")
     check.add_argument("name", nargs="?", help="a variant, a family or package.module:factory")
     check.add_argument(
@@ -187,6 +196,10 @@ def run(args: argparse.Namespace) -> bool | None:
     if args.command == "list":
         tables = describe.variant_table(), describe.mechanism_table(), describe.encoding_table()
         print(*tables, sep="\n\n")
+    elif args.command == "gallery":
+        from .views.pictures import draw_gallery
+
+        print(draw_gallery(args.out, args.seq_len))
     elif args.command == "show":
         from .views.pictures import draw_pattern
 
@@ -215,8 +228,9 @@ def run(args: argparse.Namespace) -> bool | None:
         enc = build_encoding(args.name, dim=args.dim, num_heads=1)
         print(draw_encoding(enc, args.length, args.out or f"{args.name}.png"))
     elif args.command == "readme":
-        changed = describe.update_readme(args.path)
-        print(f"{args.path}: {'updated' if changed else 'already up to date'}")
+        for path in args.paths or describe.pages_with_tables("."):
+            changed = describe.update_generated(path, ".")
+            print(f"{path}: {'updated' if changed else 'already up to date'}")
     elif args.command == "check":
         with one_thread():
             return check(args)

@@ -59,6 +59,28 @@ def time_tables(cells: Sequence[Cell]) -> str:
     return "\n\n".join(parts)
 
 
+def realization_tables(cells: Sequence[Cell]) -> str:
+    """Per length: rows variant / backend, a column per pass and causality, the sparsity
+    realization (only cells that have one: a sparse backend beside its dense peer)."""
+    points = _groups(cells)
+    parts = []
+    for n in sorted({c["n"] for c in cells}):
+        at_n = [c for c in cells if c["n"] == n and c.get("sparsity_realization") is not None]
+        rows: dict[tuple[str, str], dict[tuple[str, bool], float]] = defaultdict(dict)
+        for c in at_n:
+            point, value = (c["pass"], c["causal"]), c["sparsity_realization"]
+            rows[(c["variant"], backend_label([c]))][point] = value
+        if not rows:
+            continue
+        body = [
+            [variant, backend, *(_num(got.get(point)) for point in points)]
+            for (variant, backend), got in rows.items()
+        ]
+        headers = ["variant", "backend", *(point_label(*point) for point in points)]
+        parts.append(f"### Sparsity realization at n = {n}\n\n{markdown_table(headers, body)}")
+    return "\n\n".join(parts)
+
+
 def _detail_row(c: Cell) -> list[object]:
     fraction = c["allowed_pairs"] / c["all_pairs"] if c["allowed_pairs"] else None
     error = _num(c["max_error"], 2) if c["checked"] else "unchecked"
@@ -182,6 +204,7 @@ def render(
         "\n".join(facts),
         "## Goals\n\n" + "\n".join(goal_lines),
         "## Time\n\n" + time_tables(cells),
+        "## Sparsity realization\n\n" + (realization_tables(cells) or "No cell has a dense peer."),
         "## Fitted exponents (log-log slope over the largest lengths)\n\n" + exponent_table(exps),
         "## Details\n\n" + (detail_tables(cells) or "No cell succeeded."),
         "## Cells not timed\n\n" + not_run_table(cells),

@@ -359,3 +359,31 @@ def test_a_variant_chosen_by_content_reports_its_pairs_and_its_choice(tmp_path):
     peer = next(c for c in cells if c["backend"] == "flex_standard")
     assert peer["status"] == "unsupported" and "chosen by content" in peer["reason"]
     assert "select ms" in (tmp_path / "out" / "bench.md").read_text()
+
+
+def test_realization_tables_hold_one_row_per_variant_and_backend_per_length():
+    from eval.bench.markdown import realization_tables
+
+    def cell(variant, backend, pass_, causal, n, value):
+        return {
+            "variant": variant,
+            "backend": backend,
+            "resolved": backend,
+            "pass": pass_,
+            "causal": causal,
+            "n": n,
+            "sparsity_realization": value,
+        }
+
+    cells = [
+        cell("local", "blocked", "fwd", False, 1024, 0.5),
+        cell("local", "blocked", "fwd", True, 1024, 0.25),
+        cell("local", "flex", "fwd", False, 1024, 0.125),
+        cell("local", "blocked", "fwd", False, 2048, None),  # no dense peer at 2048
+    ]
+    text = realization_tables(cells)
+    assert "### Sparsity realization at n = 1024" in text and "n = 2048" not in text
+    rows = [line for line in text.splitlines() if line.startswith("| local")]
+    assert [r.split("|")[2].strip() for r in rows] == ["blocked", "flex"]
+    assert [c.strip() for c in rows[0].split("|")[3:5]] == ["0.5", "0.25"]
+    assert [c.strip() for c in rows[1].split("|")[3:5]] == ["0.125", "-"]

@@ -347,15 +347,15 @@ def test_cli_checks_a_registry_file_with_module_factory_entries(tmp_path):
     assert (done.returncode, done.stdout) == (0, "ok: my_band: three views agree at 8 shapes\n")
 
 
-def test_the_readme_example_passes_and_its_quoted_error_is_what_a_broken_one_gives(monkeypatch):
-    readme = (ROOT / "README.md").read_text()
+def test_the_docs_example_passes_and_its_quoted_error_is_what_a_broken_one_gives(monkeypatch):
+    readme = (ROOT / "docs" / "extending.md").read_text()
     code = re.search(r"```python\n(# my_patterns.py\n.*?)```", readme, re.S).group(1)
     monkeypatch.setattr(zoo.patterns.families, "_FAMILIES", zoo.patterns.families._FAMILIES.copy())
 
     def load(source: str) -> types.ModuleType:
         module = types.ModuleType("readme_example")
         monkeypatch.setitem(sys.modules, module.__name__, module)
-        exec(compile(source, "README.md", "exec", dont_inherit=True), module.__dict__)
+        exec(compile(source, "docs/extending.md", "exec", dont_inherit=True), module.__dict__)
         return module
 
     assert zoo.check_pattern(load(code).BandAndFirst(16)) == 16

@@ -147,12 +147,13 @@ def test_derived_states_chunk_large_spans(one_file, monkeypatch):
     assert torch.equal(derived_block_state(pattern, span_q, span_k), whole)
 
 
-def test_the_readme_example_runs_by_name(tmp_path, monkeypatch):
-    """The README's one-file pattern (``# band.py``), imported and run by name."""
+def test_the_docs_example_runs_by_name(tmp_path, monkeypatch):
+    """The docs' one-file pattern (``# band.py`` in docs/extending.md), imported and run by
+    name."""
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    readme = (Path(__file__).parents[2] / "docs" / "extending.md").read_text()
     code = re.search(r"```python\n# band.py\n(.*?)```", readme, re.S).group(1)
     (tmp_path / "readme_band.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -114,3 +114,31 @@ def test_unwritable_paths_fail_before_drawing(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         draw_attention(weights, missing)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"]
+
+
+def test_the_gallery_draws_every_variant_but_the_graph(tmp_path):
+    """``zoo gallery``: one picture, a panel per variant (graph has no pairs without edges), each
+    titled with its name."""
+    import unittest.mock
+
+    from matplotlib.figure import Figure
+
+    from zoo.views import pictures
+
+    titles = []
+    original = Figure.add_subplot
+
+    def recording(self, *args, **kwargs):
+        axes = original(self, *args, **kwargs)
+        titles.append(axes)
+        return axes
+
+    with unittest.mock.patch.object(Figure, "add_subplot", recording):
+        path = pictures.draw_gallery(tmp_path / "variants.png", seq_len=64)
+    rows = -(-len(titles) // 4)
+    expected = (round(3.4 * rows * pictures.DPI), round(3.2 * 4 * pictures.DPI))
+    assert matplotlib.image.imread(path).shape[:2] == expected
+    drawn = [axes.get_title().split(" (")[0] for axes in titles]
+    assert drawn == [name for name in zoo.list_variants() if name != "graph"]
+    with pytest.raises(ValueError, match="seq_len"):
+        pictures.draw_gallery(tmp_path / "bad.png", seq_len=0)

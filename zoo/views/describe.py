@@ -1,6 +1,22 @@
-"""The registry as tables, for the terminal and for the README (which a test keeps in step)."""
+"""The registry as tables, for the terminal and for the README and the docs pages (which a test
+keeps in step).
+
+A page holds a generated table between two markers::
+
+    <!-- variants:start -->
+    ...
+    <!-- variants:end -->
+
+where the name is one of ``TABLES`` (computed from the registry), or ``from PATH "Heading"``:
+the first markdown table under that heading of a committed result file (PATH relative to the
+repository's root; an empty heading takes the file's first table), so that a measurement on a
+page is copied from the file that recorded it, never retyped. ``zoo readme`` fills them.
+"""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 from ..registry import (
     Unavailable,
@@ -38,6 +54,18 @@ def variant_table() -> str:
     for name, entry in sorted(unavailable("variants").items()):
         rows.append([f"`{name}`", "-", "-", unavailable_note(entry), "-"])
     return markdown_table(["variant", "pattern", "parameters", "description", "complexity"], rows)
+
+
+def variant_summary() -> str:
+    """The variants in one line each, for the README's front page (the docs show every column)."""
+    rows = [[f"`{n}`", get_spec(n).description, get_spec(n).complexity] for n in list_variants()]
+    for name in list_modules():
+        spec = get_module_spec(name)
+        rows.append([f"`{name}`", spec.description, spec.complexity])
+    for name in list_mechanisms():
+        spec = get_mechanism_spec(name)
+        rows.append([f"`{name}`", spec.description, spec.complexity])
+    return markdown_table(["variant", "what it attends", "complexity"], rows)
 
 
 def mechanism_table() -> str:
@@ -80,25 +108,73 @@ def comparison() -> str:
 
 TABLES = {
     "variants": variant_table,
+    "variant-summary": variant_summary,
     "mechanisms": mechanism_table,
     "encodings": encoding_table,
     "comparison": comparison,
 }
 
+MARKED = re.compile(r"<!-- (?P<name>[^\n]*?):start -->\n(?P<body>.*?)<!-- (?P=name):end -->", re.S)
+_FROM_FILE = re.compile(r'from (?P<path>\S+) "(?P<heading>[^"]*)"')
 
-def update_readme(path: str) -> bool:
-    """Rewrite each generated table between its README markers; True if anything changed."""
-    with open(path) as f:
-        text = f.read()
-    new = text
-    for name, table in TABLES.items():
-        start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-        if start not in new or end not in new:
-            raise ValueError(f"{path} has no {start} ... {end} markers to fill")
-        head, rest = new.split(start, 1)
-        _, tail = rest.split(end, 1)
-        new = f"{head}{start}\n{table()}\n{end}{tail}"
+
+def table_in_file(path: Path, heading: str = "") -> str:
+    """The first markdown table under ``heading`` (a heading line's text, any level) of a
+    markdown file; with no heading, the file's first table. ValueError naming what is missing."""
+    lines = path.read_text().splitlines()
+    start = 0
+    if heading:
+        title = re.compile(rf"#+ {re.escape(heading)}")
+        found = [i for i, line in enumerate(lines) if title.fullmatch(line)]
+        if not found:
+            raise ValueError(f"{path} has no heading {heading!r}")
+        start = found[0] + 1
+    table = []
+    for line in lines[start:]:
+        if line.startswith("|"):
+            table.append(line)
+        elif table:
+            break
+    if not table:
+        raise ValueError(f"{path} has no table" + (f" under {heading!r}" if heading else ""))
+    return "\n".join(table)
+
+
+def generated_table(name: str, root: Path) -> str:
+    """The table a marker names: a registry table, or one copied from a result file."""
+    if name in TABLES:
+        return TABLES[name]()
+    source = _FROM_FILE.fullmatch(name)
+    if source is None:
+        known = ", ".join(TABLES)
+        raise ValueError(
+            f"generated table {name!r} is neither one of {known} nor 'from PATH \"Heading\"'"
+        )
+    return table_in_file(root / source["path"], source["heading"])
+
+
+def update_generated(path: str | Path, root: str | Path = ".") -> bool:
+    """Rewrite each generated table between its markers in one file; True if anything changed.
+    ValueError for a file with no markers (a wrong path) or a marker that names no table."""
+    path, root = Path(path), Path(root)
+    if not path.is_file():
+        raise ValueError(f"{path} is not a file (a README or a docs page to fill)")
+    text = path.read_text()
+    if not MARKED.search(text):
+        raise ValueError(f"{path} has no <!-- NAME:start --> ... <!-- NAME:end --> markers to fill")
+
+    def fill(match: re.Match) -> str:
+        name = match["name"]
+        return f"<!-- {name}:start -->\n{generated_table(name, root)}\n<!-- {name}:end -->"
+
+    new = MARKED.sub(fill, text)
     if new != text:
-        with open(path, "w") as f:
-            f.write(new)
+        path.write_text(new)
     return new != text
+
+
+def pages_with_tables(root: str | Path = ".") -> list[Path]:
+    """The README and every docs page that holds a generated table."""
+    root = Path(root)
+    pages = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    return [page for page in pages if page.is_file() and MARKED.search(page.read_text())]

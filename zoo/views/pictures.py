@@ -20,7 +20,7 @@ from torch import Tensor
 from ..functional import dense_mask, prepare_call
 from ..module import create_attention
 from ..patterns import reads_graph
-from ..registry import get_spec
+from ..registry import get_spec, list_variants
 from .graph_pictures import draw_graph
 from .tables import format_params
 
@@ -81,6 +81,18 @@ def draw_pattern(
         # A graph: its adjacency before and after reordering (zoo.views.graph_pictures).
         figure = draw_graph(seq_len, FIGSIZE, causal=causal, **{**spec.parameters(), **params})
         return _save(figure, path)
+    figure = Figure(figsize=FIGSIZE)
+    _draw_variant(figure.add_subplot(), name, seq_len, causal, params)
+    figure.tight_layout()  # lays out within the fixed canvas; the pixel size does not change
+    return _save(figure, path)
+
+
+def _draw_variant(
+    axes, name: str, seq_len: int, causal: bool, params: dict[str, object], every_param: bool = True
+) -> None:
+    """One variant's allowed pairs on ``axes``, titled with its density and its parameters (all of
+    them, or only those in ``params``)."""
+    spec = get_spec(name)
     routed = spec.build(**params).routed
     if routed:
         mask = chosen_mask(name, seq_len, causal, params)
@@ -88,8 +100,6 @@ def draw_pattern(
         mask = dense_mask(name, seq_len, causal=causal, **params)
     density = mask.sum().item() / mask.numel()
 
-    figure = Figure(figsize=FIGSIZE)
-    axes = figure.add_subplot()
     grid = _grid_of(spec.build(**params), seq_len)
     if grid is None:
         axes.imshow(mask.numpy(), cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
@@ -101,10 +111,46 @@ def draw_pattern(
     title = [
         f"{name} ({shape}): density {density:.1%}",
         "chosen by content: the pairs one random input chose (seed 0)" if routed else "",
-        format_params({**spec.parameters(), **params}),
+        format_params({**spec.parameters(), **params} if every_param else params),
     ]
     axes.set_title(_title(title), fontsize=10)
-    figure.tight_layout()  # lays out within the fixed canvas; the pixel size does not change
+
+
+# Parameters that make each pattern's shape visible at the gallery's 256 tokens (the registry's
+# defaults are sized for thousands of tokens: a window of 128 would fill the picture).
+GALLERY_PARAMS: dict[str, dict[str, object]] = {
+    "bigbird": {"block_size": 16, "random_blocks": 2},
+    "block_local": {"block_size": 32},
+    "dilated": {"window_size": 8, "dilation": 3},
+    "local": {"window_size": 16},
+    "longformer": {"window_size": 16, "global_tokens": 8},
+    "moba": {"block_size": 32, "top_k": 3},
+    "random": {"block_size": 16, "num_blocks": 2},
+    "sliding_window": {"window_size": 32},
+    "strided": {"stride": 32, "window_size": 8},
+    "global": {"global_tokens": 8},
+    "neighborhood_2d": {"kernel_size": 5},
+    "block_local_2d": {"window_size": 4},
+}
+
+
+def draw_gallery(path: str | os.PathLike, seq_len: int = 256, columns: int = 4) -> Path:
+    """Every registry variant's allowed pairs in one PNG, each at ``GALLERY_PARAMS`` (its title
+    says them; the rest are the registry's defaults), at length ``seq_len``. ``graph`` is left
+    out: its pairs come with each call's edges (``zoo show graph`` draws an example graph)."""
+    _check_length(seq_len)
+    path = _check_path(path)
+    names = [name for name in list_variants() if name != "graph"]
+    rows = -(-len(names) // columns)
+    figure = Figure(figsize=(3.2 * columns, 3.4 * rows))
+    for i, name in enumerate(names):
+        axes = figure.add_subplot(rows, columns, i + 1)
+        _draw_variant(axes, name, seq_len, False, GALLERY_PARAMS.get(name, {}), every_param=False)
+        axes.title.set_fontsize(8)
+        axes.tick_params(labelsize=6)
+        axes.xaxis.label.set_fontsize(7)
+        axes.yaxis.label.set_fontsize(7)
+    figure.tight_layout()
     return _save(figure, path)
 
 
