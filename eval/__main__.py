@@ -6,6 +6,7 @@ report RESULTS.jsonl              markdown, CSV and plots from a sweep's results
 findings [NAME ...]               published findings beside the harness's, with verdicts
 bench [CONFIG.yaml] [key=value]   time and memory of every variant and backend, with peers
 bench-decode [CONFIG.yaml] [k=v]  one generation step against a cache, 1K to 64K tokens
+bench-cp [CONFIG.yaml] [k=v]      context parallelism: bytes per rank and time, N processes
 bench-report BENCH.json [...]     one report from a sweep run in pieces (out=DIR), or re-rendered
 attention-map CHECKPOINT          one head's weights in a trained model (save_checkpoints=true)
 auto-table BENCH.json [...]       the table behind backend="auto", from benchmark results
@@ -28,6 +29,7 @@ COMMANDS = {
     "bench": "eval.bench.run",
     "bench-decode": "eval.bench.decode",
     "bench-report": "eval.bench.merge",
+    "bench-cp": "eval.bench.context_parallel",
     "attention-map": "eval.harness.attention_map",
     "auto-table": "eval.bench.auto_table",
     "demo": "eval.demo",

@@ -21,6 +21,7 @@ from .decoding.cache import KVCache, cache_signature
 from .decoding.decode import cache_attention, counts_from_padding, decode_backend, explain_decode
 from .layout.block_layout import allowed_pairs, specialized
 from .mechanisms.dispatch import is_mechanism, mechanism_attention
+from .parallel import context_parallel_attention, shard_stats
 from .patterns import Causal, Intersection, Pattern, RouteInputs, reads_graph
 
 # Re-exported: code written against zoo.functional finds them here.
@@ -46,6 +47,8 @@ def attention(
     return_weights: bool = False,
     cache: KVCache | None = None,
     edge_index: object = None,
+    cp_group: object = None,
+    cp_order: str = "contiguous",
     **params: object,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of ``variant`` over q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv).
@@ -73,6 +76,13 @@ def attention(
         edge_index: the graph of variant ``graph``: (2, E) int node pairs (query node, key
             node) shared by the batch, (B, 2, E) or a list of B (2, E_b) for one graph per
             sequence, or a sparse COO adjacency (L, L) or (B, L, L); see ``zoo.patterns.graph``.
+        cp_group: a ``torch.distributed`` process group for context parallelism: q, k, v (and
+            key_padding_mask, (B, shard)) are then this rank's equal shard of one sequence, and
+            the result is this rank's shard of the whole sequence's attention, forward and
+            backward, exchanging only the key/value blocks the pattern reads (``zoo.parallel``).
+        cp_order: how the sequence is sharded with cp_group: "contiguous" (rank r holds
+            [r * s, (r + 1) * s)) or "head_tail" (chunks r and 2 * world - 1 - r of s / 2:
+            causal load balance); ``zoo.parallel.shard`` cuts a whole sequence so.
         **params: the variant's parameters, overriding its registry defaults (e.g. window_size).
 
     Returns the output (B, H, Lq, Dv) in q's dtype, and the weights if asked. A query with no
@@ -94,6 +104,13 @@ def attention(
     and raise ``torch._dynamo.config.recompile_limit`` (8) above 8 lengths. A Pattern passed as
     ``variant`` must be made outside the compiled region (a module attribute, say).
     """
+    if cp_group is not None:  # one sequence sharded over the group's ranks
+        _check_shardable_options(cache, return_weights, edge_index)
+        return context_parallel_attention(
+            q, k, v, group=cp_group, variant=variant, backend=backend, causal=causal,
+            key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale, score=score,
+            pos=pos, order=cp_order, **params,
+        )  # fmt: skip
     if is_mechanism(variant):  # computed differently, not masked: zoo/mechanisms
         if cache is not None:
             raise ValueError(
@@ -147,6 +164,17 @@ def attention(
         out = call.order.scatter(out)
         weights = None if weights is None else call.order.scatter(call.order.scatter(weights), 3)
     return (out, weights) if return_weights else out
+
+
+def _check_shardable_options(cache: object, return_weights: bool, edge_index: object) -> None:
+    """Options a sharded call refuses, raised alike on every rank before any collective."""
+    for name, given, why in (
+        ("cache", cache is not None, "decoding with a cache runs on one process"),
+        ("return_weights", return_weights, "each rank holds only its rows of the weights"),
+        ("edge_index", edge_index is not None, "a graph's pairs are not sharded"),
+    ):
+        if given:
+            raise ValueError(f"{name} is not available with cp_group: {why}; drop {name}")
 
 
 def _empty_batch(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
@@ -213,6 +241,9 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
     whether the variant is plain full (or causal) attention at these lengths, which would make
     its curves coincide with those of ``full`` (or ``causal``)."""
     backend = kwargs.pop("backend", "auto")
+    cp_group = kwargs.pop("cp_group", None)
+    if cp_group is not None:
+        return _explain_sharded(q, k, v, cp_group, **kwargs)
     cache = kwargs.pop("cache", None)
     if cache is not None:
         score = kwargs.get("score") or DotProduct(resolve_scale(kwargs.get("scale"), q.shape[-1]))
@@ -229,6 +260,21 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
             f"attention at this length, the same as variant {note!r}"
         )
     return explain_backend(call) + (note or "")
+
+
+def _explain_sharded(q: Tensor, k: Tensor, v: Tensor, group: object, **kwargs: object) -> str:
+    """``explain`` with a cp_group: what this rank receives and computes (no collective)."""
+    order = kwargs.pop("cp_order", "contiguous")
+    for option in ("dropout_p", "scale", "score", "return_weights"):  # no effect on the plan
+        kwargs.pop(option, None)
+    stats = shard_stats(q, k, v, group=group, order=order, **kwargs)
+    sources = ", ".join(str(r) for r in stats.sources) or "none"
+    return (
+        f"context parallel rank {stats.rank} of {stats.world} ({order}): receives "
+        f"{stats.received_bytes} bytes of keys and values ({stats.received_rows} rows per "
+        f"sequence and key/value head, from ranks: {sources}); its queries attend "
+        f"{stats.pairs:g} pairs per sequence and head"
+    )
 
 
 ALLOWS = {"full": "of queries and keys", "causal": "that causal attention allows"}

@@ -16,6 +16,7 @@ from .decoding.generation import module_step, new_cache
 from .functional import attention, build_encoding, resolve_pattern, resolved_params
 from .mechanisms.dispatch import check_encoding
 from .mechanisms.layer import module_mechanism
+from .parallel.layer import sharded_forward
 from .patterns import Pattern
 from .positional import PositionalEncoding
 from .registry import get_module_spec, get_spec, is_mechanism_name, list_modules
@@ -125,6 +126,8 @@ class MultiHeadAttention(nn.Module):
         score: str = "dot",
         kv_dim: int | None = None,
         num_kv_heads: int | None = None,
+        cp_group: object = None,
+        cp_order: str = "contiguous",
         **params: object,
     ) -> None:
         super().__init__()
@@ -149,6 +152,10 @@ class MultiHeadAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.variant, self.backend, self.causal = variant, backend, causal
         self.dropout = check_probability("dropout", dropout)
+        # Context parallelism (zoo.parallel): x is then this rank's shard of each sequence.
+        # Plain attributes, so that a training loop can set them after building the model
+        # (zoo.parallel.use_context_parallel sets them on every such module of a model).
+        self.cp_group, self.cp_order = cp_group, cp_order
         self.params = dict(params)
         self.mechanism = module_mechanism(  # a submodule for a mechanism, else None
             variant,
@@ -257,6 +264,8 @@ class MultiHeadAttention(nn.Module):
             raise ValueError("positions apply to a call with a cache (cache=...)")
         source = x if context is None else context
         self._check_source(source, x)
+        if self.cp_group is not None:  # x is this rank's shard: padding and embedding global
+            return sharded_forward(self, x, context, key_padding_mask, valid_lens, return_weights)
         if valid_lens is not None:
             key_padding_mask = _padding_of(valid_lens, key_padding_mask, x, source)
         if self.pos.kind == "embed":  # each sequence from its own position 0
@@ -324,6 +333,8 @@ class MultiHeadAttention(nn.Module):
             pos=self.pos if self.pos.kind in ("rotate", "bias") else None,
             return_weights=return_weights,
             edge_index=edge_index,
+            cp_group=self.cp_group,
+            cp_order=self.cp_order,
             **(self.params if self.mechanism is None else {}),
         )
 

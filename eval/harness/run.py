@@ -73,6 +73,9 @@ class TrainConfig:
     # call and then one token at a time with a KVCache per layer (generation_accuracy). With the
     # task's feed_answers: true, greedy: each answer slot reads the model's previous prediction.
     generation: bool = False
+    # Context parallelism: one sequence split over this many processes (torchrun
+    # --nproc-per-node N), each rank its shard (eval/harness/context_parallel.py); 1: off.
+    context_parallel: int = 1
 
 
 @dataclass
@@ -248,6 +251,8 @@ def make_cell(
         "model": {**asdict(config.model), **settings.get("model", {})},
         "train": {**asdict(config.train), **settings.get("train", {}), "lr": lr},
     }
+    if cell["train"]["context_parallel"] == 1:  # off: the keys of earlier results unchanged
+        del cell["train"]["context_parallel"]
     cell["key"] = hashlib.sha1(json.dumps(cell, sort_keys=True).encode()).hexdigest()[:16]
     return cell
 

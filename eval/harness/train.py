@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import zoo
 
 from ..tasks import IGNORE, Batch, Task, get_task
+from . import context_parallel
 from .distributed import Context, wrap
 from .model import SequenceModel
 
@@ -151,6 +152,10 @@ def train(
     for length in cell["test_lengths"]:
         model.check_length(length)
     model.to(context.device)
+    sharded = settings.get("context_parallel", 1) > 1  # one sequence over the ranks
+    if sharded:
+        context_parallel.check(cell, context, task, model.pos.kind)
+        context_parallel.enable(model, True)
     network = wrap(model, context)
     if settings["compile"]:
         network = torch.compile(network, fullgraph=True)
@@ -165,22 +170,30 @@ def train(
     steps = settings["steps"]
     warmup = max(1, round(settings["warmup"] * steps))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: schedule(s, steps, warmup))
-    per_rank = settings["batch_size"] // context.world
+    data = Context(0, 1, context.device) if sharded else context  # sharded: the same batch
+    per_rank = settings["batch_size"] // data.world
     if context.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(context.device)
     losses = []
     targets_seen = torch.zeros(task.num_classes, dtype=torch.long)
     start = time.perf_counter()
-    draw = batches(task, cell["seed"], settings["pool"], per_rank, context)
+    draw = batches(task, cell["seed"], settings["pool"], per_rank, data)
     halfway = start
     for step in range(steps):
         if step == steps // 2:
             halfway = time.perf_counter()
         batch = draw(step)
         inputs, targets, mask = to_device(batch, context.device)
+        if sharded:
+            inputs, targets, mask, total = context_parallel.shard_batch(
+                inputs, targets, mask, context
+            )
         with autocast(context.device):
             logits = network(inputs, mask, **attention_inputs(batch, context.device))
-        loss = loss_of(logits, targets)
+        if sharded:
+            loss = context_parallel.loss_share(logits, targets, total, context.world)
+        else:
+            loss = loss_of(logits, targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), settings["grad_clip"])
@@ -192,6 +205,9 @@ def train(
             progress.update(1)
             if step % 25 == 0 or step == steps - 1:
                 progress.set_postfix(loss=f"{losses[-1].item():.3f}", refresh=False)
+    if sharded:  # each rank's loss is its share: the batch's, and whole sequences from here on
+        losses = context_parallel.whole_losses(losses, context.world)
+        context_parallel.enable(model, False)
     losses = torch.stack(losses).tolist()
     end = time.perf_counter()
     seconds = end - start

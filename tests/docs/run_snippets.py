@@ -4,7 +4,8 @@ from the folder the blocks may write files into (the test gives each page a fres
 A block whose first line is ``# NAME.py`` is a file the page asks the reader to save: it is
 written as NAME.py and imported as a module (so its registrations run). A block whose first line
 is ``# torchrun ... NAME.py`` is a script for several processes: it is written and run with that
-command (``python -m torch.distributed.run`` on the loopback). Every other block runs in the
+command, as ``python -m torch.distributed.run ...`` (give it ``--standalone``: a rendezvous on the
+loopback at a free port). Every other block runs in the
 page's namespace; a failure names the page and the line."""
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def main(page: Path) -> None:
         if launch := LAUNCH.match(first):
             Path(f"{launch['name']}.py").write_text(block.code)
             args = launch["args"].split()
-            command = [sys.executable, "-m", "torch.distributed.run", "--master-port=0", *args]
+            command = [sys.executable, "-m", "torch.distributed.run", *args]
             script = f"{launch['name']}.py"
             done = subprocess.run([*command, script], capture_output=True, text=True)
             if done.returncode != 0:

@@ -22,7 +22,7 @@ from .shape_cache import concrete, per_shape
 # misspelt as one of these (casual=True) gets a suggestion that names the option.
 CALL_OPTIONS = (
     "variant", "backend", "causal", "key_padding_mask", "dropout_p", "scale", "score", "pos",
-    "return_weights", "cache", "edge_index",
+    "return_weights", "cache", "edge_index", "cp_group", "cp_order",
 )  # fmt: skip
 
 

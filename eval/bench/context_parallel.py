@@ -1,0 +1,325 @@
+"""``python -m eval bench-cp [CONFIG.yaml] [key=value ...]``: context parallelism, one sequence
+sharded over N processes, in bytes received per rank and time, beside the peers.
+
+Methods, on the same shapes (B, H, L, D) cut into N equal contiguous shards:
+- ``zoo``: ``zoo.attention(..., cp_group=)``, which fetches the key/value blocks the pattern reads
+  (``zoo.parallel``); bytes from its plan (``zoo.parallel.shard_stats``), the most of any rank;
+- ``zoo_head_tail``: the same with ``cp_order="head_tail"`` (causal load balance); its pairs per
+  rank (max / min) show the balance;
+- ``all_gather``: every key and value gathered on every rank, then the rank's queries against
+  them with the pattern (what PyTorch's FlexAttention context-parallel path does);
+- ``torch_ring``: PyTorch's ``torch.distributed.tensor.experimental.context_parallel`` (SDPA ring
+  attention), for ``full`` and ``causal`` only (SDPA has no other pattern). On a CPU it does not
+  run (torch 2.13: no sharding strategy for the CPU flash kernel); its bytes are then the ring's,
+  (N - 1) shards of k and v per rank, and its time is left out with the reason.
+
+Time: the median of ``repeats`` forward calls (after ``warmup``), each after a barrier, the
+slowest rank's; and, for ``zoo``, forward and backward. On a CPU the N processes share its cores,
+so times hold for comparing methods in one run, not as scaling. Without torchrun the command
+starts N gloo processes itself for each N in ``worlds``; under ``torchrun --nproc-per-node N``
+(the GPU twin, ``eval/configs/bench_cp_gpu.yaml``) it runs in those ranks with NCCL.
+Writes ``bench-cp.json`` and ``bench-cp.md`` in ``out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import socket
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import zoo
+from zoo.functional import resolve_pattern
+from zoo.layout.block_layout import specialized, with_heads
+from zoo.parallel import ShardLayout, shard_stats
+from zoo.parallel.at_positions import AtPositions
+
+from ..harness.config import ConfigError, load_config
+from ..harness.distributed import device_name
+
+METHODS = ("zoo", "zoo_head_tail", "all_gather", "torch_ring")
+
+
+@dataclass
+class CPConfig:
+    variants: list[str] = field(default_factory=lambda: ["sliding_window", "full", "causal"])
+    lengths: list[int] = field(default_factory=lambda: [4096, 8192])
+    worlds: list[int] = field(default_factory=lambda: [2, 4])  # without torchrun
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    batch: int = 1
+    heads: int = 4
+    head_dim: int = 32
+    backend: str = "auto"
+    warmup: int = 1
+    repeats: int = 5
+    params: dict[str, dict] = field(default_factory=dict)
+    device: str = "cpu"  # cpu (gloo) or cuda (nccl, under torchrun)
+    out: str = "eval/results/bench-cp-cpu"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        prog="python -m eval bench-cp", description=__doc__.split(":")[0]
+    )
+    parser.add_argument("items", nargs="*", help="[CONFIG.yaml] [key=value ...], e.g. repeats=5")
+    items = list(parser.parse_args(argv).items)
+    path = items.pop(0) if items and "=" not in items[0] else None
+    try:
+        config = load_config(CPConfig, path, items)
+    except ConfigError as error:
+        print(f"bench-cp: {error}", file=sys.stderr)
+        return 2
+    unknown = sorted(set(config.methods) - set(METHODS))
+    if unknown:
+        print(f"bench-cp: unknown methods {unknown}; choose from {METHODS}", file=sys.stderr)
+        return 2
+    command = "python -m eval bench-cp " + shlex.join(argv)
+    if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
+        rows = _measure_in_rank(config)
+        if int(os.environ.get("RANK", "0")) == 0:
+            _write(config, rows, command)
+        return 0
+    rows = []
+    for world in config.worlds:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        queue = mp.get_context("spawn").SimpleQueue()
+        mp.start_processes(_spawned, args=(world, port, config, queue), nprocs=world,
+                           start_method="spawn")  # fmt: skip
+        rows += queue.get()
+    _write(config, rows, command)
+    return 0
+
+
+def _spawned(rank: int, world: int, port: int, config: CPConfig, queue) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        rows = _measure(config, rank, world, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        queue.put(rows)
+
+
+def _measure_in_rank(config: CPConfig) -> list[dict]:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        return _measure(config, rank, world, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure(config: CPConfig, rank: int, world: int, device: torch.device) -> list[dict]:
+    """Every (variant, length, method) row, as rank 0 records it."""
+    rows = []
+    group = dist.group.WORLD
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    for length in config.lengths:
+        s = length // world
+        g = torch.Generator().manual_seed(rank)
+        q, k, v = (torch.randn(config.batch, config.heads, s, config.head_dim, generator=g)
+                   .to(device, dtype) for _ in range(3))  # fmt: skip
+        row_bytes = config.batch * config.heads * 2 * config.head_dim * q.element_size()
+        for variant in config.variants:
+            params = config.params.get(variant, {})
+            base = dict(variant=variant, length=length, world=world, device=device_name(device))
+            for method in config.methods:
+                found = _one(method, config, q, k, v, group, params, variant, length, world)
+                if found is None:
+                    continue
+                least = found.get("rows_received_min", found["rows_received"])
+                rows.append(
+                    {
+                        **base,
+                        "method": method,
+                        **found,
+                        "mib_received": found["rows_received"] * row_bytes / 2**20,
+                        "mib_received_min": least * row_bytes / 2**20,
+                    }
+                )
+    return rows
+
+
+def _one(method, config, q, k, v, group, params, variant, length, world) -> dict | None:
+    """One method's figures on this rank, reduced over the ranks (the most; pairs: max, min)."""
+    kw = dict(variant=variant, **params)
+    if method in ("zoo", "zoo_head_tail"):
+        order = "head_tail" if method == "zoo_head_tail" else "contiguous"
+        stats = shard_stats(q, k, v, group=group, order=order, **kw)
+        rows, pairs = stats.received_rows, stats.pairs
+
+        def run():
+            return zoo.attention(q, k, v, backend=config.backend, cp_group=group, cp_order=order,
+                                 **kw)  # fmt: skip
+
+        timed = _time(run, config, group)
+        trained = _time_backward(run, (q, k, v), config, group) if method == "zoo" else None
+        return {"rows_received": _most(rows, group), "rows_received_min": abs(_most(-rows, group)),
+                "pairs_max": _most(pairs, group),
+                "pairs_min": abs(_most(-pairs, group)), "forward_ms": timed,
+                "forward_backward_ms": trained}  # fmt: skip
+    if method == "all_gather":
+
+        def run():
+            return _all_gather_attention(q, k, v, group, config.backend, **kw)
+
+        return {"rows_received": (world - 1) * q.shape[2], "forward_ms": _time(run, config, group)}
+    if variant not in ("full", "causal") or params:
+        return None
+    if q.device.type == "cpu":
+        return {"rows_received": (world - 1) * q.shape[2], "forward_ms": None,
+                "note": "no CPU kernel: torch's context_parallel has no sharding strategy for "
+                        "aten._scaled_dot_product_flash_attention_for_cpu"}  # fmt: skip
+    return {
+        "rows_received": (world - 1) * q.shape[2],
+        "forward_ms": _time_torch_ring(q, k, v, group, variant == "causal", config),
+    }
+
+
+def _all_gather_attention(q, k, v, group, backend, *, variant, **params):
+    """Every rank's keys and values gathered, then this rank's queries against all of them."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    keys = [torch.empty_like(k) for _ in range(world)]
+    values = [torch.empty_like(v) for _ in range(world)]
+    dist.all_gather(keys, k.contiguous(), group=group)
+    dist.all_gather(values, v.contiguous(), group=group)
+    length = q.shape[2] * world
+    pattern = resolve_pattern(variant, False, params)
+    pattern = specialized(pattern, length, length, q.device)
+    if pattern.per_head:
+        pattern = with_heads(pattern, q.shape[1])
+    layout = ShardLayout(world, q.shape[2], "contiguous")
+    wrapper = _wrapper(pattern, layout, rank, q.device, q.shape[1])
+    return zoo.attention(q, torch.cat(keys, 2), torch.cat(values, 2), variant=wrapper,
+                         backend=backend)  # fmt: skip
+
+
+_WRAPPERS: dict = {}
+
+
+def _wrapper(pattern, layout, rank, device, heads) -> AtPositions:
+    key = (id(pattern), layout, rank)
+    if key not in _WRAPPERS:
+        _WRAPPERS[key] = AtPositions(
+            pattern, layout.positions(rank).to(device), torch.arange(layout.length, device=device),
+            heads if pattern.per_head else None,
+        )  # fmt: skip
+    return _WRAPPERS[key]
+
+
+def _time_torch_ring(q, k, v, group, causal, config) -> float:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    world = dist.get_world_size(group)
+    mesh = DeviceMesh(q.device.type, list(range(world)))
+    g = torch.Generator().manual_seed(0)  # the whole sequence, the same on every rank
+    shape = (*q.shape[:2], q.shape[2] * world, q.shape[3])
+    whole = [torch.randn(shape, generator=g).to(q.device, q.dtype) for _ in range(3)]
+
+    def run():
+        buffers = [t.clone() for t in whole]  # the context shards its buffers in place
+        with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2]):
+            return torch.nn.functional.scaled_dot_product_attention(*buffers, is_causal=causal)
+
+    return _time(run, config, group)
+
+
+def _time(run, config: CPConfig, group) -> float:
+    """The slowest rank's median time of ``run`` in ms."""
+    with torch.no_grad():
+        for _ in range(config.warmup):
+            run()
+        times = []
+        for _ in range(config.repeats):
+            dist.barrier(group)
+            start = time.perf_counter()
+            run()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    return _most(statistics.median(times) * 1e3, group)
+
+
+def _time_backward(run, inputs, config: CPConfig, group) -> float:
+    for t in inputs:
+        t.requires_grad_(True)
+    times = []
+    for i in range(config.warmup + config.repeats):
+        dist.barrier(group)
+        start = time.perf_counter()
+        run().sum().backward()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        if i >= config.warmup:
+            times.append(time.perf_counter() - start)
+    for t in inputs:
+        t.requires_grad_(False)
+        t.grad = None
+    return _most(statistics.median(times) * 1e3, group)
+
+
+def _most(value: float, group) -> float:
+    """The largest value over the ranks."""
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.item()
+
+
+def _write(config: CPConfig, rows: list[dict], command: str) -> None:
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench-cp.json").write_text(
+        json.dumps({"command": command, "config": asdict(config), "rows": rows}, indent=1) + "\n"
+    )
+    (out / "bench-cp.md").write_text(markdown(config, rows, command))
+    print(markdown(config, rows, command))
+
+
+def markdown(config: CPConfig, rows: list[dict], command: str) -> str:
+    def ms(value) -> str:
+        return "-" if value is None else f"{value:.1f}"
+
+    lines = [
+        "# Context parallelism: bytes received per rank and time",
+        "",
+        f"`{command}`. B={config.batch}, H={config.heads}, D={config.head_dim}; "
+        f"{rows[0]['device'] if rows else ''}. MiB: what a rank receives (k and v), the most "
+        "and the least over the ranks (a rank that holds global tokens reads every key). "
+        "Time: the slowest rank's median forward (and forward+backward for zoo), ms; the ranks "
+        "share the machine's cores, so compare methods within a row group, not across N.",
+        "",
+        "| variant | L | N | method | MiB received max / min | pairs/rank max / min | fwd ms |"
+        " fwd+bwd ms |"
+        " note |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        pairs = f"{r['pairs_max']:.3g} / {r['pairs_min']:.3g}" if "pairs_max" in r else "-"
+        lines.append(
+            f"| {r['variant']} | {r['length']} | {r['world']} | {r['method']} | "
+            f"{r['mib_received']:.2f} / {r['mib_received_min']:.2f} | {pairs} | "
+            f"{ms(r.get('forward_ms'))} | "
+            f"{ms(r.get('forward_backward_ms'))} | {r.get('note', '')} |"
+        )
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,330 @@
+"""Context parallelism (``zoo.parallel``, ``zoo.attention(..., cp_group=)``) in 2 and 4 gloo
+processes: each rank's shard of the output and of dq, dk, dv equals the one-process call on the
+whole sequence, in float64, for every fixed-pattern variant, causal or not, padded or not, with
+grouped-query heads, at a length that is not a multiple of the blocks; bad calls raise on every
+rank; ``zoo.explain``'s bytes and pairs equal counts made from the dense mask.
+
+One group of processes per world size runs every check (a process start costs seconds), each
+rank writing its failures to a file that the tests read.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import FIXED_VARIANTS, GRAPH_VARIANTS, small_params, subprocess_timeout
+
+import zoo
+from zoo.functional import prepare_call, resolve_pattern
+from zoo.layout.block_layout import specialized
+from zoo.parallel import ShardLayout, exchange_plan, shard, shard_stats, unshard
+
+LENGTH = 56  # 56 / 16 (block_size): the last pattern block ends mid-way; shards of 28 and 14
+PLAN_BLOCK = 8  # shards of 14 (4 ranks) and chunks of 7 end mid-block
+BATCH, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 8
+VARIANTS = [name for name in FIXED_VARIANTS if name not in GRAPH_VARIANTS]
+BACKENDS = ("reference", "blocked", "sdpa")  # flex: no backward on a CPU
+ORDERS = ("contiguous", "head_tail")
+ENCODINGS = (None, "rope", "alibi")
+TOLERANCE = 1e-9  # float64
+
+
+def cases() -> list[tuple]:
+    """(variant, causal, padded, backend, order, pos): every variant, causal or not, padded or
+    not; backends, orders and encodings in turn, so each meets each across the cases."""
+    combos = itertools.product(VARIANTS, (False, True), (False, True))
+    return [
+        (variant, causal, padded, BACKENDS[i % 3], ORDERS[(i // 3) % 2], ENCODINGS[i % 5 % 3])
+        for i, (variant, causal, padded) in enumerate(combos)
+    ]
+
+
+def _inputs() -> tuple[torch.Tensor, ...]:
+    """The whole sequence: q, k, v, key padding, and an output gradient (float64)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(BATCH, HEADS, LENGTH, HEAD_DIM, generator=g, dtype=torch.float64)
+    k = torch.randn(BATCH, KV_HEADS, LENGTH, HEAD_DIM, generator=g, dtype=torch.float64)
+    v = torch.randn(BATCH, KV_HEADS, LENGTH, HEAD_DIM, generator=g, dtype=torch.float64)
+    padding = torch.zeros(BATCH, LENGTH, dtype=torch.bool)
+    padding[0, 3] = padding[1, -9:] = True  # one key inside, and a tail over a shard's end
+    grad = torch.randn(BATCH, HEADS, LENGTH, HEAD_DIM, generator=g, dtype=torch.float64)
+    return q, k, v, padding, grad
+
+
+def _error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def _check_matches(rank: int, world: int, group) -> list[str]:
+    """Each case's shard of out, dq, dk, dv against the one-process reference call."""
+    q, k, v, padding, grad = _inputs()
+    failures = []
+    for variant, causal, padded, backend, order, pos in cases():
+        kwargs = dict(variant=variant, causal=causal, pos=pos, **small_params(variant))
+        whole = [t.clone().requires_grad_() for t in (q, k, v)]
+        reference = zoo.attention(
+            *whole, backend="reference", key_padding_mask=padding if padded else None, **kwargs
+        )
+        reference.backward(grad)
+        mine = [shard(t, rank, world, order=order).requires_grad_() for t in (q, k, v)]
+        out = zoo.attention(
+            *mine, backend=backend, cp_group=group, cp_order=order,
+            key_padding_mask=shard(padding, rank, world, dim=1, order=order) if padded else None,
+            **kwargs,
+        )  # fmt: skip
+        out.backward(shard(grad, rank, world, order=order))
+        errors = [_error(out, shard(reference.detach(), rank, world, order=order))]
+        errors += [_error(a.grad, shard(b.grad, rank, world, order=order))
+                   for a, b in zip(mine, whole, strict=True)]  # fmt: skip
+        if max(errors) > TOLERANCE:
+            case = f"{variant} causal={causal} padded={padded} {backend} {order} pos={pos}"
+            shown = ", ".join(f"{e:.1e}" for e in errors)
+            failures.append(f"rank {rank}: {case}: |error| out, dq, dk, dv = {shown}")
+    return failures
+
+
+def _check_errors(rank: int, world: int, group) -> list[str]:
+    """Bad calls: each must raise on EVERY rank (none left waiting), naming what to fix; a good
+    call afterwards still matches (no message of a failed call left in flight)."""
+    q, k, v, padding, _ = _inputs()
+    mine = [shard(t, rank, world) for t in (q, k, v)]
+    short = [t[:, :, :-1] if rank == world - 1 else t for t in mine]
+    odd = [t[:, :, :-1] for t in mine]
+    bad_calls = {
+        "unequal shards": (short, dict(variant="local"), "shape"),
+        "routed variant": (mine, dict(variant="moba", block_size=4), "by content"),
+        "mechanism": (mine, dict(variant="performer"), "mechanism"),
+        "misspelt on one rank": (mine, dict(variant="locl" if rank == 1 else "local"), "variant"),
+        "bad parameter": (mine, dict(variant="local", window_size=-1), "window_size"),
+        "odd shard, head_tail": (odd, dict(variant="local", cp_order="head_tail"), "cp_order"),
+        "return_weights": (mine, dict(variant="local", return_weights=True), "return_weights"),
+        "padding shape": (mine, dict(variant="local", key_padding_mask=padding), "key_padding"),
+    }
+    failures = []
+    for name, (tensors, kwargs, words) in bad_calls.items():
+        try:
+            zoo.attention(*tensors, cp_group=group, **kwargs)
+        except (ValueError, TypeError) as error:
+            if words not in str(error):
+                failures.append(f"rank {rank}: {name}: {words!r} not in: {error}")
+        else:
+            failures.append(f"rank {rank}: {name}: no error raised")
+    out = zoo.attention(*mine, variant="local", window_size=7, cp_group=group)
+    whole = zoo.attention(q, k, v, variant="local", window_size=7, backend="reference")
+    if _error(out, shard(whole, rank, world)) > TOLERANCE:
+        failures.append(f"rank {rank}: the call after the errors does not match")
+    return failures
+
+
+def _check_explain(rank: int, world: int, group) -> list[str]:
+    """Bytes received and pairs per rank (``shard_stats``, the numbers ``zoo.explain`` prints)
+    against counts made from the pattern's dense mask: a key block of the plan is fetched when
+    some query of the rank may attend some key of it."""
+    q, k, v, padding, _ = _inputs()
+    failures = []
+    for variant, causal, order in itertools.product(
+        ("local", "sliding_window", "bigbird", "global", "full", "strided"), (False, True), ORDERS
+    ):
+        params = small_params(variant)
+        call = prepare_call(q, k, v, variant=variant, causal=causal, **params)
+        dense = call.pattern.dense(LENGTH, LENGTH).reshape(-1, LENGTH, LENGTH)  # [heads, L, L]
+        layout = ShardLayout(world, LENGTH // world, order)
+        rows = layout.positions(rank)
+        reads = dense[:, rows, :].any(dim=(0, 1))  # [L]: keys some query head of the rank reads
+        block = min(PLAN_BLOCK, layout.chunk)
+        fetched = 0
+        for chunk in range(world * layout.chunks_per_rank):
+            if layout.owner(chunk)[0] == rank:
+                continue
+            for lo in range(chunk * layout.chunk, (chunk + 1) * layout.chunk, block):
+                hi = min(lo + block, (chunk + 1) * layout.chunk)
+                fetched += (hi - lo) if bool(reads[lo:hi].any()) else 0
+        expected_bytes = BATCH * fetched * (KV_HEADS * 2 * HEAD_DIM * 8 + 1)  # float64, padding
+        expected_pairs = dense[:, rows, :].sum().item() / dense.shape[0]
+        mine = [shard(t, rank, world, order=order) for t in (q, k, v)]
+        stats = shard_stats(
+            *mine, group=group, variant=variant, causal=causal, order=order,
+            key_padding_mask=shard(padding, rank, world, dim=1, order=order),
+            plan_block=PLAN_BLOCK, **params,
+        )  # fmt: skip
+        got = (stats.received_rows, stats.received_bytes, stats.pairs)
+        if got != (fetched, expected_bytes, expected_pairs):
+            failures.append(
+                f"rank {rank}: {variant} causal={causal} {order}: (rows, bytes, pairs) {got}, "
+                f"counted from the dense mask {(fetched, expected_bytes, expected_pairs)}"
+            )
+    text = zoo.explain(*[shard(t, rank, world) for t in (q, k, v)], variant="full", cp_group=group)
+    if f"rank {rank} of {world}" not in text or "bytes" not in text:
+        failures.append(f"rank {rank}: zoo.explain says: {text}")
+    return failures
+
+
+def _check_module(rank: int, world: int, group) -> list[str]:
+    """zoo.MultiHeadAttention on shards (absolute encoding at global positions, valid_lens of
+    the whole sequences, grouped heads): each rank's output and the all-reduced parameter
+    gradients equal the one-process module's."""
+    failures = []
+    for order, variant, pos in (("contiguous", "sliding_window", "sinusoidal"),
+                                ("head_tail", "bigbird", "rope")):  # fmt: skip
+        torch.manual_seed(1)
+        module = zoo.MultiHeadAttention(
+            16, 4, num_kv_heads=2, variant=variant, pos=pos, causal=True, **small_params(variant)
+        ).double()
+        x = torch.randn(BATCH, LENGTH, 16, dtype=torch.float64)
+        valid_lens = torch.tensor([LENGTH, LENGTH - 9])
+        whole = module(x, valid_lens=valid_lens)
+        whole.pow(2).sum().backward()
+        expected = {name: p.grad.clone() for name, p in module.named_parameters()}
+        module.zero_grad()
+        zoo.parallel.use_context_parallel(module, group, order)
+        out = module(shard(x, rank, world, dim=1, order=order), valid_lens=valid_lens)
+        out.pow(2).sum().backward()
+        errors = [_error(out, shard(whole.detach(), rank, world, dim=1, order=order))]
+        for name, p in module.named_parameters():
+            dist.all_reduce(p.grad, group=group)  # what DDP does after the backward
+            errors.append(_error(p.grad, expected[name]))
+        if max(errors) > TOLERANCE:
+            failures.append(f"rank {rank}: module {variant} {order} {pos}: max error {max(errors)}")
+    return failures
+
+
+CHECKS = {
+    "matches": _check_matches,
+    "errors": _check_errors,
+    "explain": _check_explain,
+    "module": _check_module,
+}
+
+
+def _worker(rank: int, world: int, port: int, folder: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        found = {name: check(rank, world, dist.group.WORLD) for name, check in CHECKS.items()}
+    finally:
+        dist.destroy_process_group()
+    with open(f"{folder}/rank{rank}.json", "w") as file:
+        json.dump(found, file)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=(2, 4), ids=("2 ranks", "4 ranks"))
+def outcome(request, tmp_path_factory) -> dict[str, list[str]]:
+    """Every check's failures over the ranks of one group of ``request.param`` processes."""
+    world = request.param
+    folder = tmp_path_factory.mktemp(f"cp{world}")
+    context = mp.start_processes(
+        _worker, args=(world, _free_port(), str(folder)), nprocs=world, join=False,
+        start_method="spawn",
+    )  # fmt: skip
+    deadline = time.monotonic() + subprocess_timeout(120)
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the {world} ranks did not finish in time: a rank is left waiting")
+    found: dict[str, list[str]] = {name: [] for name in CHECKS}
+    for rank in range(world):
+        for name, failures in json.loads((folder / f"rank{rank}.json").read_text()).items():
+            found[name] += failures
+    return found
+
+
+def test_every_fixed_variant_matches_one_process_forward_and_backward(outcome):
+    assert not outcome["matches"], "\n".join(outcome["matches"])
+
+
+def test_bad_calls_raise_on_every_rank_before_any_exchange(outcome):
+    assert not outcome["errors"], "\n".join(outcome["errors"])
+
+
+def test_explain_bytes_and_pairs_equal_counts_from_the_dense_mask(outcome):
+    assert not outcome["explain"], "\n".join(outcome["explain"])
+
+
+def test_module_on_shards_matches_one_process(outcome):
+    assert not outcome["module"], "\n".join(outcome["module"])
+
+
+def test_cases_cover_every_backend_order_and_encoding_for_every_variant_kind():
+    seen = cases()
+    assert {c[0] for c in seen} == set(VARIANTS)
+    for index, options in ((3, BACKENDS), (4, ORDERS), (5, ENCODINGS)):
+        assert {c[index] for c in seen} == set(options)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_shard_and_unshard_are_inverse(order):
+    x = torch.arange(2 * 24 * 3).reshape(2, 24, 3)
+    shards = [shard(x, r, 3, dim=1, order=order) for r in range(3)]
+    assert torch.equal(unshard(shards, dim=1, order=order), x)
+    if order == "head_tail":  # rank 0 holds the first and the last sixth
+        assert shards[0][0, :, 0].tolist() == [0, 3, 6, 9, 60, 63, 66, 69]
+
+
+def _received_rows(variant: str, length: int, world: int, **params) -> list[int]:
+    pattern = resolve_pattern(variant, False, params)
+    pattern = specialized(pattern, length, length, torch.device("cpu"))
+    plan = exchange_plan(pattern, ShardLayout(world, length // world, "contiguous"), 64,
+                         torch.device("cpu"))  # fmt: skip
+    return [r.received_rows for r in plan.ranks]
+
+
+def test_a_window_fetches_a_halo_constant_in_the_length():
+    """A window of 100 keys fetches two blocks of 64 from each neighbour, at any length."""
+    for length in (1024, 4096):
+        rows = _received_rows("local", length, 4, window_size=100)
+        assert rows == [128, 256, 256, 128]
+
+
+def test_full_fetches_what_a_ring_passes():
+    assert _received_rows("full", 1024, 4) == [768] * 4
+
+
+def test_a_call_without_a_process_group_says_how_to_start_one():
+    q = torch.randn(1, 1, 8, 4)
+    with pytest.raises(ValueError, match="init_process_group"):
+        zoo.attention(q, q, q, variant="local", cp_group=object())
+
+
+def _gpu_worker(rank: int, world: int, port: int) -> None:
+    """On GPU ``rank`` with NCCL: a few variants in float32 against the float64 CPU reference,
+    within float32's error."""
+    torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        q, k, v, padding, _ = _inputs()
+        for variant, causal in (("sliding_window", True), ("bigbird", False), ("full", True)):
+            kwargs = dict(variant=variant, causal=causal, **small_params(variant))
+            whole = zoo.attention(q, k, v, backend="reference", key_padding_mask=padding, **kwargs)
+            mine = [shard(t, rank, world).float().cuda() for t in (q, k, v)]
+            out = zoo.attention(
+                *mine, cp_group=dist.group.WORLD,
+                key_padding_mask=shard(padding, rank, world, dim=1).cuda(), **kwargs,
+            )  # fmt: skip
+            error = _error(out.double().cpu(), shard(whole, rank, world))
+            assert error < 1e-4, f"rank {rank}: {variant} causal={causal}: {error}"
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
+def test_nccl_on_two_gpus_matches_one_process():
+    mp.start_processes(_gpu_worker, args=(2, _free_port()), nprocs=2, start_method="spawn")

@@ -1,0 +1,70 @@
+"""``zoo.MultiHeadAttention`` under context parallelism: x (B, s, dim) is this rank's shard.
+
+The module keeps its group as attributes (``cp_group``, ``cp_order``), set at construction or by
+``use_context_parallel`` on every attention module of a built model, which is what a training
+loop wants: the model is written once, and a launcher decides how many ranks share a sequence.
+Inside, the shard's global positions reach the pieces that depend on them: an absolute encoding
+(sinusoidal, learned) is added at the rank's global positions, ``valid_lens`` (lengths of the
+whole sequences) become this shard's key padding, and the attention call shards by ``cp_group``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from einops import rearrange
+from torch import Tensor, nn
+
+from .sharded import check_group
+from .shards import ShardLayout, check_order
+
+
+def use_context_parallel(model: nn.Module, group: object, order: str = "contiguous") -> nn.Module:
+    """Set ``cp_group`` and ``cp_order`` on every ``zoo.MultiHeadAttention`` inside ``model``
+    (``group=None``: back to one process); returns the model."""
+    for module in model.modules():
+        if hasattr(module, "cp_group") and hasattr(module, "cp_order"):
+            module.cp_group, module.cp_order = group, order
+    return model
+
+
+def sharded_forward(
+    module: nn.Module,
+    x: Tensor,
+    context: Tensor | None,
+    key_padding_mask: Tensor | None,
+    valid_lens: Tensor | None,
+    return_weights: bool,
+) -> Tensor:
+    """The module's forward on this rank's shard x (B, s, dim): self-attention only."""
+    for name, given, why in (
+        ("context", context is not None, "cross-attention is not sharded"),
+        ("return_weights", return_weights, "each rank holds only its rows of the weights"),
+        ("valid_lens and key_padding_mask", valid_lens is not None and key_padding_mask
+         is not None, "give one of the two"),
+    ):  # fmt: skip
+        if given:
+            raise ValueError(f"{name}: not available with cp_group: {why}")
+    check_group(module.cp_group, x)
+    # A shard the order cannot cut is left to the attention call, which agrees with every rank
+    # before it raises (raising here on one rank would leave the others waiting).
+    if check_order(module.cp_order, x.shape[1]) is None:
+        rank, world = dist.get_rank(module.cp_group), dist.get_world_size(module.cp_group)
+        layout = ShardLayout(world, x.shape[1], module.cp_order)
+        positions = layout.positions(rank).to(x.device)
+        if valid_lens is not None:  # lengths of the whole sequences
+            key_padding_mask = positions[None, :] >= valid_lens.to(x.device)[:, None]
+        if module.pos.kind == "embed":
+            x = _embedded(module.pos, x, layout, rank)
+    q, k, v = module._heads(x, x)
+    out = module._attend(q, k, v, key_padding_mask, False, None)
+    return module.out_proj(rearrange(out, "b h l d -> b l (h d)"))  # (B, s, dim)
+
+
+def _embedded(encoding: nn.Module, x: Tensor, layout: ShardLayout, rank: int) -> Tensor:
+    """x with the absolute encoding of its global positions, chunk by chunk."""
+    chunks = [
+        encoding.embed(x[:, i * layout.chunk : (i + 1) * layout.chunk], offset=c * layout.chunk)
+        for i, c in enumerate(layout.chunks_of(rank))
+    ]
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)

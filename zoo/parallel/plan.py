@@ -1,0 +1,160 @@
+"""The exchange plan: which key/value rows each rank fetches from each other rank.
+
+Every rank's chunks (``zoo.parallel.shards``) are cut into blocks of at most ``block`` positions
+that start at each chunk's first position, so that no block straddles two ranks. A rank needs a
+key block where the pattern's ``block_state`` (specialised at the GLOBAL length, so random blocks
+and global tokens are those of the whole sequence) says that some query block of the rank reads
+it: never an EMPTY block. The plan is built from the block states alone, the same on every rank,
+so no rank has to tell another what it needs: a rank sends what the plan says its peers need.
+A rank always keeps all of its own keys; it fetches the needed blocks of the others'.
+
+What this costs per rank, for a shard of s positions and blocks of b: a window of w keys fetches
+ceil(w / b) blocks from each neighbour (a halo), global tokens their blocks once, a random block
+its block, and ``full`` every other rank's whole shard: (world - 1) * s rows, what a ring passes
+round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..core.shape_cache import per_shape
+from ..patterns.base import EMPTY, FULL, PARTIAL, Pattern, Spans
+from .shards import ShardLayout
+
+PLAN_BLOCK = 64  # positions per block of the plan: the unit in which keys are fetched
+
+
+@dataclass(frozen=True, eq=False)
+class RankPlan:
+    """What one rank receives and how it lays out the keys it attends."""
+
+    rank: int
+    q_positions: Tensor  # [shard] global positions of its queries (and own keys), increasing
+    kv_positions: Tensor  # [m] global positions of the keys it attends: own and fetched, sorted
+    fetch: dict[int, Tensor]  # owner rank -> [n] rows of the owner's shard it receives, sorted
+    # The keys it attends as slices of two sources, in position order: (-1, first, count) of its
+    # own shard, (p, first, count) of what it receives from rank p.
+    pieces: tuple[tuple[int, int, int], ...]
+
+    @property
+    def received_rows(self) -> int:
+        return sum(int(rows.numel()) for rows in self.fetch.values())
+
+
+@dataclass(frozen=True, eq=False)
+class ExchangePlan:
+    """The plan of every rank (compared by identity; built once per shape)."""
+
+    layout: ShardLayout
+    block: int
+    ranks: tuple[RankPlan, ...]
+
+    def sends(self, rank: int) -> dict[int, Tensor]:
+        """peer -> rows of ``rank``'s shard that the peer receives from it."""
+        return {peer.rank: peer.fetch[rank] for peer in self.ranks if rank in peer.fetch}
+
+
+def block_spans(layout: ShardLayout, chunks: tuple[int, ...], block: int) -> Spans:
+    """Spans of the blocks of ``chunks`` (each cut into blocks from its first position)."""
+    lo = torch.cat([torch.arange(c * layout.chunk, (c + 1) * layout.chunk, block) for c in chunks])
+    hi = torch.minimum(lo + block, (lo // layout.chunk + 1) * layout.chunk) - 1
+    return Spans(lo, hi, 1, torch.ones_like(lo, dtype=torch.bool))
+
+
+def block_states(
+    pattern: Pattern, layout: ShardLayout, rank: int, block: int, device: torch.device
+) -> Tensor:
+    """[query blocks of ``rank``, key blocks of the whole sequence] EMPTY / PARTIAL / FULL, the
+    most a head reads where the pattern differs per head (spans on ``device``, the pattern's)."""
+    every_chunk = tuple(range(layout.world * layout.chunks_per_rank))
+    q = block_spans(layout, layout.chunks_of(rank), block)
+    k = block_spans(layout, every_chunk, block)
+    state = pattern.block_state(_on(q, device).column(), _on(k, device).row()).cpu()
+    while state.dim() > 2:  # [1, H, ...] of a layout drawn per head: any head's need counts
+        state = state.amax(dim=0)
+    return state
+
+
+@per_shape(maxsize=64)
+def exchange_plan(
+    pattern: Pattern, layout: ShardLayout, block: int, device: torch.device
+) -> ExchangePlan:
+    """The plan of every rank for ``pattern`` specialised at ``layout.length`` on ``device``
+    (see the module docstring); its index tensors live on the CPU."""
+    block = max(1, min(block, layout.chunk))
+    chunks = range(layout.world * layout.chunks_per_rank)
+    keys = block_spans(layout, tuple(chunks), block)
+    plans = []
+    for rank in range(layout.world):
+        needed = (block_states(pattern, layout, rank, block, device) != EMPTY).any(dim=0)
+        wanted = {}  # chunk of another rank -> the global positions fetched from it
+        for chunk in chunks:
+            if layout.owner(chunk)[0] == rank:
+                continue
+            first, last = chunk * layout.chunk, (chunk + 1) * layout.chunk
+            in_chunk = needed & (keys.lo >= first) & (keys.lo < last)
+            spans = zip(keys.lo[in_chunk].tolist(), keys.hi[in_chunk].tolist(), strict=True)
+            rows = [torch.arange(lo, hi + 1) for lo, hi in spans]
+            if rows:
+                wanted[chunk] = torch.cat(rows)
+        plans.append(_rank_plan(rank, layout, wanted))
+    return ExchangePlan(layout, block, tuple(plans))
+
+
+def _rank_plan(rank: int, layout: ShardLayout, wanted: dict[int, Tensor]) -> RankPlan:
+    """The rank's plan from the positions it fetches per chunk of another rank."""
+    fetch: dict[int, list[Tensor]] = {}
+    for chunk, positions in sorted(wanted.items()):  # a peer's rows in chunk order: sorted
+        owner, row0 = layout.owner(chunk)
+        fetch.setdefault(owner, []).append(positions - chunk * layout.chunk + row0)
+    fetched = {owner: torch.cat(rows) for owner, rows in sorted(fetch.items())}
+    # Received rows arrive as one buffer, peers in rank order, each peer's rows sorted.
+    next_row, offset = {}, 0
+    for owner, rows in fetched.items():
+        next_row[owner], offset = offset, offset + rows.numel()
+    pieces, positions = [], []
+    for chunk in range(layout.world * layout.chunks_per_rank):
+        owner, row0 = layout.owner(chunk)
+        if owner == rank:
+            pieces.append((-1, row0, layout.chunk))
+            positions.append(torch.arange(chunk * layout.chunk, (chunk + 1) * layout.chunk))
+        elif chunk in wanted:
+            count = wanted[chunk].numel()
+            pieces.append((owner, next_row[owner], count))
+            next_row[owner] += count
+            positions.append(wanted[chunk])
+    return RankPlan(rank, layout.positions(rank), torch.cat(positions), fetched, tuple(pieces))
+
+
+def pairs_per_rank(
+    pattern: Pattern, layout: ShardLayout, rank: int, block: int, device: torch.device
+) -> float:
+    """The (query, key) pairs the pattern allows for ``rank``'s queries over the whole sequence,
+    per head (the mean over heads where the pattern differs per head): full blocks counted by
+    size, partial blocks by evaluating the pattern on them, empty blocks never."""
+    block = max(1, min(block, layout.chunk))
+    q = block_spans(layout, layout.chunks_of(rank), block)
+    k = block_spans(layout, tuple(range(layout.world * layout.chunks_per_rank)), block)
+    state = pattern.block_state(_on(q, device).column(), _on(k, device).row()).cpu()
+    state = state.reshape(-1, *state.shape[-2:])  # [heads (1 where shared), q blocks, k blocks]
+    q_size, k_size = q.hi - q.lo + 1, k.hi - k.lo + 1
+    total = float(((state == FULL) * q_size[:, None] * k_size[None, :]).sum())
+    heads, qb, kb = torch.nonzero(state == PARTIAL, as_tuple=True)
+    offsets = torch.arange(block)
+    for part in torch.split(torch.arange(heads.numel()), 1024):
+        q_pos, k_pos = q.lo[qb[part], None] + offsets, k.lo[kb[part], None] + offsets
+        q_ok, k_ok = offsets < q_size[qb[part], None], offsets < k_size[kb[part], None]
+        head = heads[part].to(device)[:, None, None]
+        hit = pattern.allowed_at(
+            head * 0, head, q_pos.to(device)[:, :, None], k_pos.to(device)[:, None, :]
+        ).cpu()
+        total += float((hit & q_ok[:, :, None] & k_ok[:, None, :]).sum())
+    return total / state.shape[0]
+
+
+def _on(spans: Spans, device: torch.device) -> Spans:
+    return Spans(spans.lo.to(device), spans.hi.to(device), 1, spans.complete.to(device))
