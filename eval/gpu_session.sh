@@ -18,6 +18,10 @@
 #                                                       # extrapolation_gpu; listops_gpu one
 #                                                       # variant per command: variants=[full])
 #
+# On a machine with 2 or more GPUs (not a stage: it needs torchrun over every GPU), context
+# parallelism's bytes and time beside PyTorch's ring and an all-gather, with NCCL:
+#   torchrun --standalone --nproc-per-node 4 -m eval bench-cp eval/configs/bench_cp_gpu.yaml
+#
 # xFormers, where its wheel was carried in .whl/ (see the device tool's README), is installed
 # first into /tmp/site. Run from the repository root. The wheels for torch 2.11+cu130:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
