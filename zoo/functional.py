@@ -265,15 +265,21 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
 def _explain_sharded(q: Tensor, k: Tensor, v: Tensor, group: object, **kwargs: object) -> str:
     """``explain`` with a cp_group: what this rank receives and computes (no collective)."""
     order = kwargs.pop("cp_order", "contiguous")
-    for option in ("dropout_p", "scale", "score", "return_weights"):  # no effect on the plan
+    for option in ("scale", "score", "return_weights"):  # no effect on the plan
         kwargs.pop(option, None)
     stats = shard_stats(q, k, v, group=group, order=order, **kwargs)
     sources = ", ".join(str(r) for r in stats.sources) or "none"
+    shipped = ""
+    if stats.ship_to:
+        shipped = (
+            f"; ships {stats.wide_rows} wide query rows to ranks "
+            f"{', '.join(map(str, stats.ship_to))}, which return their partials"
+        )
     return (
         f"context parallel rank {stats.rank} of {stats.world} ({order}): receives "
-        f"{stats.received_bytes} bytes of keys and values ({stats.received_rows} rows per "
-        f"sequence and key/value head, from ranks: {sources}); its queries attend "
-        f"{stats.pairs:g} pairs per sequence and head"
+        f"{stats.received_bytes} bytes ({stats.received_rows} key/value rows per sequence and "
+        f"key/value head, from ranks: {sources}; and any wide query rows and partials){shipped}; "
+        f"its queries attend {stats.pairs:g} pairs per sequence and head"
     )
 
 

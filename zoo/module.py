@@ -16,7 +16,7 @@ from .decoding.generation import module_step, new_cache
 from .functional import attention, build_encoding, resolve_pattern, resolved_params
 from .mechanisms.dispatch import check_encoding
 from .mechanisms.layer import module_mechanism
-from .parallel.layer import sharded_forward
+from .parallel.sharded_module import sharded_forward
 from .patterns import Pattern
 from .positional import PositionalEncoding
 from .registry import get_module_spec, get_spec, is_mechanism_name, list_modules

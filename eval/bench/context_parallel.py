@@ -3,7 +3,9 @@ sharded over N processes, in bytes received per rank and time, beside the peers.
 
 Methods, on the same shapes (B, H, L, D) cut into N equal contiguous shards:
 - ``zoo``: ``zoo.attention(..., cp_group=)``, which fetches the key/value blocks the pattern reads
-  (``zoo.parallel``); bytes from its plan (``zoo.parallel.shard_stats``), the most of any rank;
+  and computes wide query rows (global tokens) where their keys are (``zoo.parallel``); bytes
+  from its plan (``zoo.parallel.shard_stats``: keys, values, shipped query rows and partials),
+  the most and the least of any rank;
 - ``zoo_head_tail``: the same with ``cp_order="head_tail"`` (causal load balance); its pairs per
   rank (max / min) show the balance;
 - ``all_gather``: every key and value gathered on every rank, then the rank's queries against
@@ -18,7 +20,9 @@ slowest rank's; and, for ``zoo``, forward and backward. On a CPU the N processes
 so times hold for comparing methods in one run, not as scaling. Without torchrun the command
 starts N gloo processes itself for each N in ``worlds``; under ``torchrun --nproc-per-node N``
 (the GPU twin, ``eval/configs/bench_cp_gpu.yaml``) it runs in those ranks with NCCL.
-Writes ``bench-cp.json`` and ``bench-cp.md`` in ``out``.
+Writes ``bench-cp.json`` and ``bench-cp.md`` in ``out``; bench-cp.md ends with two compact
+tables that docs/context-parallelism.md copies (``zoo readme``): "Bytes received per rank" and
+"Causal load balance".
 """
 
 from __future__ import annotations
@@ -146,14 +150,15 @@ def _measure(config: CPConfig, rank: int, world: int, device: torch.device) -> l
                 found = _one(method, config, q, k, v, group, params, variant, length, world)
                 if found is None:
                     continue
-                least = found.get("rows_received_min", found["rows_received"])
+                most = found.pop("bytes_received", found["rows_received"] * row_bytes)
+                least = found.pop("bytes_received_min", most)
                 rows.append(
                     {
                         **base,
                         "method": method,
                         **found,
-                        "mib_received": found["rows_received"] * row_bytes / 2**20,
-                        "mib_received_min": least * row_bytes / 2**20,
+                        "mib_received": most / 2**20,
+                        "mib_received_min": least / 2**20,
                     }
                 )
     return rows
@@ -165,7 +170,7 @@ def _one(method, config, q, k, v, group, params, variant, length, world) -> dict
     if method in ("zoo", "zoo_head_tail"):
         order = "head_tail" if method == "zoo_head_tail" else "contiguous"
         stats = shard_stats(q, k, v, group=group, order=order, **kw)
-        rows, pairs = stats.received_rows, stats.pairs
+        rows, pairs, received = stats.received_rows, stats.pairs, stats.received_bytes
 
         def run():
             return zoo.attention(q, k, v, backend=config.backend, cp_group=group, cp_order=order,
@@ -174,7 +179,9 @@ def _one(method, config, q, k, v, group, params, variant, length, world) -> dict
         timed = _time(run, config, group)
         trained = _time_backward(run, (q, k, v), config, group) if method == "zoo" else None
         return {"rows_received": _most(rows, group), "rows_received_min": abs(_most(-rows, group)),
-                "pairs_max": _most(pairs, group),
+                "bytes_received": _most(received, group),
+                "bytes_received_min": abs(_most(-received, group)),
+                "wide_rows_max": _most(stats.wide_rows, group), "pairs_max": _most(pairs, group),
                 "pairs_min": abs(_most(-pairs, group)), "forward_ms": timed,
                 "forward_backward_ms": trained}  # fmt: skip
     if method == "all_gather":
@@ -304,8 +311,9 @@ def markdown(config: CPConfig, rows: list[dict], command: str) -> str:
         "# Context parallelism: bytes received per rank and time",
         "",
         f"`{command}`. B={config.batch}, H={config.heads}, D={config.head_dim}; "
-        f"{rows[0]['device'] if rows else ''}. MiB: what a rank receives (k and v), the most "
-        "and the least over the ranks (a rank that holds global tokens reads every key). "
+        f"{rows[0]['device'] if rows else ''}. MiB: what a rank receives (k and v; for zoo also "
+        "wide query rows shipped to it and the partials of its own), the most and the least "
+        "over the ranks. "
         "Time: the slowest rank's median forward (and forward+backward for zoo), ms; the ranks "
         "share the machine's cores, so compare methods within a row group, not across N.",
         "",
@@ -322,4 +330,66 @@ def markdown(config: CPConfig, rows: list[dict], command: str) -> str:
             f"{ms(r.get('forward_ms'))} | "
             f"{ms(r.get('forward_backward_ms'))} | {r.get('note', '')} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, "", *bytes_table(rows), "", *balance_table(rows)]) + "\n"
+
+
+def _cell(rows: list[dict]) -> dict[tuple, dict]:
+    return {(r["variant"], r["world"], r["method"], r["length"]): r for r in rows}
+
+
+def bytes_table(rows: list[dict]) -> list[str]:
+    """Bytes received per rank, MiB: a row per (variant, N), zoo's most / least over the ranks
+    at each length, then the all-gather's and the ring's (every rank alike)."""
+    cells, lengths = _cell(rows), sorted({r["length"] for r in rows})
+    pairs = list(dict.fromkeys((r["variant"], r["world"]) for r in rows))
+    pairs.sort(key=lambda vw: vw[1])
+    header = ["variant", "N"]
+    for method in ("zoo (max / min)", "all-gather", "ring"):
+        header += [f"{method}, L={length}" for length in lengths]
+    lines = [
+        "## Bytes received per rank",
+        "",
+        "MiB of keys and values (and, for zoo, shipped query rows and their partials) a rank "
+        "receives; zoo: the most / the least over the ranks.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "| --- | ---: |" + " ---: |" * (3 * len(lengths)),
+    ]
+    for variant, world in pairs:
+        row = [variant, str(world)]
+        for method in ("zoo", "all_gather", "torch_ring"):
+            for length in lengths:
+                r = cells.get((variant, world, method, length))
+                if r is None:
+                    row.append("-")
+                elif method == "zoo":
+                    row.append(f"{r['mib_received']:.2f} / {r['mib_received_min']:.2f}")
+                else:
+                    row.append(f"{r['mib_received']:.2f}")
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def balance_table(rows: list[dict]) -> list[str]:
+    """Causal load balance: pairs per rank, the most / the least, contiguous against head_tail,
+    at the longest length."""
+    cells = _cell(rows)
+    causal = [r for r in rows if r["variant"] == "causal" and r["method"] == "zoo"]
+    if not causal:
+        return []
+    length = max(r["length"] for r in causal)
+    lines = [
+        "## Causal load balance",
+        "",
+        f"Pairs per rank under `causal`, the most / the least over the ranks, L={length}.",
+        "",
+        "| N | contiguous | head_tail |",
+        "| ---: | ---: | ---: |",
+    ]
+    for world in sorted({r["world"] for r in causal}):
+        shown = []
+        for method in ("zoo", "zoo_head_tail"):
+            r = cells.get(("causal", world, method, length))
+            shown.append("-" if r is None else f"{r['pairs_max']:.3g} / {r['pairs_min']:.3g}")
+        lines.append(f"| {world} | {shown[0]} | {shown[1]} |")
+    return lines

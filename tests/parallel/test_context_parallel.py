@@ -90,6 +90,55 @@ def _check_matches(rank: int, world: int, group) -> list[str]:
     return failures
 
 
+WIDE_LENGTH, WIDE_BLOCK = 128, 8  # shards of 8 plan blocks or more: a global block is wide
+WIDE_VARIANTS = {
+    "longformer": dict(window_size=8),
+    "bigbird": dict(block_size=8, random_blocks=1),
+}
+
+
+def _check_wide(rank: int, world: int, group) -> list[str]:
+    """Wide query rows (a global token's, which reads every key) shipped to the ranks that hold
+    their keys and merged by log-sum-exp: out, dq, dk, dv equal the one-process call, causal or
+    not, padded, grouped heads, alibi and rope at global positions, in both orders; and some
+    case does ship (else this checks nothing new)."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v, grad = (
+        torch.randn(BATCH, heads, WIDE_LENGTH, HEAD_DIM, generator=g, dtype=torch.float64)
+        for heads in (HEADS, KV_HEADS, KV_HEADS, HEADS)
+    )
+    padding = torch.zeros(BATCH, WIDE_LENGTH, dtype=torch.bool)
+    padding[0, 5] = padding[1, -20:] = True
+    failures, shipped = [], 0
+    combos = itertools.product(WIDE_VARIANTS, (False, True), ORDERS)
+    for i, (variant, causal, order) in enumerate(combos):
+        padded, pos = i % 2 == 0, ENCODINGS[i % 3]
+        kwargs = dict(variant=variant, causal=causal, pos=pos, **WIDE_VARIANTS[variant])
+        mask = padding if padded else None
+        whole = [t.clone().requires_grad_() for t in (q, k, v)]
+        reference = zoo.attention(*whole, backend="reference", key_padding_mask=mask, **kwargs)
+        reference.backward(grad)
+        mine = [shard(t, rank, world, order=order).requires_grad_() for t in (q, k, v)]
+        mine_mask = None if mask is None else shard(mask, rank, world, dim=1, order=order)
+        options = dict(group=group, order=order, plan_block=WIDE_BLOCK, key_padding_mask=mine_mask)
+        out = zoo.parallel.context_parallel_attention(*mine, backend=BACKENDS[i % 3], **options,
+                                                      **kwargs)  # fmt: skip
+        out.backward(shard(grad, rank, world, order=order))
+        shipped += shard_stats(*[t.detach() for t in mine], **options, **kwargs).wide_rows
+        errors = [_error(out, shard(reference.detach(), rank, world, order=order))]
+        errors += [_error(a.grad, shard(b.grad, rank, world, order=order))
+                   for a, b in zip(mine, whole, strict=True)]  # fmt: skip
+        if max(errors) > TOLERANCE:
+            case = f"{variant} causal={causal} padded={padded} {order} pos={pos}"
+            shown = ", ".join(f"{e:.1e}" for e in errors)
+            failures.append(f"rank {rank}: wide rows: {case}: |error| out, dq, dk, dv = {shown}")
+    counted = torch.tensor([shipped])
+    dist.all_reduce(counted, group=group)
+    if counted.item() == 0:
+        failures.append(f"rank {rank}: no case shipped wide rows at {world} ranks")
+    return failures
+
+
 def _check_errors(rank: int, world: int, group) -> list[str]:
     """Bad calls: each must raise on EVERY rank (none left waiting), naming what to fix; a good
     call afterwards still matches (no message of a failed call left in flight)."""
@@ -197,6 +246,7 @@ def _check_module(rank: int, world: int, group) -> list[str]:
 
 CHECKS = {
     "matches": _check_matches,
+    "wide": _check_wide,
     "errors": _check_errors,
     "explain": _check_explain,
     "module": _check_module,
@@ -246,6 +296,10 @@ def outcome(request, tmp_path_factory) -> dict[str, list[str]]:
 
 def test_every_fixed_variant_matches_one_process_forward_and_backward(outcome):
     assert not outcome["matches"], "\n".join(outcome["matches"])
+
+
+def test_wide_rows_computed_where_their_keys_are_match_one_process(outcome):
+    assert not outcome["wide"], "\n".join(outcome["wide"])
 
 
 def test_bad_calls_raise_on_every_rank_before_any_exchange(outcome):

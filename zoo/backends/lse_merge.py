@@ -10,11 +10,13 @@ the same queries over disjoint keys merge as FlashAttention merges key blocks::
 
 in three forms: ``combine_two`` (two partials, in place, for code outside autograd) and
 ``combine`` (a list of them, by it); ``merge`` (a list, differentiable: autograd takes the
-gradient); ``merge_rows`` (partials of row ranges of the queries, into one output). A row that no
-part lets attend gets lse -inf and zero output. The backward needs no merge of its own: given the
-merged output and log-sum-exp of its rows (``lse_for_backward``), a partial's softmax is the whole
-row's softmax restricted to its keys, so the partials' gradients (``explicit_backward``, or a
-kernel's backward) add up to the exact gradient.
+gradient); ``merge_rows`` (partials of row ranges of the queries, into one output). ``partial``
+makes a differentiable partial from dense masked scores (context parallelism's wide query rows,
+``zoo.parallel.wide``). A row that no part lets attend gets lse -inf and zero output. The
+backward needs no merge of its own: given the merged output and log-sum-exp of its rows
+(``lse_for_backward``), a partial's softmax is the whole row's softmax restricted to its keys,
+so the partials' gradients (``explicit_backward``, or a kernel's backward) add up to the exact
+gradient.
 
 The blocked backend's path on a CPU (``merged_attention``) runs attention in pieces, each a block
 of queries against one source of keys. It reads a query block's keys from up to three places
@@ -170,6 +172,21 @@ def merge(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tensor, Tenso
     has_key = total > 0
     total = torch.where(has_key, total, 1)
     out = sum((s / total)[..., None] * o for s, o in zip(shares, outs, strict=True))
+    return out, torch.where(has_key, peak + torch.log(total), -math.inf)
+
+
+def partial(scores: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """One partial attention from its scores (..., M, m), -inf where a pair is not allowed, and
+    values (..., m, Dv): (out (..., M, Dv), lse (..., M)), differentiable, for ``merge``. A row
+    with no allowed key gets zero output and lse -inf, and zero gradients (never nan): the
+    largest score is subtracted before exp and a zero mass is divided as one."""
+    peak = scores.amax(dim=-1).detach()
+    peak = torch.where(torch.isfinite(peak), peak, 0)
+    exp = torch.exp(scores - peak[..., None])
+    total = exp.sum(dim=-1)
+    has_key = total > 0
+    total = torch.where(has_key, total, 1)
+    out = (exp / total[..., None]) @ v
     return out, torch.where(has_key, peak + torch.log(total), -math.inf)
 
 

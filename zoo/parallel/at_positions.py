@@ -92,3 +92,12 @@ def _hull(spans: Spans, lo: Tensor, hi: Tensor, positions: Tensor) -> Spans:
     new_lo = torch.where(some, positions[lo.clamp(0, last)], _FAR)
     new_hi = torch.where(some, positions[hi.clamp(0, last)], -_FAR)
     return Spans(new_lo, new_hi, 1, spans.complete)
+
+
+def at_global(bias, wrapper: AtPositions):
+    """An encoding's score bias read at global positions, through the wrapper's mapping."""
+
+    def biased(h: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        return bias(h, wrapper._q(q_pos), wrapper._k(k_pos))
+
+    return biased

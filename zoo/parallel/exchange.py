@@ -96,3 +96,42 @@ def gather_padding(padding: Tensor, sends: dict, fetch: dict, pieces: tuple, gro
     as_rows = padding.to(torch.uint8)[:, None, :, None]  # (B, 1, s, 1): rows like k's
     fetched = _fetched(as_rows, sends, fetch, group)
     return in_order(as_rows, fetched, pieces)[:, 0, :, 0].bool()
+
+
+class SwapRows(torch.autograd.Function):
+    """Tensors sent to peers and tensors received from peers, differentiable: the backward sends
+    each received tensor's gradient back to its sender and receives those of the sent ones.
+
+    Every rank applies it at the same point of its call, with or without anything to send or
+    receive, and feeds its first output (a zero scalar, the ``token``) into what comes next
+    (the next exchange's ``after``, or the output): the backward then runs on every rank, and
+    in the same order on every rank (an exchange's backward waits for the later one's), so no
+    rank waits for a peer that runs another exchange or none. ``after``: an earlier exchange's
+    output, ordered before this one."""
+
+    @staticmethod
+    def forward(ctx, after: Tensor, group, shapes: dict, dtype, peers: tuple, *outgoing: Tensor):
+        ctx.group, ctx.peers, ctx.shapes = group, peers, shapes
+        ctx.after = (after.shape, after.dtype)
+        ctx.sent_shapes = [t.shape for t in outgoing]
+        like = after.new_empty(0, dtype=dtype)
+        received = swap(dict(zip(peers, outgoing, strict=True)), shapes, like, group)
+        return (after.new_zeros((), dtype=dtype), *received.values())
+
+    @staticmethod
+    def backward(ctx, grad_token: Tensor, *grad_received: Tensor):
+        outgoing = dict(zip(ctx.shapes, grad_received, strict=True))
+        incoming = dict(zip(ctx.peers, ctx.sent_shapes, strict=True))
+        returned = swap(outgoing, incoming, grad_token, ctx.group)
+        grad_after = grad_token.new_zeros(ctx.after[0], dtype=ctx.after[1])
+        return (grad_after, None, None, None, None, *returned.values())
+
+
+def swap_rows(
+    after: Tensor, outgoing: dict[int, Tensor], shapes: dict[int, tuple], dtype, group
+) -> tuple[Tensor, dict[int, Tensor]]:
+    """(token, peer -> received): ``outgoing[peer]`` sent to each peer, a tensor of shape
+    ``shapes[peer]`` received from each (``SwapRows``)."""
+    token, *received = SwapRows.apply(after, group, shapes, dtype, tuple(outgoing),
+                                      *outgoing.values())  # fmt: skip
+    return token, dict(zip(shapes, received, strict=True))

@@ -8,16 +8,18 @@ for causal load balance). The call
    another variant, a pattern that cannot be sharded) raises the same error on every rank before
    any exchange starts, and no rank is left waiting;
 2. resolves the pattern at the GLOBAL length (random blocks and global tokens of the whole
-   sequence, the same on every rank) and its exchange plan (``zoo.parallel.plan``);
+   sequence, the same on every rank) and its exchange plan (``zoo.parallel.exchange_plan``);
 3. turns q and k by their global positions (rope), zeroes padded keys, and fetches the key/value
    rows the plan names (``zoo.parallel.exchange``, differentiable);
 4. runs ONE ordinary call of its queries against the keys it holds and fetched, through
    ``AtPositions`` (``zoo.parallel.at_positions``), which maps the call's indices to global
-   positions for the pattern and the score bias (alibi, t5).
+   positions for the pattern and the score bias (alibi, t5);
+5. where the plan ships wide query rows (a global token's row, which reads every key), leaves
+   them out of that call: they are computed as partials where their keys are and merged by
+   log-sum-exp (``zoo.parallel.wide``), so no rank fetches every shard.
 
-Why no log-sum-exp merge: every key a rank's queries read is in that one call, so its softmax is
-already the whole row's. The house's merge (``zoo.backends.lse_merge``) is what an overlapped
-form would use (local keys first, fetched keys after, merged); that form is not built yet.
+Every key a narrow query reads is in the one call, so its softmax is already the whole row's;
+only the wide rows merge partials (the house's one merge, ``zoo.backends.lse_merge``).
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ from ..core.scores import AdditiveScore
 from ..core.shape_cache import per_shape
 from ..mechanisms.dispatch import is_mechanism
 from ..patterns import Pattern, reads_graph
-from .at_positions import AtPositions
+from .at_positions import AtPositions, at_global
 from .exchange import gather_keys, gather_padding
-from .plan import PLAN_BLOCK, ExchangePlan, exchange_plan, pairs_per_rank
+from .exchange_plan import PLAN_BLOCK, ExchangePlan, exchange_plan, pairs_per_rank
 from .shards import ShardLayout, check_order
+from .wide import wide_attention
 
 
 @dataclass(frozen=True)
@@ -49,8 +52,12 @@ class ShardStats:
     rank: int
     world: int
     received_rows: int  # key/value rows fetched from other ranks (per sequence and head)
-    received_bytes: int  # bytes of keys, values (and key padding) received, the whole batch
-    sources: tuple[int, ...]  # the ranks it receives from
+    # Bytes received, the whole batch: keys, values (and key padding) fetched, other ranks' wide
+    # query rows to compute partials of, and the partials of its own wide rows.
+    received_bytes: int
+    sources: tuple[int, ...]  # the ranks it fetches keys from
+    wide_rows: int  # query rows it ships to be computed where their keys are
+    ship_to: tuple[int, ...]  # the ranks it ships them to
     pairs: float  # (query, key) pairs its queries may attend, per head and sequence
 
 
@@ -86,12 +93,15 @@ def context_parallel_attention(
     options = (("plan_block", plan_block), ("backend", str(backend)))
     _agree(group, fingerprint + options, problem)
     pattern, encoding, padding = setup
-    plan = exchange_plan(pattern, ShardLayout(world, q.shape[2], order), plan_block, q.device)
+    layout = ShardLayout(world, q.shape[2], order)
+    ratio = ship_ratio(q, k, v) if dropout_p == 0 else None  # a partial has no dropout
+    plan = exchange_plan(pattern, layout, plan_block, q.device, ratio)
     mine = plan.ranks[rank]
     sends = plan.sends(rank)
     wrapper = rank_pattern(pattern, plan, rank, q.device, q.shape[1])
     if encoding is not None and encoding.kind == "rotate":
-        q, k = encoding.rotate(q, k, wrapper.q_positions, wrapper.q_positions)
+        positions = mine.q_positions.to(q.device)
+        q, k = encoding.rotate(q, k, positions, positions)
     if padding is not None:
         k, v = unread_padding(k, padding), unread_padding(v, padding)
     own = torch.cat([k, v], dim=-1)  # one message per peer for both
@@ -100,13 +110,42 @@ def context_parallel_attention(
     padding_all = None
     if padding is not None:
         padding_all = gather_padding(padding, sends, mine.fetch, mine.pieces, group)
+    rest = (k_all, v_all, padding_all, wrapper, variant, backend, causal, dropout_p, scale, score,
+            encoding)  # fmt: skip
+    if not plan.ships:
+        return _one_call(q, *rest)
+    bias = encoding.bias if encoding is not None and encoding.kind == "bias" else None
+    wide_out, token = wide_attention(
+        q, k, v, padding, pattern=pattern, plan=plan, rank=rank, after=keys, group=group,
+        scale=scale, score=score, bias=bias,
+    )  # fmt: skip
+    narrow = mine.narrow_rows.to(q.device)
+    out = q.new_zeros(*q.shape[:3], v.shape[-1])  # (B, H, s, Dv)
+    if narrow.numel():  # a shard of wide rows only runs no call
+        out = out.index_copy(2, narrow, _one_call(q.index_select(2, narrow), *rest))
+    if wide_out is not None:
+        out = out.index_copy(2, mine.wide_rows.to(q.device), wide_out)
+    return out + token.to(out.dtype)  # the token ties every exchange's backward to the output
+
+
+def ship_ratio(q: Tensor, k: Tensor, v: Tensor) -> float:
+    """What shipping one query row costs in key/value rows fetched: the row, and its partial
+    output and log-sum-exp back (float32, float64 for float64), over a key row and a value row."""
+    partial_bytes = 8 if q.dtype == torch.float64 else 4
+    shipped = q.shape[1] * (q.shape[3] * q.element_size() + (v.shape[3] + 1) * partial_bytes)
+    return shipped / (k.shape[1] * (k.shape[3] + v.shape[3]) * k.element_size())
+
+
+def _one_call(q, k, v, padding, wrapper, variant, backend, causal, dropout_p, scale, score,
+              encoding) -> Tensor:  # fmt: skip
+    """One ordinary call of queries q against the keys k, v through ``wrapper``."""
     call = prepare_call(
-        q, k_all, v_all, variant=wrapper, key_padding_mask=padding_all, dropout_p=dropout_p,
-        scale=scale, score=score,
+        q, k, v, variant=wrapper, key_padding_mask=padding, dropout_p=dropout_p, scale=scale,
+        score=score,
     )  # fmt: skip
     call = replace(call, variant=_name(variant), causal=causal)
     if encoding is not None and encoding.kind == "bias":
-        call = replace(call, bias=_at_global(encoding.bias, wrapper), learned=tuple(
+        call = replace(call, bias=at_global(encoding.bias, wrapper), learned=tuple(
             encoding.parameters()))  # fmt: skip
     out, _ = resolve_backend(backend, call).forward(call)
     return out
@@ -216,15 +255,6 @@ def _name(variant: object) -> str:
     return variant if isinstance(variant, str) else type(variant).__name__
 
 
-def _at_global(bias, wrapper: AtPositions):
-    """The encoding's score bias read at global positions, through the wrapper's mapping."""
-
-    def at_global(h: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-        return bias(h, wrapper._q(q_pos), wrapper._k(k_pos))
-
-    return at_global
-
-
 @per_shape(maxsize=256)
 def rank_pattern(
     pattern: Pattern, plan: ExchangePlan, rank: int, device: torch.device, heads: int
@@ -233,7 +263,7 @@ def rank_pattern(
     plans by the pattern's identity, so every later call of the rank finds them again."""
     mine = plan.ranks[rank]
     return AtPositions(
-        pattern, mine.q_positions.to(device), mine.kv_positions.to(device),
+        pattern, mine.q_positions[mine.narrow_rows].to(device), mine.kv_positions.to(device),
         heads if pattern.per_head else None,
     )  # fmt: skip
 
@@ -250,6 +280,7 @@ def shard_stats(
     pos: Encoding = None,
     order: str = "contiguous",
     plan_block: int = PLAN_BLOCK,
+    dropout_p: float = 0.0,
     **params: object,
 ) -> ShardStats:
     """What this rank receives and computes in ``context_parallel_attention`` with the same
@@ -259,13 +290,27 @@ def shard_stats(
     pattern, _, padding = _setup(q, k, v, variant, causal, key_padding_mask, pos, order, params,
                                  world)  # fmt: skip
     layout = ShardLayout(world, q.shape[2], order)
-    plan = exchange_plan(pattern, layout, plan_block, q.device)
+    ratio = ship_ratio(q, k, v) if dropout_p == 0 else None
+    plan = exchange_plan(pattern, layout, plan_block, q.device, ratio)
     mine = plan.ranks[rank]
-    rows = mine.received_rows
-    batch, kv_heads = q.shape[0], k.shape[1]
-    row_bytes = kv_heads * (k.shape[-1] + v.shape[-1]) * k.element_size()
-    padding_bytes = 0 if padding is None else 1  # one uint8 per row and sequence
     return ShardStats(
-        rank, world, rows, batch * rows * (row_bytes + padding_bytes), tuple(mine.fetch),
+        rank, world, mine.received_rows, received_bytes(plan, rank, q, k, v, padding is not None),
+        tuple(mine.fetch), mine.wide_rows.numel(), mine.ship_to,
         pairs_per_rank(pattern, layout, rank, plan.block, q.device),
     )  # fmt: skip
+
+
+def received_bytes(
+    plan: ExchangePlan, rank: int, q: Tensor, k: Tensor, v: Tensor, padded: bool
+) -> int:
+    """Bytes ``rank`` receives in a call on shards shaped as q, k, v (the whole batch): the key
+    and value rows it fetches (and their padding, one byte a row), the wide query rows shipped
+    to it, and the partials of its own wide rows (float32, float64 for float64)."""
+    mine = plan.ranks[rank]
+    row_bytes = k.shape[1] * (k.shape[-1] + v.shape[-1]) * k.element_size() + int(padded)
+    query_bytes = q.shape[1] * q.shape[-1] * q.element_size()
+    partial_bytes = q.shape[1] * (v.shape[-1] + 1) * (8 if q.dtype == torch.float64 else 4)
+    shipped_in = sum(plan.shippers(rank).values())  # others' wide rows it computes partials of
+    partials_in = mine.wide_rows.numel() * len(mine.ship_to)
+    received = mine.received_rows * row_bytes + shipped_in * query_bytes
+    return q.shape[0] * (received + partials_in * partial_bytes)

@@ -8,10 +8,20 @@ it: never an EMPTY block. The plan is built from the block states alone, the sam
 so no rank has to tell another what it needs: a rank sends what the plan says its peers need.
 A rank always keeps all of its own keys; it fetches the needed blocks of the others'.
 
+Wide query rows are computed where their keys are. A query block that reads more than half of
+another rank's key blocks (Longformer's global token, BigBird's first and last blocks) would
+make its rank fetch nearly every shard, bytes that grow with the length. Instead the rank may
+ship those query blocks (its "wide rows") to every other rank whose keys they read; each of
+those ranks returns a partial output and log-sum-exp of them against its own keys, and the rank
+merges the partials (``zoo.parallel.wide``). A rank ships when the key rows that only its wide
+blocks read cost more bytes than shipping them: ``ship_ratio`` is what one shipped query row
+costs (the query, and its partial back from each owner) in key/value rows; None ships nothing.
+For ``full`` every query block is wide and nothing is saved, so it fetches as a ring does.
+
 What this costs per rank, for a shard of s positions and blocks of b: a window of w keys fetches
-ceil(w / b) blocks from each neighbour (a halo), global tokens their blocks once, a random block
-its block, and ``full`` every other rank's whole shard: (world - 1) * s rows, what a ring passes
-round.
+ceil(w / b) blocks from each neighbour (a halo), global tokens their blocks once, a global query
+block its b rows to each rank and their partials back, a random block its block, and ``full``
+every other rank's whole shard: (world - 1) * s rows, what a ring passes round.
 """
 
 from __future__ import annotations
@@ -39,10 +49,24 @@ class RankPlan:
     # The keys it attends as slices of two sources, in position order: (-1, first, count) of its
     # own shard, (p, first, count) of what it receives from rank p.
     pieces: tuple[tuple[int, int, int], ...]
+    wide_rows: Tensor  # [g] rows of its shard it ships (its wide query rows), sorted; often none
+    ship_to: tuple[int, ...]  # the ranks it ships them to, each returning their partials
 
     @property
     def received_rows(self) -> int:
+        """Key/value rows it fetches."""
         return sum(int(rows.numel()) for rows in self.fetch.values())
+
+    @property
+    def narrow_rows(self) -> Tensor:
+        """[s - g] rows of its shard that its one ordinary call runs (all but the wide ones)."""
+        keep = torch.ones(self.q_positions.numel(), dtype=torch.bool)
+        keep[self.wide_rows] = False
+        return torch.nonzero(keep).flatten()
+
+    @property
+    def wide_positions(self) -> Tensor:
+        return self.q_positions[self.wide_rows]
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,6 +80,15 @@ class ExchangePlan:
     def sends(self, rank: int) -> dict[int, Tensor]:
         """peer -> rows of ``rank``'s shard that the peer receives from it."""
         return {peer.rank: peer.fetch[rank] for peer in self.ranks if rank in peer.fetch}
+
+    @property
+    def ships(self) -> bool:
+        """Whether any rank ships wide query rows (the same answer on every rank)."""
+        return any(r.ship_to for r in self.ranks)
+
+    def shippers(self, rank: int) -> dict[int, int]:
+        """peer -> how many wide query rows ``rank`` receives from it (to return their partials)."""
+        return {r.rank: r.wide_rows.numel() for r in self.ranks if rank in r.ship_to}
 
 
 def block_spans(layout: ShardLayout, chunks: tuple[int, ...], block: int) -> Spans:
@@ -81,16 +114,30 @@ def block_states(
 
 @per_shape(maxsize=64)
 def exchange_plan(
-    pattern: Pattern, layout: ShardLayout, block: int, device: torch.device
+    pattern: Pattern,
+    layout: ShardLayout,
+    block: int,
+    device: torch.device,
+    ship_ratio: float | None = None,
 ) -> ExchangePlan:
     """The plan of every rank for ``pattern`` specialised at ``layout.length`` on ``device``
     (see the module docstring); its index tensors live on the CPU."""
     block = max(1, min(block, layout.chunk))
     chunks = range(layout.world * layout.chunks_per_rank)
     keys = block_spans(layout, tuple(chunks), block)
+    key_owner = torch.tensor([layout.owner(int(lo) // layout.chunk)[0] for lo in keys.lo])
     plans = []
     for rank in range(layout.world):
-        needed = (block_states(pattern, layout, rank, block, device) != EMPTY).any(dim=0)
+        reads = block_states(pattern, layout, rank, block, device) != EMPTY  # [q blocks, k blocks]
+        q = block_spans(layout, layout.chunks_of(rank), block)
+        wide, ship_to = _wide_blocks(reads, key_owner, rank, q, keys, ship_ratio)
+        needed = reads[~wide].any(dim=0)
+        wide_positions = [torch.arange(lo, hi + 1) for lo, hi in
+                          zip(q.lo[wide].tolist(), q.hi[wide].tolist(), strict=True)]  # fmt: skip
+        positions = layout.positions(rank)
+        wide_rows = torch.searchsorted(
+            positions, torch.cat(wide_positions) if wide_positions else torch.zeros(0).long()
+        )
         wanted = {}  # chunk of another rank -> the global positions fetched from it
         for chunk in chunks:
             if layout.owner(chunk)[0] == rank:
@@ -101,11 +148,57 @@ def exchange_plan(
             rows = [torch.arange(lo, hi + 1) for lo, hi in spans]
             if rows:
                 wanted[chunk] = torch.cat(rows)
-        plans.append(_rank_plan(rank, layout, wanted))
+        plans.append(_rank_plan(rank, layout, wanted, wide_rows, ship_to))
     return ExchangePlan(layout, block, tuple(plans))
 
 
-def _rank_plan(rank: int, layout: ShardLayout, wanted: dict[int, Tensor]) -> RankPlan:
+def _wide_blocks(
+    reads: Tensor, key_owner: Tensor, rank: int, q: Spans, keys: Spans, ship_ratio: float | None
+) -> tuple[Tensor, tuple[int, ...]]:
+    """([q blocks] which of the rank's query blocks it ships, the ranks it ships them to).
+
+    Candidates: the blocks that read more than half of some other rank's key blocks (a partial
+    computed densely then costs at most twice what the pattern reads). Taking them widest first,
+    the rank ships the set that saves the most bytes: the key rows that only shipped blocks read,
+    less ``ship_ratio`` key rows per shipped query row and rank shipped to. None where no set
+    saves anything (``full``: every block is wide and shipping all saves less than it costs)."""
+    nothing = torch.zeros(reads.shape[0], dtype=torch.bool), ()
+    if ship_ratio is None:
+        return nothing
+    others = key_owner != rank
+    candidate = torch.zeros(reads.shape[0], dtype=torch.bool)
+    for owner in set(key_owner.tolist()) - {rank}:
+        of_owner = key_owner == owner
+        candidate |= reads[:, of_owner].sum(dim=1) * 2 > int(of_owner.sum())
+    widest = sorted(torch.nonzero(candidate).flatten().tolist(),
+                    key=lambda b: -int((reads[b] & others).sum()))  # fmt: skip
+    key_rows, q_rows = keys.hi - keys.lo + 1, q.hi - q.lo + 1
+    narrow_readers = reads.sum(dim=0)  # [k blocks] unshipped query blocks that read each
+    read_by_shipped = torch.zeros_like(others)
+    best, best_count, shipped_rows = 0.0, 0, 0
+    for count, block in enumerate(widest, start=1):
+        narrow_readers -= reads[block].long()
+        read_by_shipped |= reads[block]
+        shipped_rows += int(q_rows[block])
+        saved = int(key_rows[read_by_shipped & (narrow_readers == 0) & others].sum())
+        owners = int(key_owner[read_by_shipped & others].unique().numel())
+        if saved - ship_ratio * shipped_rows * owners > best:
+            best, best_count = saved - ship_ratio * shipped_rows * owners, count
+    if not best_count:
+        return nothing
+    wide = torch.zeros(reads.shape[0], dtype=torch.bool)
+    wide[widest[:best_count]] = True
+    ship_to = tuple(sorted(set(key_owner[reads[wide].any(dim=0) & others].tolist())))
+    return wide, ship_to
+
+
+def _rank_plan(
+    rank: int,
+    layout: ShardLayout,
+    wanted: dict[int, Tensor],
+    wide_rows: Tensor,
+    ship_to: tuple[int, ...],
+) -> RankPlan:
     """The rank's plan from the positions it fetches per chunk of another rank."""
     fetch: dict[int, list[Tensor]] = {}
     for chunk, positions in sorted(wanted.items()):  # a peer's rows in chunk order: sorted
@@ -127,7 +220,10 @@ def _rank_plan(rank: int, layout: ShardLayout, wanted: dict[int, Tensor]) -> Ran
             pieces.append((owner, next_row[owner], count))
             next_row[owner] += count
             positions.append(wanted[chunk])
-    return RankPlan(rank, layout.positions(rank), torch.cat(positions), fetched, tuple(pieces))
+    return RankPlan(
+        rank, layout.positions(rank), torch.cat(positions), fetched, tuple(pieces), wide_rows,
+        ship_to,
+    )  # fmt: skip
 
 
 def pairs_per_rank(
