@@ -27,7 +27,6 @@ tables that docs/context-parallelism.md copies (``zoo readme``): "Bytes received
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -48,7 +47,7 @@ from zoo.layout.block_layout import specialized, with_heads
 from zoo.parallel import ShardLayout, shard_stats
 from zoo.parallel.at_positions import AtPositions
 
-from ..harness.config import ConfigError, load_config
+from ..harness.config import ConfigError, config_arguments, load_config
 from ..harness.distributed import device_name
 
 METHODS = ("zoo", "zoo_head_tail", "all_gather", "torch_ring")
@@ -73,12 +72,9 @@ class CPConfig:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(
-        prog="python -m eval bench-cp", description=__doc__.split(":")[0]
+    path, items = config_arguments(
+        "python -m eval bench-cp", __doc__.split(":")[0], argv, "repeats=5"
     )
-    parser.add_argument("items", nargs="*", help="[CONFIG.yaml] [key=value ...], e.g. repeats=5")
-    items = list(parser.parse_args(argv).items)
-    path = items.pop(0) if items and "=" not in items[0] else None
     try:
         config = load_config(CPConfig, path, items)
     except ConfigError as error:

@@ -22,7 +22,6 @@ Writes ``bench-decode.json`` and ``bench-decode.md`` in ``out``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import statistics
@@ -35,7 +34,7 @@ import torch
 
 import zoo
 
-from ..harness.config import ConfigError, load_config
+from ..harness.config import ConfigError, config_arguments, load_config
 from ..harness.distributed import device_name, pick_device
 
 PEERS = ("sdpa_dense", "flex_sliced")
@@ -195,12 +194,9 @@ def markdown(header: dict, cells: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(
-        prog="python -m eval bench-decode", description=__doc__.split(":")[0]
+    path, items = config_arguments(
+        "python -m eval bench-decode", __doc__.split(":")[0], argv, "repeats=5"
     )
-    parser.add_argument("items", nargs="*", help="[CONFIG.yaml] [key=value ...], e.g. repeats=5")
-    items = list(parser.parse_args(argv).items)
-    path = items.pop(0) if items and "=" not in items[0] else None
     try:
         config = load_config(DecodeConfig, path, items)
     except ConfigError as error:

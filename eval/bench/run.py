@@ -16,7 +16,6 @@ bench-report`` (eval/bench/merge.py).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -34,7 +33,7 @@ import torch
 
 from zoo.backends import Backend
 
-from ..harness.config import ConfigError, load_config
+from ..harness.config import ConfigError, config_arguments, load_config
 from ..harness.distributed import device_name, thread_count
 from . import markdown, plots, report
 from .config import BenchConfig, check_config, resolve_device, resolve_dtype
@@ -177,11 +176,9 @@ def default_config() -> Path:
 def main(argv: list[str] | None = None) -> int:
     """The ``bench`` command; returns the exit status (2 for a bad config)."""
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m eval bench", description=__doc__.split(":")[0])
-    parser.add_argument("items", nargs="*", help="[CONFIG.yaml] [key=value ...], e.g. repeats=50")
-    args = parser.parse_args(argv)
-    items = list(args.items)
-    path = items.pop(0) if items and "=" not in items[0] else None
+    path, items = config_arguments(
+        "python -m eval bench", __doc__.split(":")[0], argv, "repeats=50"
+    )
     path = str(default_config()) if path is None else path
     try:
         config = load_config(BenchConfig, path, items)

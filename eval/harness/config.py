@@ -8,6 +8,7 @@ is an error that names the file, the key and the close matches; so is a value of
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import types
@@ -93,6 +94,19 @@ def _set(data: dict[str, Any], dotted: str, value: Any) -> None:
         if not isinstance(data, dict):
             raise ConfigError(f"override {dotted}: {part!r} is not a section")
     data[last] = value
+
+
+def config_arguments(
+    prog: str, description: str, argv: list[str], example: str
+) -> tuple[str | None, list[str]]:
+    """(the config path or None, the key=value overrides) of a command that takes
+    ``[CONFIG.yaml] [key=value ...]`` (``bench``, ``bench-decode``, ``bench-cp``); ``--help``
+    and a bad option exit as argparse does."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("items", nargs="*", help=f"[CONFIG.yaml] [key=value ...], e.g. {example}")
+    items = list(parser.parse_args(argv).items)
+    path = items.pop(0) if items and "=" not in items[0] else None
+    return path, items
 
 
 def load_config(schema: type[T], path: str | Path | None, overrides: list[str] = ()) -> T:
