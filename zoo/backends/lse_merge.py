@@ -48,6 +48,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from .reference import exp_and_mass
+
 if TYPE_CHECKING:  # the blocked backend's, which imports this module
     from .blocked.key_windows import KeyWindows
     from .blocked.row_grid import RowGrid
@@ -180,10 +182,7 @@ def partial(scores: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     values (..., m, Dv): (out (..., M, Dv), lse (..., M)), differentiable, for ``merge``. A row
     with no allowed key gets zero output and lse -inf, and zero gradients (never nan): the
     largest score is subtracted before exp and a zero mass is divided as one."""
-    peak = scores.amax(dim=-1).detach()
-    peak = torch.where(torch.isfinite(peak), peak, 0)
-    exp = torch.exp(scores - peak[..., None])
-    total = exp.sum(dim=-1)
+    exp, total, peak = exp_and_mass(scores)
     has_key = total > 0
     total = torch.where(has_key, total, 1)
     out = (exp / total[..., None]) @ v

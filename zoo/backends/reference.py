@@ -62,6 +62,19 @@ def score_bias(call: AttentionCall, dtype: torch.dtype) -> Tensor:
     return call.bias(heads, q_pos[None, :, None], k_pos[None, None, :]).to(dtype)
 
 
+def masked_scores(call: AttentionCall) -> tuple[Tensor, Tensor]:
+    """(scores (B, H, Lq, Lk), -inf where the pattern or the padding forbids a pair; values
+    (B, H, Lk, Dv) with grouped heads repeated), in float32 (float64 for float64): the dense
+    definition of the call, biases added."""
+    dtype = torch.float64 if call.q.dtype == torch.float64 else torch.float32
+    k, v = (repeat_kv(t.to(dtype), call.groups) for t in (call.k, call.v))
+    q, k = call.score.prepare(call.q.to(dtype), k)
+    scores = call.score.pairwise(q, k)  # (B, H, Lq, Lk)
+    if call.bias is not None:
+        scores = scores + score_bias(call, scores.dtype)
+    return scores.masked_fill(~attention_mask(call), float("-inf")), v
+
+
 class ReferenceBackend(Backend):
     name = "reference"
     capabilities = Capabilities(
@@ -82,13 +95,8 @@ class ReferenceBackend(Backend):
         return reference_decode(step)
 
     def forward(self, call: AttentionCall) -> tuple[Tensor, Tensor]:
-        dtype = torch.float64 if call.q.dtype == torch.float64 else torch.float32
-        k, v = (repeat_kv(t.to(dtype), call.groups) for t in (call.k, call.v))
-        q, k = call.score.prepare(call.q.to(dtype), k)
-        scores = call.score.pairwise(q, k)  # (B, H, Lq, Lk)
-        if call.bias is not None:
-            scores = scores + score_bias(call, scores.dtype)
-        weights = safe_softmax(scores.masked_fill(~attention_mask(call), float("-inf")))
+        scores, v = masked_scores(call)
+        weights = safe_softmax(scores)
         dropped = (
             torch.nn.functional.dropout(weights, call.dropout_p) if call.dropout_p else weights
         )

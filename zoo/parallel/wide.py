@@ -19,15 +19,13 @@ the shipped queries to their rank, in the same order on every rank.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import torch
 from torch import Tensor
 
-from ..backends.base import repeat_kv
 from ..backends.lse_merge import merge, partial
-from ..backends.reference import attention_mask, score_bias
+from ..backends.reference import masked_scores
 from ..core.prepare import prepare_call
 from ..core.shape_cache import per_shape
 from ..patterns import Pattern
@@ -58,13 +56,7 @@ def own_keys_partial(
                         score=score)  # fmt: skip
     if bias is not None:
         call = replace(call, bias=at_global(bias, wrapper))
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    k_all, v_all = (repeat_kv(t.to(dtype), call.groups) for t in (call.k, call.v))
-    q_scored, k_scored = call.score.prepare(call.q.to(dtype), k_all)
-    scores = call.score.pairwise(q_scored, k_scored)  # (B, H, g, s)
-    if call.bias is not None:
-        scores = scores + score_bias(call, scores.dtype)
-    return partial(scores.masked_fill(~attention_mask(call), -math.inf), v_all)
+    return partial(*masked_scores(call))
 
 
 def wide_attention(
