@@ -20,7 +20,8 @@
 #
 # On a machine with 2 or more GPUs (not a stage: it needs torchrun over every GPU), context
 # parallelism's bytes and time beside PyTorch's ring and an all-gather, with NCCL:
-#   torchrun --standalone --nproc-per-node 4 -m eval bench-cp eval/configs/bench_cp_gpu.yaml
+#   for n in 1 2 4; do torchrun --standalone --nproc-per-node $n -m eval bench-cp \
+#       eval/configs/bench_cp_gpu.yaml; done   # one report in eval/results/bench-cp-gpu
 #
 # xFormers, where its wheel was carried in .whl/ (see the device tool's README), is installed
 # first into /tmp/site. Run from the repository root. The wheels for torch 2.11+cu130:

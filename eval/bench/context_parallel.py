@@ -20,9 +20,12 @@ slowest rank's; and, for ``zoo``, forward and backward. On a CPU the N processes
 so times hold for comparing methods in one run, not as scaling. Without torchrun the command
 starts N gloo processes itself for each N in ``worlds``; under ``torchrun --nproc-per-node N``
 (the GPU twin, ``eval/configs/bench_cp_gpu.yaml``) it runs in those ranks with NCCL.
-Writes ``bench-cp.json`` and ``bench-cp.md`` in ``out``; bench-cp.md ends with two compact
-tables that docs/context-parallelism.md copies (``zoo readme``): "Bytes received per rank" and
-"Causal load balance".
+Memory: for ``zoo``, the largest rank's peak of one forward and backward above its inputs (the
+profiler's allocation events on a CPU, CUDA's counter on a GPU); ``worlds`` may include 1 (one
+process, nothing exchanged), the baseline of the fit of peak against N.
+Writes ``bench-cp.json`` and ``bench-cp.md`` in ``out``; bench-cp.md ends with three compact
+tables that docs/context-parallelism.md copies (``zoo readme``): "Bytes received per rank",
+"Causal load balance" and "Peak memory per rank".
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ from zoo.parallel.at_positions import AtPositions
 
 from ..harness.config import ConfigError, config_arguments, load_config
 from ..harness.distributed import device_name
+from .measure import peak_memory_mb
+from .report import fit_exponent
 
 METHODS = ("zoo", "zoo_head_tail", "all_gather", "torch_ring")
 
@@ -174,12 +179,13 @@ def _one(method, config, q, k, v, group, params, variant, length, world) -> dict
 
         timed = _time(run, config, group)
         trained = _time_backward(run, (q, k, v), config, group) if method == "zoo" else None
+        peak = _peak_mib(run, (q, k, v), group) if method == "zoo" else None
         return {"rows_received": _most(rows, group), "rows_received_min": abs(_most(-rows, group)),
                 "bytes_received": _most(received, group),
                 "bytes_received_min": abs(_most(-received, group)),
                 "wide_rows_max": _most(stats.wide_rows, group), "pairs_max": _most(pairs, group),
                 "pairs_min": abs(_most(-pairs, group)), "forward_ms": timed,
-                "forward_backward_ms": trained}  # fmt: skip
+                "forward_backward_ms": trained, "peak_mib": peak}  # fmt: skip
     if method == "all_gather":
 
         def run():
@@ -281,6 +287,19 @@ def _time_backward(run, inputs, config: CPConfig, group) -> float:
     return _most(statistics.median(times) * 1e3, group)
 
 
+def _peak_mib(run, inputs, group) -> float:
+    """The largest rank's peak memory of one forward and backward (MiB above what was allocated
+    before it: the shards' gradients, what was fetched, the attention's own buffers)."""
+    for t in inputs:
+        t.requires_grad_(True)
+    dist.barrier(group)
+    peak = peak_memory_mb(lambda: run().sum().backward(), inputs[0].device)
+    for t in inputs:
+        t.requires_grad_(False)
+        t.grad = None
+    return _most(peak, group)
+
+
 def _most(value: float, group) -> float:
     """The largest value over the ranks."""
     device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
@@ -290,13 +309,28 @@ def _most(value: float, group) -> float:
 
 
 def _write(config: CPConfig, rows: list[dict], command: str) -> None:
+    """bench-cp.json and bench-cp.md in ``out``, with the rows of other N that an earlier run of
+    the same settings left there (torchrun runs one N at a time: runs at 1, 2 and 4 processes
+    into one ``out`` make one report, and the fit of peak memory against N)."""
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
+    rows = [*_earlier_rows(out / "bench-cp.json", config, rows), *rows]
     (out / "bench-cp.json").write_text(
         json.dumps({"command": command, "config": asdict(config), "rows": rows}, indent=1) + "\n"
     )
     (out / "bench-cp.md").write_text(markdown(config, rows, command))
     print(markdown(config, rows, command))
+
+
+def _earlier_rows(path: Path, config: CPConfig, rows: list[dict]) -> list[dict]:
+    """The rows of ``path`` at an N that ``rows`` lacks, where it was made with the same settings
+    (all but ``worlds``); none otherwise."""
+    if not path.exists():
+        return []
+    earlier = json.loads(path.read_text())
+    same = {**earlier.get("config", {}), "worlds": None} == {**asdict(config), "worlds": None}
+    worlds = {r["world"] for r in rows}
+    return [r for r in earlier.get("rows", []) if same and r["world"] not in worlds]
 
 
 def markdown(config: CPConfig, rows: list[dict], command: str) -> str:
@@ -326,7 +360,8 @@ def markdown(config: CPConfig, rows: list[dict], command: str) -> str:
             f"{ms(r.get('forward_ms'))} | "
             f"{ms(r.get('forward_backward_ms'))} | {r.get('note', '')} |"
         )
-    return "\n".join([*lines, "", *bytes_table(rows), "", *balance_table(rows)]) + "\n"
+    tables = [bytes_table(rows), balance_table(rows), memory_table(rows)]
+    return "\n".join([*lines, *(line for table in tables if table for line in ["", *table])]) + "\n"
 
 
 def _cell(rows: list[dict]) -> dict[tuple, dict]:
@@ -388,4 +423,30 @@ def balance_table(rows: list[dict]) -> list[str]:
             r = cells.get(("causal", world, method, length))
             shown.append("-" if r is None else f"{r['pairs_max']:.3g} / {r['pairs_min']:.3g}")
         lines.append(f"| {world} | {shown[0]} | {shown[1]} |")
+    return lines
+
+
+def memory_table(rows: list[dict]) -> list[str]:
+    """Peak memory per rank of zoo's forward and backward against N at the longest length, and
+    the exponent of its fit to N (-1: it falls as 1/N)."""
+    zoo_rows = [r for r in rows if r["method"] == "zoo" and r.get("peak_mib") is not None]
+    if not zoo_rows:
+        return []
+    length = max(r["length"] for r in zoo_rows)
+    cells, worlds = _cell(zoo_rows), sorted({r["world"] for r in zoo_rows})
+    lines = [
+        "## Peak memory per rank",
+        "",
+        f"MiB above the inputs, the largest rank's, of one forward and backward at L={length}; "
+        "the exponent is the slope of log(peak) on log(N) (-1: the peak falls as 1/N).",
+        "",
+        "| variant | " + " | ".join(f"N={world}" for world in worlds) + " | exponent |",
+        "| --- |" + " ---: |" * (len(worlds) + 1),
+    ]
+    for variant in dict.fromkeys(r["variant"] for r in zoo_rows):
+        peaks = [cells.get((variant, world, "zoo", length), {}).get("peak_mib") for world in worlds]
+        slope = fit_exponent(worlds, peaks, last=len(worlds))
+        shown = ["-" if p is None else f"{p:.1f}" for p in peaks]
+        shown.append("-" if slope is None else f"{slope:.2f}")
+        lines.append(f"| {variant} | " + " | ".join(shown) + " |")
     return lines

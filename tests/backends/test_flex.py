@@ -75,21 +75,32 @@ def test_block_mask_holds_the_pattern_blocks(variant, causal, padded):
 # (a band with globals, random blocks, a regrouped order, a 2-D grid, blocks chosen by content);
 # the GPU tests above compile every variant, and test_flex_lengths sweeps lengths.
 COMPILED_VARIANTS = ["longformer", "bigbird", "strided", "neighborhood_2d", "moba"]
-COMPILED_CASES = [(v, False, True, (70, 100)) for v in COMPILED_VARIANTS] + [
-    ("bigbird", True, False, (100, 100))
+# (variant, causal, padded, (q_len, kv_len), encoding): every case with grouped k and v (2 of 4
+# heads); a score bias rides on two of them (alibi, t5: a score_mod beside the mask_mod).
+COMPILED_CASES = [
+    ("longformer", False, True, (70, 100), "alibi"),
+    *((v, False, True, (70, 100), None) for v in COMPILED_VARIANTS[1:]),
+    ("bigbird", True, False, (100, 100), "t5"),
 ]
 
 
-@pytest.mark.parametrize("variant,causal,padded,shape", COMPILED_CASES)
-def test_compiled_flex_forward_on_cpu(variant, causal, padded, shape):
-    """The compiled kernel, not just the eager path: mask_mods must survive compilation (a
-    reduction inside one once compiled silently wrong). One compile costs seconds on CPU, so each
-    variant runs once, padded and with fewer queries than keys."""
+@pytest.mark.parametrize("variant,causal,padded,shape,pos", COMPILED_CASES)
+def test_compiled_flex_forward_on_cpu(variant, causal, padded, shape, pos):
+    """The compiled kernel, not just the eager path: mask_mods (and a bias's score_mod) must
+    survive compilation (a reduction inside one once compiled silently wrong), with grouped
+    heads. One compile costs seconds on CPU (5-10 s with a cold cache), so each variant runs
+    once, padded and with fewer queries than keys."""
     q_len, kv_len = shape
-    backend = FlexBackend(block_size=16)
+    encoding = None
+    if pos is not None:
+        torch.manual_seed(0)
+        encoding = zoo.build_encoding(pos, dim=64, num_heads=4, causal=causal)
+        if pos == "t5":  # a table far from zero, so that a wrong bias shows
+            torch.nn.init.normal_(encoding.weight, std=1.0)
     check_against_reference(
-        variant, backend, q_len=q_len, kv_len=kv_len, causal=causal, padded=padded, grads=False
-    )
+        variant, FlexBackend(block_size=16), q_len=q_len, kv_len=kv_len, causal=causal,
+        padded=padded, grads=False, heads=4, kv_heads=2, pos=encoding,
+    )  # fmt: skip
 
 
 def test_flex_refuses_backward_on_cpu_and_names_who_can():

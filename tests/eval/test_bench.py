@@ -53,7 +53,9 @@ def read_cells(tmp_path) -> tuple[dict, list[dict]]:
 
 
 def test_main_writes_json_markdown_and_plots_with_checked_cells(tmp_path, capsys):
-    path = write_config(tmp_path, peers=["sdpa_dense", "flex_standard"])
+    # The flex peer compiles a kernel per cell (seconds each on a CPU with a cold cache); its cells
+    # are checked in test_flex_peer_draws_a_mask_per_head_for_a_pattern_per_head.
+    path = write_config(tmp_path)
     assert bench.main([path]) == 0
     out = tmp_path / "out"
     assert (out / "bench.md").exists() and (out / "time-fwd-noncausal.png").exists()
@@ -61,8 +63,8 @@ def test_main_writes_json_markdown_and_plots_with_checked_cells(tmp_path, capsys
     for key in ("device", "device_type", "torch", "triton", "cuda", "config", "command"):
         assert key in header
     assert header["config"]["lengths"] == [64, 128]
-    # 2 lengths x (the dense peer + 2 variants x (2 backends + flex_standard))
-    assert len(cells) == 2 * (1 + 2 * 3)
+    # 2 lengths x (the dense peer + 2 variants x 2 backends)
+    assert len(cells) == 2 * (1 + 2 * 2)
     for cell in cells:
         assert set(cell) == set(bench_cell.CELL_FIELDS)
         assert cell["status"] == "ok", cell["reason"]
@@ -71,15 +73,13 @@ def test_main_writes_json_markdown_and_plots_with_checked_cells(tmp_path, capsys
         assert cell["peak_memory_mb"] > 0  # CPU: from the profiler's allocation events
         assert 0 < cell["allowed_pairs"] <= cell["all_pairs"] == cell["n"] ** 2
         assert cell["useful_tflops"] > 0 and cell["sparsity_realization"] > 0
-    flex = [c for c in cells if c["backend"] == "flex_standard"]
-    assert all(c["mask_build_ms"] >= 0 and c["block_size"] == 128 for c in flex)
     local = next(c for c in cells if c["variant"] == "local" and c["backend"] == "blocked")
     assert local["block_size"] == 64 and 0 < local["block_density"] <= 1
     for field in bench_cell.CELL_FIELDS:
         assert field in bench_cell.__doc__
     text = (out / "bench.md").read_text()
     assert "## Goals" in text and "## Fitted exponents" in text and "O(n·w·d)" in text
-    assert capsys.readouterr().out.count("[14/14]") == 1  # one progress line per cell
+    assert capsys.readouterr().out.count("[10/10]") == 1  # one progress line per cell
 
 
 def test_a_backend_that_cannot_run_a_call_is_recorded_and_the_sweep_goes_on(tmp_path):
@@ -108,6 +108,7 @@ def test_flex_peer_draws_a_mask_per_head_for_a_pattern_per_head(tmp_path):
     _, cells = read_cells(tmp_path)
     (flex,) = [c for c in cells if c["backend"] == "flex_standard"]
     assert flex["status"] == "ok" and flex["checked"] and flex["max_error"] < 1e-4, flex
+    assert flex["mask_build_ms"] >= 0 and flex["block_size"] == 128
 
 
 class Zeros(Backend):

@@ -95,6 +95,9 @@ WIDE_LENGTH, WIDE_BLOCK = 128, 8  # shards of 8 plan blocks or more: a global bl
 WIDE_VARIANTS = {
     "longformer": dict(window_size=8),
     "bigbird": dict(block_size=8, random_blocks=1),
+    # The registry's causal forms keep only the first global block, which reads no other
+    # rank's keys; a global block at the end is what ships under causal.
+    "global": dict(global_tokens=[0, WIDE_LENGTH // 8 - 1], block_size=8),
 }
 
 
@@ -102,7 +105,7 @@ def _check_wide(rank: int, world: int, group) -> list[str]:
     """Wide query rows (a global token's, which reads every key) shipped to the ranks that hold
     their keys and merged by log-sum-exp: out, dq, dk, dv equal the one-process call, causal or
     not, padded, grouped heads, alibi and rope at global positions, in both orders; and some
-    case does ship (else this checks nothing new)."""
+    causal case and some bidirectional one do ship (else this checks nothing new)."""
     g = torch.Generator().manual_seed(1)
     q, k, v, grad = (
         torch.randn(BATCH, heads, WIDE_LENGTH, HEAD_DIM, generator=g, dtype=torch.float64)
@@ -110,7 +113,7 @@ def _check_wide(rank: int, world: int, group) -> list[str]:
     )
     padding = torch.zeros(BATCH, WIDE_LENGTH, dtype=torch.bool)
     padding[0, 5] = padding[1, -20:] = True
-    failures, shipped = [], 0
+    failures, shipped = [], {False: 0, True: 0}  # wide rows, by causality
     combos = itertools.product(WIDE_VARIANTS, (False, True), ORDERS)
     for i, (variant, causal, order) in enumerate(combos):
         padded, pos = i % 2 == 0, ENCODINGS[i % 3]
@@ -125,7 +128,7 @@ def _check_wide(rank: int, world: int, group) -> list[str]:
         out = zoo.parallel.context_parallel_attention(*mine, backend=BACKENDS[i % 3], **options,
                                                       **kwargs)  # fmt: skip
         out.backward(shard(grad, rank, world, order=order))
-        shipped += shard_stats(*[t.detach() for t in mine], **options, **kwargs).wide_rows
+        shipped[causal] += shard_stats(*[t.detach() for t in mine], **options, **kwargs).wide_rows
         errors = [_error(out, shard(reference.detach(), rank, world, order=order))]
         errors += [_error(a.grad, shard(b.grad, rank, world, order=order))
                    for a, b in zip(mine, whole, strict=True)]  # fmt: skip
@@ -133,10 +136,12 @@ def _check_wide(rank: int, world: int, group) -> list[str]:
             case = f"{variant} causal={causal} padded={padded} {order} pos={pos}"
             shown = ", ".join(f"{e:.1e}" for e in errors)
             failures.append(f"rank {rank}: wide rows: {case}: |error| out, dq, dk, dv = {shown}")
-    counted = torch.tensor([shipped])
+    counted = torch.tensor([shipped[False], shipped[True]])
     dist.all_reduce(counted, group=group)
-    if counted.item() == 0:
-        failures.append(f"rank {rank}: no case shipped wide rows at {world} ranks")
+    for causal, count in zip((False, True), counted.tolist(), strict=True):
+        if count == 0:
+            failures.append(f"rank {rank}: no case with causal={causal} shipped wide rows at "
+                            f"{world} ranks")  # fmt: skip
     return failures
 
 
