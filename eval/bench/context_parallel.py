@@ -438,15 +438,30 @@ def memory_table(rows: list[dict]) -> list[str]:
         "## Peak memory per rank",
         "",
         f"MiB above the inputs, the largest rank's, of one forward and backward at L={length}; "
-        "the exponent is the slope of log(peak) on log(N) (-1: the peak falls as 1/N).",
+        "the exponent is the slope of log(peak) on log(N) (-1: the peak falls as 1/N); a + b/N is "
+        "the least-squares fit of a part that does not shrink with the shard (a) and one that "
+        "does (b).",
         "",
-        "| variant | " + " | ".join(f"N={world}" for world in worlds) + " | exponent |",
-        "| --- |" + " ---: |" * (len(worlds) + 1),
+        "| variant | " + " | ".join(f"N={world}" for world in worlds) + " | exponent | a + b/N |",
+        "| --- |" + " ---: |" * (len(worlds) + 2),
     ]
     for variant in dict.fromkeys(r["variant"] for r in zoo_rows):
         peaks = [cells.get((variant, world, "zoo", length), {}).get("peak_mib") for world in worlds]
         slope = fit_exponent(worlds, peaks, last=len(worlds))
         shown = ["-" if p is None else f"{p:.1f}" for p in peaks]
         shown.append("-" if slope is None else f"{slope:.2f}")
+        fit = _fit_inverse(worlds, peaks)
+        shown.append("-" if fit is None else f"{fit[0]:.1f} + {fit[1]:.1f}/N")
         lines.append(f"| {variant} | " + " | ".join(shown) + " |")
     return lines
+
+
+def _fit_inverse(worlds: list[int], peaks: list[float | None]) -> tuple[float, float] | None:
+    """(a, b) of the least-squares fit peak = a + b / N, or None with fewer than two points."""
+    points = [(1 / n, p) for n, p in zip(worlds, peaks, strict=True) if p is not None]
+    if len({x for x, _ in points}) < 2:
+        return None
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    b = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    return my - b * mx, b

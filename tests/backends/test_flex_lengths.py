@@ -18,7 +18,7 @@ changed from one process to the next. The reporter reproduced it with torch alon
 (On the 2-core Xeon where this test was written the script above printed ~1e-7 for every length
 tried, so the fault depends on the machine or on memory contents.) The flex backend now pads to
 whole blocks on CPU (see ``zoo/backends/flex.py``); this test holds it to the reference at every
-length from 1 to 300 and a few large odd ones, for several variants, causal or not, with key
+length from 1 to 300 and a large odd one, for several variants, causal or not, with key
 padding, in a fresh process (the reported failures changed between processes; seed 1 runs the
 other configuration at each length).
 """
@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 from helpers import subprocess_timeout
 
-# Runs in a fresh process: every length 1..300 once, then two large odd ones. Each compiled graph
+# Runs in a fresh process: every length 1..300 once, then a large odd one. Each compiled graph
 # costs seconds on CPU (one per configuration and padded length), so a process alternates two
 # configurations (variant, causal, key padding) by length, and the second process, which swaps
 # them, finds the first one's graphs in inductor's cache.
@@ -48,7 +48,7 @@ torch.set_num_threads(2)
 generator = torch.Generator().manual_seed(seed)
 configs = [("local", True, True), ("longformer", False, False)]
 cases = [(n, *configs[(n + seed) % 2]) for n in range(1, 301)]
-cases += [(1023, *configs[0]), (1999, "bigbird", False, True)]
+cases += [(1999, "bigbird", False, True)]  # many blocks (16 of 128), random ones among them
 failures = []
 for n, variant, causal, padded in cases:
     q, k, v = (torch.randn(2, 2, n, 16, generator=generator) for _ in range(3))
@@ -76,7 +76,7 @@ def test_compiled_flex_matches_reference_at_every_length(seed):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["cases"] == 302
+    assert result["cases"] == 301
     assert result["failures"] == [], f"compiled flex differs from the reference: {result}"
 
 
