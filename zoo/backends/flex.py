@@ -178,8 +178,11 @@ class FlexBackend(Backend):
         return None
 
     def whole_blocks(self, call: AttentionCall) -> bool:
-        """Whether q, k and v are padded to whole blocks for this call (see the module doc)."""
-        return self.compile and call.device.type == "cpu"
+        """Whether q, k and v are padded to whole blocks for this call (see the module doc): on a
+        CPU wherever the kernel is compiled, by this backend or by a torch.compile around the call
+        (with ``compile=False`` too: Inductor's CPU template failed on a partial block)."""
+        compiled = self.compile or torch.compiler.is_compiling()
+        return compiled and call.device.type == "cpu"
 
     def block_mask(self, call: AttentionCall):
         whole = self.whole_blocks(call)
