@@ -324,13 +324,16 @@ def _write(config: CPConfig, rows: list[dict], command: str) -> None:
 
 def _earlier_rows(path: Path, config: CPConfig, rows: list[dict]) -> list[dict]:
     """The rows of ``path`` at an N that ``rows`` lacks, where it was made with the same settings
-    (all but ``worlds``); none otherwise."""
+    (all but ``worlds``) on the same device; none otherwise."""
     if not path.exists():
         return []
     earlier = json.loads(path.read_text())
     same = {**earlier.get("config", {}), "worlds": None} == {**asdict(config), "worlds": None}
-    worlds = {r["world"] for r in rows}
-    return [r for r in earlier.get("rows", []) if same and r["world"] not in worlds]
+    worlds, devices = {r["world"] for r in rows}, {r["device"] for r in rows}
+    return [
+        r for r in earlier.get("rows", [])
+        if same and r["world"] not in worlds and r["device"] in devices
+    ]  # fmt: skip
 
 
 def markdown(config: CPConfig, rows: list[dict], command: str) -> str:
@@ -440,7 +443,7 @@ def memory_table(rows: list[dict]) -> list[str]:
         f"MiB above the inputs, the largest rank's, of one forward and backward at L={length}; "
         "the exponent is the slope of log(peak) on log(N) (-1: the peak falls as 1/N); a + b/N is "
         "the least-squares fit of a part that does not shrink with the shard (a) and one that "
-        "does (b).",
+        "does (b); '-' where the fit needs a < 0 (the peak falls faster than 1/N).",
         "",
         "| variant | " + " | ".join(f"N={world}" for world in worlds) + " | exponent | a + b/N |",
         "| --- |" + " ---: |" * (len(worlds) + 2),
@@ -451,7 +454,8 @@ def memory_table(rows: list[dict]) -> list[str]:
         shown = ["-" if p is None else f"{p:.1f}" for p in peaks]
         shown.append("-" if slope is None else f"{slope:.2f}")
         fit = _fit_inverse(worlds, peaks)
-        shown.append("-" if fit is None else f"{fit[0]:.1f} + {fit[1]:.1f}/N")
+        # a < 0: the peak falls faster than 1/N, which no fixed part explains.
+        shown.append("-" if fit is None or fit[0] < 0 else f"{fit[0]:.1f} + {fit[1]:.1f}/N")
         lines.append(f"| {variant} | " + " | ".join(shown) + " |")
     return lines
 

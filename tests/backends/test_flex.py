@@ -75,17 +75,22 @@ def test_block_mask_holds_the_pattern_blocks(variant, causal, padded):
 # (a band with globals, random blocks, a regrouped order, a 2-D grid, blocks chosen by content);
 # the GPU tests above compile every variant, and test_flex_lengths sweeps lengths.
 COMPILED_VARIANTS = ["longformer", "bigbird", "strided", "neighborhood_2d", "moba"]
-# (variant, causal, padded, (q_len, kv_len), encoding): every case with grouped k and v (2 of 4
-# heads); a score bias rides on two of them (alibi, t5: a score_mod beside the mask_mod).
+# (variant, causal, padded, (q_len, kv_len), encoding, key/value heads of 4): grouped k and v in
+# every case, multi-query (one head) in one; a score bias rides on two of them (alibi, t5: a
+# score_mod beside the mask_mod).
 COMPILED_CASES = [
-    ("longformer", False, True, (70, 100), "alibi"),
-    *((v, False, True, (70, 100), None) for v in COMPILED_VARIANTS[1:]),
-    ("bigbird", True, False, (100, 100), "t5"),
+    ("longformer", False, True, (70, 100), "alibi", 2),
+    ("bigbird", False, True, (70, 100), None, 2),
+    ("strided", False, True, (70, 100), None, 1),
+    ("neighborhood_2d", False, True, (70, 100), None, 2),
+    ("moba", False, True, (70, 100), None, 2),
+    ("bigbird", True, False, (100, 100), "t5", 2),
 ]
+assert {case[0] for case in COMPILED_CASES} == set(COMPILED_VARIANTS)
 
 
-@pytest.mark.parametrize("variant,causal,padded,shape,pos", COMPILED_CASES)
-def test_compiled_flex_forward_on_cpu(variant, causal, padded, shape, pos):
+@pytest.mark.parametrize("variant,causal,padded,shape,pos,kv_heads", COMPILED_CASES)
+def test_compiled_flex_forward_on_cpu(variant, causal, padded, shape, pos, kv_heads):
     """The compiled kernel, not just the eager path: mask_mods (and a bias's score_mod) must
     survive compilation (a reduction inside one once compiled silently wrong), with grouped
     heads. One compile costs seconds on CPU (5-10 s with a cold cache), so each variant runs
@@ -99,7 +104,7 @@ def test_compiled_flex_forward_on_cpu(variant, causal, padded, shape, pos):
             torch.nn.init.normal_(encoding.weight, std=1.0)
     check_against_reference(
         variant, FlexBackend(block_size=16), q_len=q_len, kv_len=kv_len, causal=causal,
-        padded=padded, grads=False, heads=4, kv_heads=2, pos=encoding,
+        padded=padded, grads=False, heads=4, kv_heads=kv_heads, pos=encoding,
     )  # fmt: skip
 
 

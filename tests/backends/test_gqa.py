@@ -34,8 +34,9 @@ KV_HEADS = {"gqa": 2, "mqa": 1}  # of 4 query heads
 def test_grouped_kv_matches_the_repeated_reference(variant, backend, kv_heads, padded, causal):
     """Self-attention at a length no block divides (padded), and cross-attention with fewer
     queries (unpadded); grouped-query attention (2 k/v heads of 4) meets the first, multi-query
-    (1 of 4) the second: every variant, backend and causality meets both groupings and both
-    shapes, at a quarter of the cost of every combination (the suite's 10-minute budget)."""
+    (1 of 4) the second: every variant, causality and backend here (blocked, sdpa; flex: see
+    above) meets both groupings and both shapes, at a quarter of the cost of every combination
+    (the suite's 10-minute budget)."""
     q_len, kv_len = (100, 100) if padded else (70, 100)
     check_against_reference(
         variant, BACKENDS[backend], q_len=q_len, kv_len=kv_len, causal=causal,

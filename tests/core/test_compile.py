@@ -179,7 +179,8 @@ def test_inductor_survives_a_length_change():
 # Each (variant, backend) compiled by Inductor costs 5-20 s on a CPU with a cold cache: CI compiles
 # a sample that covers every backend, blocked's regrouped order (dilated) and flex's 2-D tiled
 # order (neighborhood_2d; tests/patterns/test_grid.py compiles it too), ZOO_SLOW=1 the whole
-# matrix; every variant on blocked goes through AOTAutograd in test_compiled_gradients_equal_eager.
+# matrix. Every variant on blocked goes through AOTAutograd in test_compiled_gradients_equal_eager,
+# but Inductor compiles blocked's per-head layouts (bigbird) only in the whole matrix.
 INDUCTOR_BACKENDS = [("sdpa", True), ("blocked", True), ("auto", True), ("flex", False)]
 INDUCTOR_SAMPLE = {
     ("dilated", "blocked"), ("strided", "sdpa"), ("local", "flex"),

@@ -18,7 +18,8 @@ after them, ``zoo.decoding.decode``). The block mask covers exactly those rows a
 - A positional bias is the ``score_mod``, at the same absolute positions.
 - A pattern chosen by content (moba) is bound to the cache's keys first; its mask is per head.
 
-Compiled FlexAttention on CPU pads q, k and v to whole blocks (``zoo.backends.flex``); the
+Compiled FlexAttention on CPU (by the backend, or by a torch.compile around the step) pads q, k
+and v to whole blocks (``zoo.backends.flex``); the
 padded slots are empty and the padded queries invalid, so the output is cropped. Inference only:
 dropout is refused (``Backend.decode_reason_against``: flex declares no dropout) and compiled
 flex has no backward on CPU.
@@ -57,7 +58,8 @@ def flex_decode(step: DecodeStep, block: int, compile: bool) -> Tensor:
     )
     bias, scale = step.bias, step.score.scale
     t, slots = q.shape[2], keys.shape[2]
-    whole = compile and q.device.type == "cpu"  # see zoo.backends.flex: whole blocks
+    # See FlexBackend.whole_blocks: on a CPU wherever the kernel is compiled, here or around us.
+    whole = (compile or torch.compiler.is_compiling()) and q.device.type == "cpu"
     q_len = -(-t // block) * block if whole else t
     kv_len = -(-slots // block) * block
     q, q_pos, valid = _pad(q, 2, q_len, 0.0), _pad(q_pos, 1, q_len, 0), _pad(valid, 1, q_len, False)
