@@ -63,6 +63,14 @@ def _error(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
+def _shard_errors(out, mine, reference, whole, rank, world, order) -> list[float]:
+    """|error| of this rank's out, dq, dk, dv against its shard of the one-process call's."""
+    errors = [_error(out, shard(reference.detach(), rank, world, order=order))]
+    errors += [_error(a.grad, shard(b.grad, rank, world, order=order))
+               for a, b in zip(mine, whole, strict=True)]  # fmt: skip
+    return errors
+
+
 def _check_matches(rank: int, world: int, group) -> list[str]:
     """Each case's shard of out, dq, dk, dv against the one-process reference call."""
     q, k, v, padding, grad = _inputs()
@@ -81,9 +89,7 @@ def _check_matches(rank: int, world: int, group) -> list[str]:
             **kwargs,
         )  # fmt: skip
         out.backward(shard(grad, rank, world, order=order))
-        errors = [_error(out, shard(reference.detach(), rank, world, order=order))]
-        errors += [_error(a.grad, shard(b.grad, rank, world, order=order))
-                   for a, b in zip(mine, whole, strict=True)]  # fmt: skip
+        errors = _shard_errors(out, mine, reference, whole, rank, world, order)
         if max(errors) > TOLERANCE:
             case = f"{variant} causal={causal} padded={padded} {backend} {order} pos={pos}"
             shown = ", ".join(f"{e:.1e}" for e in errors)
@@ -129,9 +135,7 @@ def _check_wide(rank: int, world: int, group) -> list[str]:
                                                       **kwargs)  # fmt: skip
         out.backward(shard(grad, rank, world, order=order))
         shipped[causal] += shard_stats(*[t.detach() for t in mine], **options, **kwargs).wide_rows
-        errors = [_error(out, shard(reference.detach(), rank, world, order=order))]
-        errors += [_error(a.grad, shard(b.grad, rank, world, order=order))
-                   for a, b in zip(mine, whole, strict=True)]  # fmt: skip
+        errors = _shard_errors(out, mine, reference, whole, rank, world, order)
         if max(errors) > TOLERANCE:
             case = f"{variant} causal={causal} padded={padded} {order} pos={pos}"
             shown = ", ".join(f"{e:.1e}" for e in errors)
