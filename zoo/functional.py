@@ -279,7 +279,8 @@ def _explain_sharded(q: Tensor, k: Tensor, v: Tensor, group: object, **kwargs: o
         f"context parallel rank {stats.rank} of {stats.world} ({order}): receives "
         f"{stats.received_bytes} bytes ({stats.received_rows} key/value rows per sequence and "
         f"key/value head, from ranks: {sources}; and any wide query rows and partials){shipped}; "
-        f"its queries attend {stats.pairs:g} pairs per sequence and head"
+        f"with overlap, computes {stats.interior_rows} of its {q.shape[2]} query rows while the "
+        f"exchange is in flight; its queries attend {stats.pairs:g} pairs per sequence and head"
     )
 
 

@@ -10,6 +10,10 @@ Methods, on the same shapes (B, H, L, D) cut into N equal contiguous shards:
   rank (max / min) show the balance;
 - ``all_gather``: every key and value gathered on every rank, then the rank's queries against
   them with the pattern (what PyTorch's FlexAttention context-parallel path does);
+- ``overlap``: ``zoo`` with ``overlap=True`` (interior rows computed while the exchange is in
+  flight) against ``overlap=False`` (a call per chunk after the exchange), timed in turns in one
+  loop; its forward and forward+backward times are the overlapped ones, and ``serial_*`` the
+  others; ``interior_rows_min``: the fewest rows any rank computes during the exchange;
 - ``torch_ring``: PyTorch's ``torch.distributed.tensor.experimental.context_parallel`` (SDPA ring
   attention), for ``full`` and ``causal`` only (SDPA has no other pattern). On a CPU it does not
   run (torch 2.13: no sharding strategy for the CPU flash kernel); its bytes are then the ring's,
@@ -23,9 +27,9 @@ starts N gloo processes itself for each N in ``worlds``; under ``torchrun --npro
 Memory: for ``zoo``, the largest rank's peak of one forward and backward above its inputs (the
 profiler's allocation events on a CPU, CUDA's counter on a GPU); ``worlds`` may include 1 (one
 process, nothing exchanged), the baseline of the fit of peak against N.
-Writes ``bench-cp.json`` and ``bench-cp.md`` in ``out``; bench-cp.md ends with three compact
-tables that docs/context-parallelism.md copies (``zoo readme``): "Bytes received per rank",
-"Causal load balance" and "Peak memory per rank".
+Writes ``bench-cp.json`` and ``bench-cp.md`` in ``out``; bench-cp.md ends with compact tables
+that docs/context-parallelism.md copies (``zoo readme``): "Bytes received per rank", "Causal
+load balance", "Peak memory per rank" and "Overlap".
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ from ..harness.distributed import device_name
 from .measure import peak_memory_mb
 from .report import fit_exponent
 
-METHODS = ("zoo", "zoo_head_tail", "all_gather", "torch_ring")
+METHODS = ("zoo", "zoo_head_tail", "overlap", "all_gather", "torch_ring")
 
 
 @dataclass
@@ -178,7 +182,7 @@ def _one(method, config, q, k, v, group, params, variant, length, world) -> dict
                                  **kw)  # fmt: skip
 
         timed = _time(run, config, group)
-        trained = _time_backward(run, (q, k, v), config, group) if method == "zoo" else None
+        trained = _time(run, config, group, (q, k, v)) if method == "zoo" else None
         peak = _peak_mib(run, (q, k, v), group) if method == "zoo" else None
         return {"rows_received": _most(rows, group), "rows_received_min": abs(_most(-rows, group)),
                 "bytes_received": _most(received, group),
@@ -186,6 +190,24 @@ def _one(method, config, q, k, v, group, params, variant, length, world) -> dict
                 "wide_rows_max": _most(stats.wide_rows, group), "pairs_max": _most(pairs, group),
                 "pairs_min": abs(_most(-pairs, group)), "forward_ms": timed,
                 "forward_backward_ms": trained, "peak_mib": peak}  # fmt: skip
+    if method == "overlap":
+
+        def run(overlap: bool):
+            return zoo.parallel.context_parallel_attention(
+                q, k, v, group=group, backend=config.backend, overlap=overlap, **kw
+            )
+
+        stats = shard_stats(q, k, v, group=group, **kw)
+        runs = (lambda: run(False), lambda: run(True))
+        serial, overlapped = _time_in_turns(runs, (), config, group)
+        serial_trained, trained = _time_in_turns(runs, (q, k, v), config, group)
+        return {"rows_received": _most(stats.received_rows, group),
+                "bytes_received": _most(stats.received_bytes, group),
+                "bytes_received_min": abs(_most(-stats.received_bytes, group)),
+                "interior_rows_min": abs(_most(-stats.interior_rows, group)),
+                "forward_ms": overlapped, "forward_backward_ms": trained,
+                "serial_forward_ms": serial,
+                "serial_forward_backward_ms": serial_trained}  # fmt: skip
     if method == "all_gather":
 
         def run():
@@ -253,38 +275,34 @@ def _time_torch_ring(q, k, v, group, causal, config) -> float:
     return _time(run, config, group)
 
 
-def _time(run, config: CPConfig, group) -> float:
-    """The slowest rank's median time of ``run`` in ms."""
-    with torch.no_grad():
-        for _ in range(config.warmup):
-            run()
-        times = []
-        for _ in range(config.repeats):
-            dist.barrier(group)
-            start = time.perf_counter()
-            run()
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-    return _most(statistics.median(times) * 1e3, group)
+def _time(run, config: CPConfig, group, inputs: tuple = ()) -> float:
+    """The slowest rank's median time of ``run`` in ms (``_time_in_turns`` of it alone)."""
+    return _time_in_turns([run], inputs, config, group)[0]
 
 
-def _time_backward(run, inputs, config: CPConfig, group) -> float:
+def _time_in_turns(runs, inputs, config: CPConfig, group) -> list[float]:
+    """The slowest rank's median time in ms of each of ``runs``, run in turns in one loop so
+    that the machine's drift reaches each alike: forward only, or, given the ``inputs`` they
+    read, forward and the backward of the output's sum to those inputs."""
     for t in inputs:
         t.requires_grad_(True)
-    times = []
-    for i in range(config.warmup + config.repeats):
-        dist.barrier(group)
-        start = time.perf_counter()
-        run().sum().backward()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        if i >= config.warmup:
-            times.append(time.perf_counter() - start)
+    times: list[list[float]] = [[] for _ in runs]
+    with torch.set_grad_enabled(bool(inputs)):
+        for i in range(config.warmup + config.repeats):
+            for run, kept in zip(runs, times, strict=True):
+                dist.barrier(group)
+                start = time.perf_counter()
+                out = run()
+                if inputs:
+                    out.sum().backward()
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                if i >= config.warmup:
+                    kept.append(time.perf_counter() - start)
     for t in inputs:
         t.requires_grad_(False)
         t.grad = None
-    return _most(statistics.median(times) * 1e3, group)
+    return [_most(statistics.median(kept) * 1e3, group) for kept in times]
 
 
 def _peak_mib(run, inputs, group) -> float:
@@ -363,7 +381,7 @@ def markdown(config: CPConfig, rows: list[dict], command: str) -> str:
             f"{ms(r.get('forward_ms'))} | "
             f"{ms(r.get('forward_backward_ms'))} | {r.get('note', '')} |"
         )
-    tables = [bytes_table(rows), balance_table(rows), memory_table(rows)]
+    tables = [bytes_table(rows), balance_table(rows), memory_table(rows), overlap_table(rows)]
     return "\n".join([*lines, *(line for table in tables if table for line in ["", *table])]) + "\n"
 
 
@@ -457,6 +475,37 @@ def memory_table(rows: list[dict]) -> list[str]:
         # a < 0: the peak falls faster than 1/N, which no fixed part explains.
         shown.append("-" if fit is None or fit[0] < 0 else f"{fit[0]:.1f} + {fit[1]:.1f}/N")
         lines.append(f"| {variant} | " + " | ".join(shown) + " |")
+    return lines
+
+
+def overlap_table(rows: list[dict]) -> list[str]:
+    """The overlap's effect: each (variant, L, N) timed with every row waiting for the exchange
+    (serial) and with the interior rows computed while it is in flight, in turns in one run."""
+    timed = [r for r in rows if r["method"] == "overlap"]
+    if not timed:
+        return []
+    lines = [
+        "## Overlap",
+        "",
+        "Median ms of the slowest rank, `overlap=False` (serial) and `overlap=True` (overlapped), "
+        "timed in turns in one loop; ratio: overlapped / serial (below 1: the overlap saves "
+        "time). Interior rows: the fewest query rows any rank computes while the exchange is in "
+        "flight.",
+        "",
+        "| variant | L | N | interior rows | fwd serial | fwd overlapped | ratio | fwd+bwd serial "
+        "| fwd+bwd overlapped | ratio |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in timed:
+        cells = []
+        for kind in ("forward_ms", "forward_backward_ms"):
+            serial, overlapped = r[f"serial_{kind}"], r[kind]
+            cells += [f"{serial:.1f}", f"{overlapped:.1f}", f"{overlapped / serial:.2f}"]
+        lines.append(
+            f"| {r['variant']} | {r['length']} | {r['world']} | {r['interior_rows_min']:.0f} | "
+            + " | ".join(cells)
+            + " |"
+        )
     return lines
 
 

@@ -10,6 +10,7 @@ from helpers import (
     SELF_CONTAINED_VARIANTS,
     assert_within_convention,
     check_against_reference,
+    gpu,
     outputs_and_grads,
     padding_mask,
     random_qkv,
@@ -150,3 +151,37 @@ def test_bfloat16_blocked_matches_reference():
     """Low precision on CPU: the convention's baseline is PyTorch attention in bfloat16."""
     backend = BlockedBackend(block_size=16)
     check_against_reference("longformer", backend, q_len=100, kv_len=100, dtype=torch.bfloat16)
+
+
+def _forbid_dense_masks(monkeypatch) -> None:
+    def no_mask(call):
+        raise AssertionError("the sdpa backend built a dense mask")
+
+    monkeypatch.setattr(zoo.backends.sdpa, "attention_mask", no_mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("q_len,kv_len", [(70, 100), (1, 37), (64, 65)])
+def test_sdpa_causal_with_fewer_queries_builds_no_mask(monkeypatch, q_len, kv_len, kv_heads, dtype):
+    """Causal attention of the last q_len of kv_len positions (a sharded causal call's, chunked
+    prefill's) runs on sdpa without a q_len x kv_len mask, and matches the reference forward and
+    backward, grouped heads included (v with q's head size: the CPU kernel takes one)."""
+    _forbid_dense_masks(monkeypatch)
+    check_against_reference(
+        "causal", "sdpa", q_len=q_len, kv_len=kv_len, causal=True, v_dim=16, heads=4,
+        kv_heads=kv_heads, dtype=dtype,
+    )  # fmt: skip
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_gpu_sdpa_causal_with_fewer_queries_builds_no_mask(monkeypatch, kv_heads, dtype):
+    """The same on a GPU, through ``causal_lower_right`` (FlashAttention or the efficient
+    kernel, bottom-right aligned)."""
+    _forbid_dense_masks(monkeypatch)
+    check_against_reference(
+        "causal", "sdpa", q_len=200, kv_len=300, causal=True, head_dim=64, v_dim=64, heads=4,
+        kv_heads=kv_heads, dtype=dtype, device="cuda",
+    )  # fmt: skip

@@ -185,3 +185,44 @@ def test_explicit_backward_of_each_part_adds_up_to_the_gradient():
     for got, want in zip((dq, dk, dv), expected, strict=True):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["masked", "causal"])
+@pytest.mark.parametrize("head_dim,v_dim", [(16, 16), (16, 8), (8, 12)])
+def test_kernel_partial_equals_the_dense_partial_with_the_gradient_of_its_lse(
+    head_dim, v_dim, causal
+):
+    """``kernel_partial`` (the CPU kernel, its backward given lse's gradient through one more
+    column) against ``partial`` on the same masked scores: out, lse and the gradients of q, k
+    and v under a loss that reads both out and lse, in float64; a row with no key gives zeros,
+    lse -inf and zero gradients."""
+    g = torch.Generator().manual_seed(3)
+    length = 23
+    q, k = (torch.randn(2, 3, length, head_dim, generator=g, dtype=torch.float64) for _ in "qk")
+    v = torch.randn(2, 3, length, v_dim, generator=g, dtype=torch.float64)
+    allowed = torch.rand(1, 3, length, length, generator=g) > 0.4
+    allowed[0, 0, 5] = False  # a row without a key
+    if causal:
+        allowed = torch.ones(1, 1, length, length, dtype=torch.bool).tril()
+    mask = torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, -math.inf)
+    grad_out = torch.randn(2, 3, length, v_dim, generator=g, dtype=torch.float64)
+    grad_lse = torch.randn(2, 3, length, generator=g, dtype=torch.float64)
+
+    def run(kernel: bool) -> list[torch.Tensor]:
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        if kernel:
+            out, lse = lse_merge.kernel_partial(*inputs, None if causal else mask, 0.3, causal)
+        else:
+            scores = inputs[0] @ inputs[1].transpose(-1, -2) * 0.3 + mask
+            out, lse = lse_merge.partial(scores, inputs[2])
+        finite = torch.isfinite(lse)
+        loss = (out * grad_out).sum() + (torch.where(finite, lse, 0) * grad_lse).sum()
+        loss.backward()
+        return [out, torch.where(finite, lse, -1.0), *(t.grad for t in inputs)]
+
+    got, want = run(kernel=True), run(kernel=False)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
+    if not causal:
+        assert torch.equal(got[1][:, 0, 5], torch.full((2,), -1.0))  # lse -inf: no key
+        assert not got[0][:, 0, 5].any() and not got[2][:, 0, 5].any()

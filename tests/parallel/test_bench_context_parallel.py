@@ -1,5 +1,6 @@
 """``python -m eval bench-cp``: the command starts its own gloo processes for each N, and its
-report holds the bytes and the peak memory per rank with its fitted exponent."""
+report holds the bytes, the peak memory per rank with its fitted exponent, and the overlap's
+times beside the serial call's."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def test_bench_cp_reports_bytes_and_a_peak_that_falls_with_n(tmp_path):
         "variants": ["sliding_window"],
         "lengths": [512],
         "worlds": [1, 2],
-        "methods": ["zoo", "all_gather"],
+        "methods": ["zoo", "overlap", "all_gather"],
         "heads": 2,
         "head_dim": 16,
         "warmup": 0,
@@ -43,8 +44,13 @@ def test_bench_cp_reports_bytes_and_a_peak_that_falls_with_n(tmp_path):
     assert 0 < zoo_rows["sliding_window", 2]["rows_received"] < 256
     window = [zoo_rows["sliding_window", n]["peak_mib"] for n in (1, 2)]
     assert 0 < window[1] < 0.75 * window[0], window  # the shard's own buffers halve
+    overlap = {r["world"]: r for r in rows if r["method"] == "overlap"}
+    # Two ranks of 256 rows each compute all but a halo's blocks of 64 during the exchange.
+    assert overlap[2]["interior_rows_min"] == 192
+    assert all(overlap[2][key] > 0 for key in ("forward_ms", "serial_forward_backward_ms"))
     text = (tmp_path / "out" / "bench-cp.md").read_text()
     assert "## Bytes received per rank" in text and "## Peak memory per rank" in text
+    assert "## Overlap" in text
 
 
 def test_the_memory_table_fits_the_exponent_over_n():

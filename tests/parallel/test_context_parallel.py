@@ -26,6 +26,7 @@ import zoo
 from zoo.functional import prepare_call, resolve_pattern
 from zoo.layout.block_layout import specialized
 from zoo.parallel import ShardLayout, exchange_plan, shard, shard_stats, unshard
+from zoo.parallel.sharded import rank_pattern
 
 LENGTH = 56  # 56 / 16 (block_size): the last pattern block ends mid-way; shards of 28 and 14
 PLAN_BLOCK = 8  # shards of 14 (4 ranks) and chunks of 7 end mid-block
@@ -41,10 +42,13 @@ def cases() -> list[tuple]:
     """(variant, causal, padded, backend, order, pos): every variant, causal or not, padded or
     not; backends, orders and encodings in turn, so each meets each across the cases."""
     combos = itertools.product(VARIANTS, (False, True), (False, True))
-    return [
+    rotated = [
         (variant, causal, padded, BACKENDS[i % 3], ORDERS[(i // 3) % 2], ENCODINGS[i % 5 % 3])
         for i, (variant, causal, padded) in enumerate(combos)
     ]
+    # Unpadded causal on sdpa runs each chunk's call without a mask (``causal_prefix``): the
+    # rotation gives it contiguous shards only.
+    return [*rotated, ("causal", True, False, "sdpa", "head_tail", "rope")]
 
 
 def _inputs() -> tuple[torch.Tensor, ...]:
@@ -66,16 +70,23 @@ def _error(a: torch.Tensor, b: torch.Tensor) -> float:
 def _shard_errors(out, mine, reference, whole, rank, world, order) -> list[float]:
     """|error| of this rank's out, dq, dk, dv against its shard of the one-process call's."""
     errors = [_error(out, shard(reference.detach(), rank, world, order=order))]
-    errors += [_error(a.grad, shard(b.grad, rank, world, order=order))
+    # A shard whose keys no query reads (causal `global`: only the global keys are read) gets
+    # no gradient: None, PyTorch's zero.
+    errors += [_error(torch.zeros_like(a) if a.grad is None else a.grad,
+                      shard(b.grad, rank, world, order=order))
                for a, b in zip(mine, whole, strict=True)]  # fmt: skip
     return errors
 
 
 def _check_matches(rank: int, world: int, group) -> list[str]:
-    """Each case's shard of out, dq, dk, dv against the one-process reference call."""
+    """Each case's shard of out, dq, dk, dv against the one-process reference call: every other
+    case through ``zoo.attention`` (on a CPU: a call per chunk, after the exchange), whose plan
+    blocks are whole chunks at this length, and the rest with ``overlap`` and plan blocks of
+    PLAN_BLOCK, where a window's interior rows run while the exchange is in flight (and some
+    case must have such rows)."""
     q, k, v, padding, grad = _inputs()
-    failures = []
-    for variant, causal, padded, backend, order, pos in cases():
+    failures, interior = [], 0
+    for i, (variant, causal, padded, backend, order, pos) in enumerate(cases()):
         kwargs = dict(variant=variant, causal=causal, pos=pos, **small_params(variant))
         whole = [t.clone().requires_grad_() for t in (q, k, v)]
         reference = zoo.attention(
@@ -83,18 +94,71 @@ def _check_matches(rank: int, world: int, group) -> list[str]:
         )
         reference.backward(grad)
         mine = [shard(t, rank, world, order=order).requires_grad_() for t in (q, k, v)]
-        out = zoo.attention(
-            *mine, backend=backend, cp_group=group, cp_order=order,
-            key_padding_mask=shard(padding, rank, world, dim=1, order=order) if padded else None,
-            **kwargs,
-        )  # fmt: skip
+        mask = shard(padding, rank, world, dim=1, order=order) if padded else None
+        if i % 2:
+            options = dict(group=group, order=order, plan_block=PLAN_BLOCK, key_padding_mask=mask)
+            out = zoo.parallel.context_parallel_attention(*mine, backend=backend, overlap=True,
+                                                          **options, **kwargs)  # fmt: skip
+            interior += shard_stats(*[t.detach() for t in mine], **options, **kwargs).interior_rows
+        else:
+            out = zoo.attention(*mine, backend=backend, cp_group=group, cp_order=order,
+                                key_padding_mask=mask, **kwargs)  # fmt: skip
         out.backward(shard(grad, rank, world, order=order))
         errors = _shard_errors(out, mine, reference, whole, rank, world, order)
         if max(errors) > TOLERANCE:
             case = f"{variant} causal={causal} padded={padded} {backend} {order} pos={pos}"
             shown = ", ".join(f"{e:.1e}" for e in errors)
             failures.append(f"rank {rank}: {case}: |error| out, dq, dk, dv = {shown}")
+    if not interior:
+        failures.append(f"rank {rank}: no case computed interior rows during the exchange")
     return failures
+
+
+OVERLAP_LENGTH = 128  # shards of 64 or 32: four plan blocks or more, two in the interior
+
+
+def _check_overlap(rank: int, world: int, group) -> list[str]:
+    """The order of events on a rank whose window has interior rows: the exchange is posted,
+    the interior rows' call runs, then the rank waits for the keys and runs the edge rows'
+    call; in the backward, the edge call's gradients are posted back before the interior rows'
+    backward runs, and waited for after it. That is the overlap, in both directions."""
+    events: list[str] = []
+    sharded, exchange = zoo.parallel.sharded, zoo.parallel.exchange
+    one_call, post, wait = sharded._one_call, exchange.Pending.__init__, exchange.Pending.wait
+
+    def recorded_call(q, *args):
+        calls = sum(e.startswith("call") for e in events if "backward" not in e)
+        q.register_hook(lambda _: events.append(f"call {calls} backward"))
+        events.append(f"call {calls}")
+        return one_call(q, *args)
+
+    def recorded_post(self, *args):
+        events.append("post")
+        post(self, *args)
+
+    def recorded_wait(self):
+        events.append("wait")
+        return wait(self)
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, OVERLAP_LENGTH, 8, generator=g, dtype=torch.float64)
+               for _ in range(3))  # fmt: skip
+    mine = [shard(t, rank, world).requires_grad_() for t in (q, k, v)]
+    sharded._one_call, exchange.Pending.__init__, exchange.Pending.wait = (
+        recorded_call, recorded_post, recorded_wait)  # fmt: skip
+    try:
+        out = zoo.parallel.context_parallel_attention(
+            *mine, group=group, variant="local", window_size=3, plan_block=PLAN_BLOCK,
+            overlap=True,
+        )  # fmt: skip
+        out.sum().backward()
+    finally:
+        sharded._one_call, exchange.Pending.__init__, exchange.Pending.wait = one_call, post, wait
+    expected = ["post", "call 0", "wait", "call 1",  # forward: interior, then edge rows
+                "call 1 backward", "post", "call 0 backward", "wait"]  # fmt: skip
+    if events != expected:
+        return [f"rank {rank}: events {events}, expected {expected}"]
+    return []
 
 
 WIDE_LENGTH, WIDE_BLOCK = 128, 8  # shards of 8 plan blocks or more: a global block is wide
@@ -207,17 +271,24 @@ def _check_explain(rank: int, world: int, group) -> list[str]:
                 fetched += (hi - lo) if bool(reads[lo:hi].any()) else 0
         expected_bytes = BATCH * fetched * (KV_HEADS * 2 * HEAD_DIM * 8 + 1)  # float64, padding
         expected_pairs = dense[:, rows, :].sum().item() / dense.shape[0]
+        others = torch.ones(LENGTH, dtype=torch.bool)
+        others[rows] = False  # keys of other ranks
+        interior = 0  # rows of query blocks that read no other rank's key
+        for chunk in rows.split(layout.chunk):  # blocks of the plan start at each chunk's start
+            for in_block in chunk.split(block):
+                interior += in_block.numel() * int(not dense[:, in_block][..., others].any())
         mine = [shard(t, rank, world, order=order) for t in (q, k, v)]
         stats = shard_stats(
             *mine, group=group, variant=variant, causal=causal, order=order,
             key_padding_mask=shard(padding, rank, world, dim=1, order=order),
             plan_block=PLAN_BLOCK, **params,
         )  # fmt: skip
-        got = (stats.received_rows, stats.received_bytes, stats.pairs)
-        if got != (fetched, expected_bytes, expected_pairs):
+        got = (stats.received_rows, stats.received_bytes, stats.pairs, stats.interior_rows)
+        counted = (fetched, expected_bytes, expected_pairs, interior)
+        if got != counted:
             failures.append(
-                f"rank {rank}: {variant} causal={causal} {order}: (rows, bytes, pairs) {got}, "
-                f"counted from the dense mask {(fetched, expected_bytes, expected_pairs)}"
+                f"rank {rank}: {variant} causal={causal} {order}: (rows, bytes, pairs, interior "
+                f"rows) {got}, counted from the dense mask {counted}"
             )
     text = zoo.explain(*[shard(t, rank, world) for t in (q, k, v)], variant="full", cp_group=group)
     if f"rank {rank} of {world}" not in text or "bytes" not in text:
@@ -256,6 +327,7 @@ def _check_module(rank: int, world: int, group) -> list[str]:
 
 CHECKS = {
     "matches": _check_matches,
+    "overlap": _check_overlap,
     "wide": _check_wide,
     "errors": _check_errors,
     "explain": _check_explain,
@@ -310,6 +382,10 @@ def outcome(request, tmp_path_factory) -> dict[str, list[str]]:
 
 def test_every_fixed_variant_matches_one_process_forward_and_backward(outcome):
     assert not outcome["matches"], "\n".join(outcome["matches"])
+
+
+def test_interior_rows_run_while_the_exchange_is_in_flight(outcome):
+    assert not outcome["overlap"], "\n".join(outcome["overlap"])
 
 
 def test_wide_rows_computed_where_their_keys_are_match_one_process(outcome):
@@ -396,3 +472,25 @@ def _gpu_worker(rank: int, world: int, port: int) -> None:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
 def test_nccl_on_two_gpus_matches_one_process():
     mp.start_processes(_gpu_worker, args=(2, _free_port()), nprocs=2, start_method="spawn")
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_every_call_of_a_causal_shard_runs_as_causal_attention(order):
+    """Each call of a rank reads the run of keys from the first its rows read to the last: under
+    ``causal`` every key up to its chunk's end, its queries the last of them. That is causal
+    attention aligned to the last keys, which dense kernels run without a mask, for each chunk
+    of a head-tail shard too (a sliding window stays a pattern)."""
+    kinds = {}
+    for variant, params in (("causal", {}), ("sliding_window", {"window_size": 100})):
+        pattern = resolve_pattern(variant, True, params)
+        pattern = specialized(pattern, 1024, 1024, torch.device("cpu"))
+        plan = exchange_plan(pattern, ShardLayout(4, 256, order), 64, torch.device("cpu"))
+        kinds[variant] = [
+            rank_pattern(pattern, plan, rank, torch.device("cpu"), 1, i, overlap).kind
+            for overlap in (True, False) for rank, mine in enumerate(plan.ranks)
+            for i, _ in enumerate(mine.calls if overlap else mine.serial_calls)
+        ]  # fmt: skip
+    calls = 4 if order == "contiguous" else 8  # a call per chunk, with overlap or not
+    assert len(kinds["causal"]) == 2 * calls
+    assert set(kinds["causal"]) == {"causal"}, kinds["causal"]
+    assert set(kinds["sliding_window"]) == {"sparse"}

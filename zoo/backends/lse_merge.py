@@ -11,12 +11,12 @@ the same queries over disjoint keys merge as FlashAttention merges key blocks::
 in three forms: ``combine_two`` (two partials, in place, for code outside autograd) and
 ``combine`` (a list of them, by it); ``merge`` (a list, differentiable: autograd takes the
 gradient); ``merge_rows`` (partials of row ranges of the queries, into one output). ``partial``
-makes a differentiable partial from dense masked scores (context parallelism's wide query rows,
-``zoo.parallel.wide``). A row that no part lets attend gets lse -inf and zero output. The
-backward needs no merge of its own: given the merged output and log-sum-exp of its rows
-(``lse_for_backward``), a partial's softmax is the whole row's softmax restricted to its keys,
-so the partials' gradients (``explicit_backward``, or a kernel's backward) add up to the exact
-gradient.
+makes a differentiable partial from dense masked scores, and ``kernel_partial`` the same through
+the CPU kernel (context parallelism's wide query rows, ``zoo.parallel.wide``). A row that no part
+lets attend gets lse -inf and zero output. The backward needs no merge of its own: given the
+merged output and log-sum-exp of its rows (``lse_for_backward``), a partial's softmax is the
+whole row's softmax restricted to its keys, so the partials' gradients (``explicit_backward``, or
+a kernel's backward) add up to the exact gradient.
 
 The blocked backend's path on a CPU (``merged_attention``) runs attention in pieces, each a block
 of queries against one source of keys. It reads a query block's keys from up to three places
@@ -187,6 +187,60 @@ def partial(scores: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     total = torch.where(has_key, total, 1)
     out = (exp / total[..., None]) @ v
     return out, torch.where(has_key, peak + torch.log(total), -math.inf)
+
+
+def kernel_partial(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, causal: bool = False
+) -> tuple[Tensor, Tensor]:
+    """``partial`` through the CPU FlashAttention kernel, without scores in memory: q, k, v
+    (B, H, M or m, D or Dv) with the same heads, ``mask`` additive (B or 1, H or 1, M, m), -inf
+    where a pair is not allowed, or None (every pair); ``causal``: query i reads keys 0 .. i
+    only (M == m). (out, lse), differentiable in both."""
+    has_key = None
+    if mask is not None:  # a row without a key: any key, then zeros and -inf
+        has_key = torch.isfinite(mask).any(dim=-1).expand(*q.shape[:3])
+        mask = torch.where(has_key[..., None], mask, 0)
+    out, lse = _KernelPartial.apply(q, k, v, mask, scale, causal)
+    if has_key is None:
+        return out, lse
+    return out * has_key[..., None], torch.where(has_key, lse, -math.inf)
+
+
+class _KernelPartial(torch.autograd.Function):
+    """The kernel's (out, lse) with the gradient of both. Its backward takes only out's gradient
+    g, and computes d score = p * (g . v - rowsum(g * out)); lse's gradient adds p * g_lse. One
+    more column does it: q and k get a zero (the scores stay), v a one and g the row's g_lse, so
+    g . v gains g_lse; out gets a zero there, so the row sum does not. Head sizes are padded to
+    one (the kernel takes one)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
+                causal: bool):  # fmt: skip
+        size, dv = max(q.shape[-1], v.shape[-1]) + 1, v.shape[-1]
+        q_, k_ = _padded(q, size), _padded(k, size)
+        v_ = _padded(torch.cat([v, torch.ones_like(v[..., :1])], dim=-1), size)
+        out, lse = _forward(q_, k_, v_, is_causal=causal, attn_mask=mask, scale=scale)[:2]
+        ctx.save_for_backward(q_, k_, v_, out, lse, mask)
+        ctx.scale, ctx.causal, ctx.sizes = scale, causal, (q.shape[-1], k.shape[-1], dv)
+        return out[..., :dv], lse
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor, grad_lse: Tensor):
+        q_, k_, v_, out, lse, mask = ctx.saved_tensors
+        d, _, dv = ctx.sizes
+        g = torch.zeros_like(out)
+        g[..., :dv] = grad_out
+        g[..., dv] = grad_lse
+        kept = torch.zeros_like(out)
+        kept[..., :dv] = out[..., :dv]
+        dq, dk, d_v = _backward(g, q_, k_, v_, kept, lse, 0.0, ctx.causal, attn_mask=mask,
+                                scale=ctx.scale)  # fmt: skip
+        return dq[..., :d], dk[..., :d], d_v[..., :dv], None, None, None
+
+
+def _padded(x: Tensor, size: int) -> Tensor:
+    """x (..., D) with zero columns up to ``size``."""
+    return torch.nn.functional.pad(x, (0, size - x.shape[-1]))
 
 
 def merge_rows(

@@ -1,6 +1,11 @@
 """``torch.nn.functional.scaled_dot_product_attention``: FlashAttention for full and causal
 attention on GPU (no mask at all), a dense boolean mask for everything else.
 
+Causal attention of fewer queries than keys is aligned to the bottom right (the queries are the
+last ones): on a GPU through ``causal_lower_right``, which FlashAttention and the efficient
+kernel run without a mask; on a CPU, where that bias materialises its mask, as two kernel calls
+merged by log-sum-exp (``causal_prefix``).
+
 Grouped k and v go to SDPA as they are, with ``enable_gqa``: its FlashAttention and cuDNN kernels
 share each key/value head among its query heads; its math fallback (CPU, or a dense mask on some
 GPUs) repeats them inside the call."""
@@ -9,11 +14,13 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
 from torch.nn.functional import scaled_dot_product_attention
 
 from ..core.call import AttentionCall
 from .base import FLOATS, Backend, Capabilities, DecodeStep, step_bias
 from .blocked.index_rows import index_rows
+from .causal_prefix import causal_after_prefix
 from .reference import attention_mask, score_bias
 
 
@@ -35,10 +42,10 @@ class SdpaBackend(Backend):
         return sdpa_decode(step)
 
     def scored_pairs(self, call: AttentionCall) -> int:
-        unmasked = call.key_padding_mask is None and call.bias is None and call.q_len == call.kv_len
+        unmasked = call.key_padding_mask is None and call.bias is None and call.q_len <= call.kv_len
         if call.pattern.kind == "causal" and call.q.is_cuda and unmasked:
             # FlashAttention skips the blocks above the diagonal.
-            return call.q_len * call.kv_len // 2
+            return call.q_len * call.kv_len - call.q_len * call.q_len // 2
         return call.q_len * call.kv_len
 
     def forward(self, call: AttentionCall) -> tuple[Tensor, None]:
@@ -55,6 +62,11 @@ class SdpaBackend(Backend):
                 enable_gqa=call.groups > 1,
             )
             return out, None
+        lower_right = plain and kind == "causal" and call.q_len < call.kv_len
+        # The CPU kernel takes no dropout, and one head size for q, k and v.
+        cpu_kernel = call.dropout_p == 0 and call.v.shape[-1] == call.q.shape[-1]
+        if lower_right and (call.q.is_cuda or cpu_kernel):
+            return _causal_lower_right(call), None
         mask = attention_mask(call)
         # SDPA gives NaN for a row with no allowed key: let such rows see every key, then zero them.
         has_key = mask.any(dim=-1, keepdim=True)
@@ -72,6 +84,17 @@ class SdpaBackend(Backend):
             enable_gqa=call.groups > 1,
         )
         return out * has_key, None
+
+
+def _causal_lower_right(call: AttentionCall) -> Tensor:
+    """Causal attention with the queries aligned to the last keys, without a dense mask."""
+    if not call.q.is_cuda:
+        return causal_after_prefix(call.q, call.k, call.v, call.scale)
+    bias = causal_lower_right(call.q_len, call.kv_len)
+    return scaled_dot_product_attention(
+        call.q, call.k, call.v, attn_mask=bias, dropout_p=call.dropout_p, scale=call.scale,
+        enable_gqa=call.groups > 1,
+    )  # fmt: skip
 
 
 def sdpa_decode(step: DecodeStep) -> Tensor:

@@ -20,6 +20,7 @@ in the blocked backend than the one-process call's, never wrong.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -79,10 +80,25 @@ class AtPositions(Pattern):
     def head(self, h: int) -> Pattern:
         return AtPositions(self.pattern.head(h), self.q_positions, self.kv_positions)
 
-    @property
+    @cached_property
     def kind(self) -> str:
-        # Full attention stays full under any positions; causality is at global positions.
-        return "full" if self.pattern.kind == "full" else "sparse"
+        # Full attention stays full under any positions. Causal attention stays causal where
+        # the keys are one run of positions and the queries its last ones (a contiguous shard
+        # and every key before it): the call's bottom-right alignment is then causality at
+        # global positions, which dense kernels run without a mask. Elsewhere it is a pattern.
+        if self.pattern.kind == "full":
+            return "full"
+        if self.pattern.kind == "causal" and _run_ending_in(self.kv_positions, self.q_positions):
+            return "causal"
+        return "sparse"
+
+
+def _run_ending_in(keys: Tensor, queries: Tensor) -> bool:
+    """Whether ``keys`` are consecutive positions and ``queries`` their last ones."""
+    m, s = keys.numel(), queries.numel()
+    if m == 0 or s > m or int(keys[-1] - keys[0]) != m - 1:
+        return False
+    return bool(torch.equal(keys[m - s :], queries))
 
 
 def _hull(spans: Spans, lo: Tensor, hi: Tensor, positions: Tensor) -> Spans:

@@ -1,10 +1,18 @@
-"""The exchange: key/value rows fetched from the ranks that hold them, differentiable.
+"""The exchange: key/value rows fetched from the ranks that hold them, differentiable, in two
+steps so that computation runs while the messages are in flight.
 
 Point-to-point calls only (``torch.distributed.batch_isend_irecv``), which gloo and NCCL both
 run (gloo has no ``all_to_all``): each rank posts one send per peer that needs some of its rows
-and one receive per peer it needs rows from, as its ``ExchangePlan`` says, and waits for all of
-them. The backward runs the same exchange the other way: the gradients of the fetched rows go
-back to their owners, who add them into the gradients of their own rows.
+and one receive per peer it needs rows from, as its ``ExchangePlan`` says. ``start_keys`` posts
+them and returns at once; ``finish_keys`` waits and lays the keys out in position order. The
+rank's interior rows, which read only its own keys, are computed in between
+(``zoo.parallel.sharded``). gloo moves the messages on its own threads and NCCL on its own
+stream, so both progress during that computation.
+
+The backward runs the same exchange the other way, split the same way: ``finish_keys``'s
+backward posts the gradients of the fetched rows back to their owners, and ``start_keys``'s
+waits for those of its own rows and adds them in. Autograd runs a graph's later nodes first, so
+the interior rows' backward (recorded between the two) runs while those gradients travel.
 """
 
 from __future__ import annotations
@@ -14,87 +22,149 @@ import torch.distributed as dist
 from torch import Tensor
 
 
+class Pending:
+    """Messages posted and not yet waited for: a tensor sent to each peer of ``outgoing`` and
+    one of shape ``incoming[peer]`` (``like``'s dtype and device) received from each peer of
+    ``incoming``; peers are ranks within ``group``."""
+
+    def __init__(
+        self, outgoing: dict[int, Tensor], incoming: dict[int, tuple[int, ...]], like: Tensor,
+        group,
+    ) -> None:  # fmt: skip
+        self.received = {p: like.new_empty(shape) for p, shape in incoming.items()}
+        # Held until the wait: a send may read its tensor until then (NCCL does, on its stream).
+        self._sent = [t.contiguous() for t in outgoing.values()]
+        ops = [
+            dist.P2POp(dist.isend, t, dist.get_global_rank(group, p), group)
+            for p, t in zip(outgoing, self._sent, strict=True)
+        ]
+        ops += [
+            dist.P2POp(dist.irecv, t, dist.get_global_rank(group, p), group)
+            for p, t in self.received.items()
+        ]
+        self._requests = dist.batch_isend_irecv(ops) if ops else []
+
+    def wait(self) -> dict[int, Tensor]:
+        """peer -> the tensor received from it, once every message of the batch has arrived."""
+        for request in self._requests:
+            request.wait()
+        self._requests, self._sent = [], []
+        return self.received
+
+
 def swap(
     outgoing: dict[int, Tensor], incoming: dict[int, tuple[int, ...]], like: Tensor, group
 ) -> dict[int, Tensor]:
-    """Send ``outgoing[peer]`` to each peer and receive a tensor of shape ``incoming[peer]``
-    (``like``'s dtype and device) from each peer; peers are ranks within ``group``."""
-    received = {p: like.new_empty(shape) for p, shape in incoming.items()}
-    ops = [
-        dist.P2POp(dist.isend, t.contiguous(), dist.get_global_rank(group, p), group)
-        for p, t in outgoing.items()
-    ]
-    ops += [
-        dist.P2POp(dist.irecv, t, dist.get_global_rank(group, p), group)
-        for p, t in received.items()
-    ]
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
-    return received
+    """``Pending`` messages, waited for at once."""
+    return Pending(outgoing, incoming, like, group).wait()
 
 
-def _fetched(local: Tensor, sends: dict, fetch: dict, group) -> Tensor:
-    """(B, H, s, E) own rows -> (B, H, n, E) the rows this rank fetches, peers in rank order,
-    having sent each peer the rows it fetches from this rank."""
+def _post_rows(local: Tensor, sends: dict, fetch: dict, group) -> Pending:
+    """Post the rows of (B, H, s, E) ``local`` that each peer fetches from this rank, and the
+    receives of the rows this rank fetches from each peer."""
     outgoing = {p: local.index_select(2, rows.to(local.device)) for p, rows in sends.items()}
     incoming = {p: (*local.shape[:2], rows.numel(), local.shape[3]) for p, rows in fetch.items()}
-    received = swap(outgoing, incoming, local, group)
+    return Pending(outgoing, incoming, local, group)
+
+
+def _joined(received: dict[int, Tensor], like: Tensor) -> Tensor:
+    """The received rows in one buffer (B, H, n, E), peers in rank order."""
     if not received:
-        return local.new_zeros(*local.shape[:2], 0, local.shape[3])
+        return like.new_zeros(*like.shape[:2], 0, like.shape[3])
     return torch.cat(list(received.values()), dim=2)
 
 
-def in_order(own: Tensor, fetched: Tensor, pieces: tuple) -> Tensor:
-    """The keys in position order from slices of own rows (source -1) and of the fetched
-    buffer (source: the peer)."""
-    parts = [(own if source == -1 else fetched).narrow(2, first, count)
-             for source, first, count in pieces]  # fmt: skip
+def in_order(
+    own: Tensor, fetched: Tensor, pieces: tuple, first: int = 0, stop: int | None = None
+) -> Tensor:
+    """Keys ``first .. stop - 1`` of the list a rank attends, in position order, from slices of
+    its own rows (source -1) and of the fetched buffer (source: the peer): a view where they lie
+    in one slice."""
+    stop = sum(count for *_, count in pieces) if stop is None else stop
+    parts, at = [], 0
+    for source, start, count in pieces:
+        lo, hi = max(first, at), min(stop, at + count)
+        if lo < hi:
+            parts.append((own if source == -1 else fetched).narrow(2, start + lo - at, hi - lo))
+        at += count
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
-class GatherKeys(torch.autograd.Function):
-    """(B, H, s, E) own rows -> (B, H, m, E) the keys a rank attends, in position order: its own
-    and those fetched from peers. One function for both, so that its backward runs on every rank
-    whose keys are used (a rank that fetches nothing must still return its peers' gradients)."""
+class KeyExchange:
+    """One call's exchange of key/value rows, shared by its two autograd steps: what the plan
+    says this rank sends and fetches, and the messages in flight between the steps (the rows in
+    the forward, their gradients in the backward)."""
+
+    def __init__(self, sends: dict, fetch: dict, group) -> None:
+        self.sends, self.fetch, self.group = sends, fetch, group
+        self.pending: Pending | None = None
+
+
+class _StartKeys(torch.autograd.Function):
+    """Posts the exchange; its backward waits for the gradients of the rows this rank sent."""
 
     @staticmethod
-    def forward(ctx, own: Tensor, sends: dict, fetch: dict, pieces: tuple, group) -> Tensor:
-        ctx.sends, ctx.fetch, ctx.pieces, ctx.group = sends, fetch, pieces, group
-        ctx.rows = own.shape[2]
-        return in_order(own, _fetched(own, sends, fetch, group), pieces)
+    def forward(ctx, own: Tensor, exchange: KeyExchange) -> Tensor:
+        ctx.exchange, ctx.shape, ctx.like = exchange, own.shape, own.new_empty(0)
+        exchange.pending = _post_rows(own, exchange.sends, exchange.fetch, exchange.group)
+        return own.new_zeros(())
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
-        grad_own = grad.new_zeros(*grad.shape[:2], ctx.rows, grad.shape[3])
-        grad_fetched = grad.new_zeros(
-            *grad.shape[:2], sum(r.numel() for r in ctx.fetch.values()), grad.shape[3]
-        )
-        at = 0
-        for source, first, count in ctx.pieces:  # each key's gradient back to its slot
-            target = grad_own if source == -1 else grad_fetched
-            target.narrow(2, first, count).add_(grad.narrow(2, at, count))
-            at += count
-        counts = [rows.numel() for rows in ctx.fetch.values()]
-        outgoing = dict(zip(ctx.fetch, torch.split(grad_fetched, counts, dim=2), strict=True))
-        incoming = {
-            p: (*grad.shape[:2], rows.numel(), grad.shape[3]) for p, rows in ctx.sends.items()
-        }
-        returned = swap(outgoing, incoming, grad, ctx.group)
-        for p, rows in ctx.sends.items():  # a row sent to several peers gathers all their grads
-            grad_own.index_add_(2, rows.to(grad.device), returned[p])
-        return grad_own, None, None, None, None
+    def backward(ctx, grad_token: Tensor):
+        exchange = ctx.exchange
+        returned = exchange.pending.wait()
+        exchange.pending = None
+        if not exchange.sends:  # nothing comes back (where no call read the shard's keys
+            return None, None  # either, their gradient is None: zero, as PyTorch writes it)
+        grad_own = ctx.like.new_zeros(ctx.shape)
+        for p, rows in exchange.sends.items():  # a row sent to several peers: all their grads
+            grad_own.index_add_(2, rows.to(grad_own.device), returned[p])
+        return grad_own, None
 
 
-def gather_keys(own: Tensor, sends: dict, fetch: dict, pieces: tuple, group) -> Tensor:
-    """The keys (or values, or both side by side) this rank attends (``GatherKeys``)."""
-    return GatherKeys.apply(own, sends, fetch, pieces, group)
+class _FinishKeys(torch.autograd.Function):
+    """Waits for the exchange: (the rows fetched, (B, H, n, E), peers in rank order; a token for
+    the output). The token makes the backward run on every rank, also where no call reads the
+    fetched rows (a rank must still return its peers' gradients)."""
+
+    @staticmethod
+    def forward(ctx, token: Tensor, own: Tensor, exchange: KeyExchange):
+        ctx.exchange, ctx.shape, ctx.like = exchange, own.shape, own.new_empty(0)
+        ctx.set_materialize_grads(False)  # rows no call read: no gradient, none made
+        fetched = _joined(exchange.pending.wait(), own)
+        exchange.pending = None
+        return fetched, own.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad: Tensor | None, grad_token: Tensor | None):
+        exchange = ctx.exchange
+        batch, heads, _, width = ctx.shape
+        counts = [rows.numel() for rows in exchange.fetch.values()]
+        if grad is None:
+            grad = ctx.like.new_zeros(batch, heads, sum(counts), width)
+        outgoing = dict(zip(exchange.fetch, torch.split(grad, counts, dim=2), strict=True))
+        incoming = {p: (batch, heads, rows.numel(), width) for p, rows in exchange.sends.items()}
+        exchange.pending = Pending(outgoing, incoming, grad, exchange.group)
+        return ctx.like.new_zeros(()), None, None
+
+
+def start_keys(own: Tensor, sends: dict, fetch: dict, group):
+    """Post the exchange of (B, H, s, E) own rows (keys, or values, or both side by side):
+    (a token for ``finish_keys``, the exchange in flight)."""
+    exchange = KeyExchange(sends, fetch, group)
+    return _StartKeys.apply(own, exchange), exchange
+
+
+def finish_keys(token: Tensor, own: Tensor, exchange: KeyExchange) -> tuple[Tensor, Tensor]:
+    """Wait for ``start_keys``'s exchange: ((B, H, n, E) the rows fetched, peers in rank order,
+    for ``in_order``; a zero scalar that the call's output must add)."""
+    return _FinishKeys.apply(token, own, exchange)
 
 
 def gather_padding(padding: Tensor, sends: dict, fetch: dict, pieces: tuple, group) -> Tensor:
     """(B, s) key padding of own rows -> (B, m) that of the keys the rank attends."""
     as_rows = padding.to(torch.uint8)[:, None, :, None]  # (B, 1, s, 1): rows like k's
-    fetched = _fetched(as_rows, sends, fetch, group)
+    fetched = _joined(_post_rows(as_rows, sends, fetch, group).wait(), as_rows)
     return in_order(as_rows, fetched, pieces)[:, 0, :, 0].bool()
 
 

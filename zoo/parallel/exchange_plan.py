@@ -18,6 +18,17 @@ blocks read cost more bytes than shipping them: ``ship_ratio`` is what one shipp
 costs (the query, and its partial back from each owner) in key/value rows; None ships nothing.
 For ``full`` every query block is wide and nothing is saved, so it fetches as a ring does.
 
+The calls. A rank computes its narrow (not wide) rows in a few ordinary calls (``CallPlan``), one
+per chunk it holds, and with overlap one per chunk and class of rows (``calls``): interior
+rows, whose query blocks read no other rank's key block (the inside of a window's shard: all but
+a halo's worth of rows at each end), run against its own keys while the exchange is in flight;
+edge rows wait for the fetched keys. Without overlap a chunk's rows run in one call
+(``serial_calls``): a split costs a copy of the call's queries and of the output. Each call reads
+the run of keys, in position order, from the first its rows' blocks read to the last: under a
+causal pattern that is every key up to its chunk's end, so the call is causal attention aligned
+to the last keys, which dense kernels run without a mask (``AtPositions.kind``), also for the
+two chunks of a head-tail shard.
+
 What this costs per rank, for a shard of s positions and blocks of b: a window of w keys fetches
 ceil(w / b) blocks from each neighbour (a halo), global tokens their blocks once, a global query
 block its b rows to each rank and their partials back, a random block its block, and ``full``
@@ -36,6 +47,23 @@ from ..patterns.base import EMPTY, FULL, PARTIAL, Pattern, Spans
 from .shards import ShardLayout
 
 PLAN_BLOCK = 64  # positions per block of the plan: the unit in which keys are fetched
+# The share of a rank's rows it may ship. Wide rows are the few that read nearly every key
+# (global tokens); shipping more would move a real part of the rank's work onto the ranks it
+# ships to, and undo a balanced order: under causal, head-tail's late chunk (half a shard)
+# reads every earlier key, and shipped it made the rank it went to the slowest.
+MAX_SHIPPED = 0.25
+
+
+@dataclass(frozen=True, eq=False)
+class CallPlan:
+    """One ordinary call of a rank: some of its query rows against a run of the keys it holds,
+    ``[first, stop)`` of its own keys (``interior``: the call needs nothing fetched) or of the
+    keys it attends, own and fetched (``RankPlan.kv_positions``)."""
+
+    interior: bool
+    rows: Tensor  # [r] rows of the shard, sorted, all of one chunk
+    first: int
+    stop: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,6 +79,8 @@ class RankPlan:
     pieces: tuple[tuple[int, int, int], ...]
     wide_rows: Tensor  # [g] rows of its shard it ships (its wide query rows), sorted; often none
     ship_to: tuple[int, ...]  # the ranks it ships them to, each returning their partials
+    calls: tuple[CallPlan, ...]  # its narrow rows' calls with overlap, interior ones first
+    serial_calls: tuple[CallPlan, ...]  # the same rows without overlap: a call per chunk
 
     @property
     def received_rows(self) -> int:
@@ -58,11 +88,9 @@ class RankPlan:
         return sum(int(rows.numel()) for rows in self.fetch.values())
 
     @property
-    def narrow_rows(self) -> Tensor:
-        """[s - g] rows of its shard that its one ordinary call runs (all but the wide ones)."""
-        keep = torch.ones(self.q_positions.numel(), dtype=torch.bool)
-        keep[self.wide_rows] = False
-        return torch.nonzero(keep).flatten()
+    def interior_rows(self) -> int:
+        """How many query rows it computes while the exchange is in flight."""
+        return sum(call.rows.numel() for call in self.calls if call.interior)
 
     @property
     def wide_positions(self) -> Tensor:
@@ -132,12 +160,10 @@ def exchange_plan(
         q = block_spans(layout, layout.chunks_of(rank), block)
         wide, ship_to = _wide_blocks(reads, key_owner, rank, q, keys, ship_ratio)
         needed = reads[~wide].any(dim=0)
-        wide_positions = [torch.arange(lo, hi + 1) for lo, hi in
-                          zip(q.lo[wide].tolist(), q.hi[wide].tolist(), strict=True)]  # fmt: skip
         positions = layout.positions(rank)
-        wide_rows = torch.searchsorted(
-            positions, torch.cat(wide_positions) if wide_positions else torch.zeros(0).long()
-        )
+        wide_rows = _rows_of(q, wide, positions)
+        calls = [_calls(reads, wide, key_owner != rank, rank, layout, q, keys, split)
+                 for split in (True, False)]  # fmt: skip
         wanted = {}  # chunk of another rank -> the global positions fetched from it
         for chunk in chunks:
             if layout.owner(chunk)[0] == rank:
@@ -148,8 +174,40 @@ def exchange_plan(
             rows = [torch.arange(lo, hi + 1) for lo, hi in spans]
             if rows:
                 wanted[chunk] = torch.cat(rows)
-        plans.append(_rank_plan(rank, layout, wanted, wide_rows, ship_to))
+        plans.append(_rank_plan(rank, layout, wanted, wide_rows, ship_to, *calls))
     return ExchangePlan(layout, block, tuple(plans))
+
+
+def _calls(
+    reads: Tensor, wide: Tensor, others: Tensor, rank: int, layout: ShardLayout, q: Spans,
+    keys: Spans, split: bool,
+) -> list[tuple[bool, Tensor, int | None, int | None]]:  # fmt: skip
+    """(interior, rows, first and last global key position read, or None) of each call of the
+    rank. ``split``: per chunk it holds, its interior query blocks (reading no key block of
+    ``others``), then per chunk its other narrow blocks; else per chunk its narrow blocks."""
+    interior = ~wide & ~reads[:, others].any(dim=1)
+    chunk_of = q.lo // layout.chunk
+    positions = layout.positions(rank)
+    kinds = ((True, interior), (False, ~wide & ~interior)) if split else ((False, ~wide),)
+    calls = []
+    for is_interior, kind in kinds:
+        for chunk in layout.chunks_of(rank):
+            blocks = kind & (chunk_of == chunk)
+            if not blocks.any():
+                continue
+            read = reads[blocks].any(dim=0)
+            hull = (None, None)
+            if read.any():
+                hull = (int(keys.lo[read].min()), int(keys.hi[read].max()))
+            calls.append((is_interior, _rows_of(q, blocks, positions), *hull))
+    return calls
+
+
+def _rows_of(q: Spans, blocks: Tensor, positions: Tensor) -> Tensor:
+    """The rows of a rank's shard (global ``positions``) in its query blocks ``blocks`` (mask)."""
+    spans = zip(q.lo[blocks].tolist(), q.hi[blocks].tolist(), strict=True)
+    held = [torch.arange(lo, hi + 1) for lo, hi in spans]
+    return torch.searchsorted(positions, torch.cat(held) if held else torch.zeros(0).long())
 
 
 def _wide_blocks(
@@ -159,9 +217,10 @@ def _wide_blocks(
 
     Candidates: the blocks that read more than half of some other rank's key blocks (a partial
     computed densely then costs at most twice what the pattern reads). Taking them widest first,
-    the rank ships the set that saves the most bytes: the key rows that only shipped blocks read,
-    less ``ship_ratio`` key rows per shipped query row and rank shipped to. None where no set
-    saves anything (``full``: every block is wide and shipping all saves less than it costs)."""
+    up to ``MAX_SHIPPED`` of the rank's rows, the rank ships the set that saves the most bytes:
+    the key rows that only shipped blocks read, less ``ship_ratio`` key rows per shipped query
+    row and rank shipped to. None where no set saves anything (``full``: every block is wide and
+    shipping all saves less than it costs)."""
     nothing = torch.zeros(reads.shape[0], dtype=torch.bool), ()
     if ship_ratio is None:
         return nothing
@@ -177,6 +236,8 @@ def _wide_blocks(
     read_by_shipped = torch.zeros_like(others)
     best, best_count, shipped_rows = 0.0, 0, 0
     for count, block in enumerate(widest, start=1):
+        if shipped_rows + int(q_rows[block]) > MAX_SHIPPED * int(q_rows.sum()):
+            break
         narrow_readers -= reads[block].long()
         read_by_shipped |= reads[block]
         shipped_rows += int(q_rows[block])
@@ -198,6 +259,8 @@ def _rank_plan(
     wanted: dict[int, Tensor],
     wide_rows: Tensor,
     ship_to: tuple[int, ...],
+    calls: list[tuple[bool, Tensor, int | None, int | None]],
+    serial_calls: list[tuple[bool, Tensor, int | None, int | None]],
 ) -> RankPlan:
     """The rank's plan from the positions it fetches per chunk of another rank."""
     fetch: dict[int, list[Tensor]] = {}
@@ -220,9 +283,22 @@ def _rank_plan(
             pieces.append((owner, next_row[owner], count))
             next_row[owner] += count
             positions.append(wanted[chunk])
+    own, attended = layout.positions(rank), torch.cat(positions)
+
+    def planned(calls) -> tuple[CallPlan, ...]:
+        made = []
+        for interior, rows, lo, hi in calls:
+            held = own if interior else attended
+            first, stop = 0, held.numel()  # rows that read no key: any run, all masked
+            if lo is not None:
+                first = int(torch.searchsorted(held, lo))
+                stop = int(torch.searchsorted(held, hi, right=True))
+            made.append(CallPlan(interior, rows, first, stop))
+        return tuple(made)
+
     return RankPlan(
-        rank, layout.positions(rank), torch.cat(positions), fetched, tuple(pieces), wide_rows,
-        ship_to,
+        rank, own, attended, fetched, tuple(pieces), wide_rows, ship_to, planned(calls),
+        planned(serial_calls),
     )  # fmt: skip
 
 

@@ -9,16 +9,20 @@ for causal load balance). The call
    any exchange starts, and no rank is left waiting;
 2. resolves the pattern at the GLOBAL length (random blocks and global tokens of the whole
    sequence, the same on every rank) and its exchange plan (``zoo.parallel.exchange_plan``);
-3. turns q and k by their global positions (rope), zeroes padded keys, and fetches the key/value
-   rows the plan names (``zoo.parallel.exchange``, differentiable);
-4. runs ONE ordinary call of its queries against the keys it holds and fetched, through
-   ``AtPositions`` (``zoo.parallel.at_positions``), which maps the call's indices to global
-   positions for the pattern and the score bias (alibi, t5);
+3. turns q and k by their global positions (rope), zeroes padded keys, and posts the exchange
+   of the key/value rows the plan names (``zoo.parallel.exchange``, differentiable);
+4. runs the plan's calls (``exchange_plan.CallPlan``: per chunk it holds, its interior rows,
+   whose query blocks read only its own keys, and its edge rows): the interior calls while the
+   exchange is in flight, against its own keys; the edge calls once the keys have arrived. Each
+   reads the run of keys from the first its rows read to the last, through ``AtPositions``
+   (``zoo.parallel.at_positions``), which maps the call's indices to global positions for the
+   pattern and the score bias (alibi, t5), and tells dense kernels where a call is plain
+   causal attention (a chunk against every key up to its end);
 5. where the plan ships wide query rows (a global token's row, which reads every key), leaves
-   them out of that call: they are computed as partials where their keys are and merged by
+   them out of those calls: they are computed as partials where their keys are and merged by
    log-sum-exp (``zoo.parallel.wide``), so no rank fetches every shard.
 
-Every key a narrow query reads is in the one call, so its softmax is already the whole row's;
+Every key a narrow query reads is in its row's call, so its softmax is already the whole row's;
 only the wide rows merge partials (the house's one merge, ``zoo.backends.lse_merge``).
 """
 
@@ -39,8 +43,8 @@ from ..core.shape_cache import per_shape
 from ..mechanisms.dispatch import is_mechanism
 from ..patterns import Pattern, reads_graph
 from .at_positions import AtPositions, at_global
-from .exchange import gather_keys, gather_padding
-from .exchange_plan import PLAN_BLOCK, ExchangePlan, exchange_plan, pairs_per_rank
+from .exchange import finish_keys, gather_padding, in_order, start_keys
+from .exchange_plan import PLAN_BLOCK, CallPlan, ExchangePlan, exchange_plan, pairs_per_rank
 from .shards import ShardLayout, check_order
 from .wide import wide_attention
 
@@ -58,6 +62,7 @@ class ShardStats:
     sources: tuple[int, ...]  # the ranks it fetches keys from
     wide_rows: int  # query rows it ships to be computed where their keys are
     ship_to: tuple[int, ...]  # the ranks it ships them to
+    interior_rows: int  # query rows it computes while the exchange is in flight, with overlap
     pairs: float  # (query, key) pairs its queries may attend, per head and sequence
 
 
@@ -77,11 +82,16 @@ def context_parallel_attention(
     pos: Encoding = None,
     order: str = "contiguous",
     plan_block: int = PLAN_BLOCK,
+    overlap: bool | None = None,
     **params: object,
 ) -> Tensor:
     """This rank's shard of ``zoo.attention`` on the whole sequence (see the module docstring);
     q, k, v (B, H, s, D) and key_padding_mask (B, s) are this rank's shard. ``plan_block``: the
-    positions per block of the exchange (smaller fetches fewer rows around a window's edge)."""
+    positions per block of the exchange (smaller fetches fewer rows around a window's edge).
+    ``overlap``: compute the rows that read no fetched key while the exchange is in flight, in
+    calls of their own (True), or wait for the exchange and run a call per chunk (False); the
+    same result. None (default): on a GPU, where NCCL moves the messages on a stream of its own;
+    on a CPU a split measured no gain and costs a copy of the queries and the output."""
     check_group(group, q)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     problem, setup = None, None
@@ -98,34 +108,84 @@ def context_parallel_attention(
     plan = exchange_plan(pattern, layout, plan_block, q.device, ratio)
     mine = plan.ranks[rank]
     sends = plan.sends(rank)
-    wrapper = rank_pattern(pattern, plan, rank, q.device, q.shape[1])
+    heads = q.shape[1]
+    overlap = q.is_cuda if overlap is None else overlap
     if encoding is not None and encoding.kind == "rotate":
         positions = mine.q_positions.to(q.device)
         q, k = encoding.rotate(q, k, positions, positions)
     if padding is not None:
         k, v = unread_padding(k, padding), unread_padding(v, padding)
-    own = torch.cat([k, v], dim=-1)  # one message per peer for both
-    keys = gather_keys(own, sends, mine.fetch, mine.pieces, group)
-    k_all, v_all = keys.split([k.shape[-1], v.shape[-1]], dim=-1)
     padding_all = None
     if padding is not None:
         padding_all = gather_padding(padding, sends, mine.fetch, mine.pieces, group)
-    rest = (k_all, v_all, padding_all, wrapper, variant, backend, causal, dropout_p, scale, score,
-            encoding)  # fmt: skip
-    if not plan.ships:
-        return _one_call(q, *rest)
-    bias = encoding.bias if encoding is not None and encoding.kind == "bias" else None
-    wide_out, token = wide_attention(
-        q, k, v, padding, pattern=pattern, plan=plan, rank=rank, after=keys, group=group,
-        scale=scale, score=score, bias=bias,
-    )  # fmt: skip
-    narrow = mine.narrow_rows.to(q.device)
-    out = q.new_zeros(*q.shape[:3], v.shape[-1])  # (B, H, s, Dv)
-    if narrow.numel():  # a shard of wide rows only runs no call
-        out = out.index_copy(2, narrow, _one_call(q.index_select(2, narrow), *rest))
-    if wide_out is not None:
-        out = out.index_copy(2, mine.wide_rows.to(q.device), wide_out)
-    return out + token.to(out.dtype)  # the token ties every exchange's backward to the output
+    own = torch.cat([k, v], dim=-1)  # one message per peer for both
+    started, exchange = start_keys(own, sends, mine.fetch, group)
+    common = (variant, backend, causal, dropout_p, scale, score, encoding)
+    width = k.shape[-1]
+
+    def run(index: int, call: CallPlan, fetched: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The call's rows against its run of keys: its own (interior), or of the keys it
+        attends, own and ``fetched`` in position order (views of k and v where the run is
+        all its own: their gradients then need no copy)."""
+        wrapper = rank_pattern(pattern, plan, rank, q.device, heads, index, overlap)
+        held = call.first, call.stop - call.first
+        if call.interior:
+            k_run, v_run, held_padding = k.narrow(2, *held), v.narrow(2, *held), padding
+        else:
+            k_fetched, v_fetched = fetched.split([width, fetched.shape[-1] - width], dim=-1)
+            run_of = (mine.pieces, call.first, call.stop)
+            k_run, v_run = in_order(k, k_fetched, *run_of), in_order(v, v_fetched, *run_of)
+            held_padding = padding_all
+        held_padding = None if held_padding is None else held_padding.narrow(1, *held)
+        out = _one_call(_take(q, call.rows), k_run, v_run, held_padding, wrapper, *common)
+        return call.rows, out
+
+    parts, waiting = [], []  # (rows of the shard, their output); calls that wait for the keys
+    for index, call in enumerate(mine.calls if overlap else mine.serial_calls):
+        if call.interior:  # while the exchange is in flight
+            parts.append(run(index, call, None))
+        else:
+            waiting.append((index, call))
+    fetched, token = finish_keys(started, own, exchange)
+    parts += [run(index, call, fetched) for index, call in waiting]
+    if plan.ships:
+        bias = encoding.bias if encoding is not None and encoding.kind == "bias" else None
+        wide_out, token = wide_attention(
+            q, k, v, padding, pattern=pattern, plan=plan, rank=rank, after=token, group=group,
+            scale=scale, score=score, bias=bias,
+        )  # fmt: skip
+        if wide_out is not None:
+            parts.append((mine.wide_rows, wide_out))
+    return _in_rows(parts, (*q.shape[:3], v.shape[-1]), q) + token.to(q.dtype)
+
+
+def _take(x: Tensor, rows: Tensor) -> Tensor:
+    """x's rows (dim 2) named by ``rows`` (sorted, on the CPU): a view where they are one run."""
+    first, count = int(rows[0]), rows.numel()
+    if int(rows[-1]) - first + 1 == count:
+        return x.narrow(2, first, count)
+    return x.index_select(2, rows.to(x.device))
+
+
+def _in_rows(parts: list[tuple[Tensor, Tensor]], shape: tuple, like: Tensor) -> Tensor:
+    """(B, H, s, Dv): each part's output (B, H, rows, Dv) in its rows of the shard (rows
+    sorted, on the CPU). Where the parts' rows form a few runs of consecutive rows (a window's
+    edge and interior), the runs are joined by one ``cat``; else each part is copied in."""
+    runs = []  # (first row, the part's output for its run)
+    for rows, part in parts:
+        breaks = (torch.nonzero(rows.diff() != 1).flatten() + 1).tolist()
+        for start, stop in zip([0, *breaks], [*breaks, rows.numel()], strict=True):
+            runs.append((int(rows[start]), part.narrow(2, start, stop - start)))
+    if len(runs) <= _MAX_RUNS:
+        runs.sort(key=lambda run: run[0])
+        return runs[0][1] if len(runs) == 1 else torch.cat([run for _, run in runs], dim=2)
+    out = like.new_zeros(shape)
+    for rows, part in parts:
+        out = out.index_copy(2, rows.to(like.device), part)
+    return out
+
+
+_MAX_RUNS = 8  # more runs (wide blocks scattered over a head-tail shard): one copy per part
 
 
 def ship_ratio(q: Tensor, k: Tensor, v: Tensor) -> float:
@@ -257,14 +317,18 @@ def _name(variant: object) -> str:
 
 @per_shape(maxsize=256)
 def rank_pattern(
-    pattern: Pattern, plan: ExchangePlan, rank: int, device: torch.device, heads: int
-) -> AtPositions:
-    """The rank's ``AtPositions`` on ``device``, once per plan: backends cache their masks and
-    plans by the pattern's identity, so every later call of the rank finds them again."""
+    pattern: Pattern, plan: ExchangePlan, rank: int, device: torch.device, heads: int, call: int,
+    overlap: bool = True,
+) -> AtPositions:  # fmt: skip
+    """The ``AtPositions`` of the rank's call number ``call`` (of its calls with ``overlap``, or
+    of its serial ones) on ``device``, once per plan: backends cache their masks and plans by
+    the pattern's identity, so every later call of the rank finds them again."""
     mine = plan.ranks[rank]
+    planned = (mine.calls if overlap else mine.serial_calls)[call]
+    held = mine.q_positions if planned.interior else mine.kv_positions
     return AtPositions(
-        pattern, mine.q_positions[mine.narrow_rows].to(device), mine.kv_positions.to(device),
-        heads if pattern.per_head else None,
+        pattern, mine.q_positions[planned.rows].to(device),
+        held[planned.first : planned.stop].to(device), heads if pattern.per_head else None,
     )  # fmt: skip
 
 
@@ -295,7 +359,7 @@ def shard_stats(
     mine = plan.ranks[rank]
     return ShardStats(
         rank, world, mine.received_rows, received_bytes(plan, rank, q, k, v, padding is not None),
-        tuple(mine.fetch), mine.wide_rows.numel(), mine.ship_to,
+        tuple(mine.fetch), mine.wide_rows.numel(), mine.ship_to, mine.interior_rows,
         pairs_per_rank(pattern, layout, rank, plan.block, q.device),
     )  # fmt: skip
 
