@@ -345,8 +345,9 @@ def run(
     show_progress: bool = True,
     shard: tuple[int, int] = (0, 1),
 ) -> Path:
-    """Run every cell not yet in the results file (with ``shard`` (K, N), every N-th of them
-    from the K-th on), with ``config.threads`` CPU threads; returns the results file's path."""
+    """Run every cell not yet in the results file (with ``shard`` (K, N), of every N-th cell of
+    the sweep from the K-th on), with ``config.threads`` CPU threads; returns the results file's
+    path."""
     with distributed.thread_count(config.threads):
         return _run(config, source, context, show_progress, shard)
 
@@ -364,9 +365,10 @@ def _run(
     out = results.parent
     done = finished_keys(results)
     sweep = cells(config)
-    todo = [c for c in sweep if c["key"] not in done]
-    waiting = len(todo)
-    todo = todo[shard[0] :: shard[1]]
+    waiting = sum(c["key"] not in done for c in sweep)
+    # The share is of the sweep, not of the cells left: a worker that starts after another has
+    # finished some cells would otherwise count a different remainder and drop a cell.
+    todo = [c for c in sweep[shard[0] :: shard[1]] if c["key"] not in done]
     if context.main:
         out.mkdir(parents=True, exist_ok=True)
         mine = "" if shard[1] == 1 else f" (worker {shard[0] + 1} of {shard[1]}: {len(todo)})"

@@ -26,7 +26,7 @@ import zoo
 from zoo.functional import prepare_call, resolve_pattern
 from zoo.layout.block_layout import specialized
 from zoo.parallel import ShardLayout, exchange_plan, shard, shard_stats, unshard
-from zoo.parallel.sharded import rank_pattern
+from zoo.parallel.sharded import rank_pattern, ship_ratio
 
 LENGTH = 56  # 56 / 16 (block_size): the last pattern block ends mid-way; shards of 28 and 14
 PLAN_BLOCK = 8  # shards of 14 (4 ranks) and chunks of 7 end mid-block
@@ -51,15 +51,15 @@ def cases() -> list[tuple]:
     return [*rotated, ("causal", True, False, "sdpa", "head_tail", "rope")]
 
 
-def _inputs() -> tuple[torch.Tensor, ...]:
+def _inputs(length: int = LENGTH) -> tuple[torch.Tensor, ...]:
     """The whole sequence: q, k, v, key padding, and an output gradient (float64)."""
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(BATCH, HEADS, LENGTH, HEAD_DIM, generator=g, dtype=torch.float64)
-    k = torch.randn(BATCH, KV_HEADS, LENGTH, HEAD_DIM, generator=g, dtype=torch.float64)
-    v = torch.randn(BATCH, KV_HEADS, LENGTH, HEAD_DIM, generator=g, dtype=torch.float64)
-    padding = torch.zeros(BATCH, LENGTH, dtype=torch.bool)
+    q = torch.randn(BATCH, HEADS, length, HEAD_DIM, generator=g, dtype=torch.float64)
+    k = torch.randn(BATCH, KV_HEADS, length, HEAD_DIM, generator=g, dtype=torch.float64)
+    v = torch.randn(BATCH, KV_HEADS, length, HEAD_DIM, generator=g, dtype=torch.float64)
+    padding = torch.zeros(BATCH, length, dtype=torch.bool)
     padding[0, 3] = padding[1, -9:] = True  # one key inside, and a tail over a shard's end
-    grad = torch.randn(BATCH, HEADS, LENGTH, HEAD_DIM, generator=g, dtype=torch.float64)
+    grad = torch.randn(BATCH, HEADS, length, HEAD_DIM, generator=g, dtype=torch.float64)
     return q, k, v, padding, grad
 
 
@@ -246,38 +246,63 @@ def _check_errors(rank: int, world: int, group) -> list[str]:
     return failures
 
 
+def _fetched_rows(reads: torch.Tensor, layout: ShardLayout, rank: int, block: int) -> int:
+    """Rows of other ranks' plan blocks that hold a key of ``reads`` [L]."""
+    fetched = 0
+    for chunk in range(layout.world * layout.chunks_per_rank):
+        if layout.owner(chunk)[0] == rank:
+            continue
+        for lo in range(chunk * layout.chunk, (chunk + 1) * layout.chunk, block):
+            hi = min(lo + block, (chunk + 1) * layout.chunk)
+            fetched += (hi - lo) if bool(reads[lo:hi].any()) else 0
+    return fetched
+
+
 def _check_explain(rank: int, world: int, group) -> list[str]:
     """Bytes received and pairs per rank (``shard_stats``, the numbers ``zoo.explain`` prints)
     against counts made from the pattern's dense mask: a key block of the plan is fetched when
-    some query of the rank may attend some key of it."""
-    q, k, v, padding, _ = _inputs()
-    failures = []
-    for variant, causal, order in itertools.product(
-        ("local", "sliding_window", "bigbird", "global", "full", "strided"), (False, True), ORDERS
-    ):
-        params = small_params(variant)
+    some query of the rank may attend some key of it, for the key/value heads whose query heads
+    do (and some case must fetch some rows for some heads only, else that goes unchecked)."""
+    failures, some_heads = [], 0
+    cases = [(variant, causal, order, small_params(variant), LENGTH) for variant, causal, order
+             in itertools.product(("local", "sliding_window", "bigbird", "global", "full",
+                                   "strided"), (False, True), ORDERS)]  # fmt: skip
+    # BigBird over more blocks, as _check_wide runs it: its heads' random blocks differ there.
+    cases += [("bigbird", causal, order, WIDE_VARIANTS["bigbird"], WIDE_LENGTH)
+              for causal, order in itertools.product((False, True), ORDERS)]  # fmt: skip
+    for variant, causal, order, params, length in cases:
+        q, k, v, padding, _ = _inputs(length)
         call = prepare_call(q, k, v, variant=variant, causal=causal, **params)
-        dense = call.pattern.dense(LENGTH, LENGTH).reshape(-1, LENGTH, LENGTH)  # [heads, L, L]
-        layout = ShardLayout(world, LENGTH // world, order)
+        dense = call.pattern.dense(length, length).reshape(-1, length, length)  # [heads, L, L]
+        layout = ShardLayout(world, length // world, order)
         rows = layout.positions(rank)
-        reads = dense[:, rows, :].any(dim=(0, 1))  # [L]: keys some query head of the rank reads
         block = min(PLAN_BLOCK, layout.chunk)
-        fetched = 0
-        for chunk in range(world * layout.chunks_per_rank):
-            if layout.owner(chunk)[0] == rank:
-                continue
-            for lo in range(chunk * layout.chunk, (chunk + 1) * layout.chunk, block):
-                hi = min(lo + block, (chunk + 1) * layout.chunk)
-                fetched += (hi - lo) if bool(reads[lo:hi].any()) else 0
-        expected_bytes = BATCH * fetched * (KV_HEADS * 2 * HEAD_DIM * 8 + 1)  # float64, padding
+        # Which rows the plan ships (global blocks) is the plan's choice; what they and the
+        # other rows then cost is counted here.
+        mine = [shard(t, rank, world, order=order) for t in (q, k, v)]
+        plan = exchange_plan(call.pattern, layout, PLAN_BLOCK, torch.device("cpu"),
+                             ship_ratio(*mine))  # fmt: skip
+        wide = plan.ranks[rank].wide_positions
+        narrow = rows[~torch.isin(rows, wide)]
+        reads = dense[:, narrow, :].any(dim=(0, 1))  # [L]: keys some head of its rows reads
+        fetched = _fetched_rows(reads, layout, rank, block)
+        # A key/value head's rows travel where one of its query heads reads them (a pattern
+        # drawn per head: BigBird's random blocks); every head of a row for one pattern.
+        per_head = dense.expand(HEADS, -1, -1)[:, narrow, :].unflatten(0, (KV_HEADS, -1))
+        head_rows = sum(_fetched_rows(per_head[j].any(dim=(0, 1)), layout, rank, block)
+                        for j in range(KV_HEADS))  # fmt: skip
+        some_heads += head_rows < KV_HEADS * fetched
+        shipped_in = sum(plan.shippers(rank).values()) * HEADS * HEAD_DIM  # others' wide rows
+        partials_in = wide.numel() * len(plan.ranks[rank].ship_to) * HEADS * (HEAD_DIM + 1)
+        expected_bytes = BATCH * (head_rows * 2 * HEAD_DIM * 8 + fetched  # float64, padding
+                                  + (shipped_in + partials_in) * 8)  # fmt: skip
         expected_pairs = dense[:, rows, :].sum().item() / dense.shape[0]
-        others = torch.ones(LENGTH, dtype=torch.bool)
+        others = torch.ones(length, dtype=torch.bool)
         others[rows] = False  # keys of other ranks
         interior = 0  # rows of query blocks that read no other rank's key
         for chunk in rows.split(layout.chunk):  # blocks of the plan start at each chunk's start
             for in_block in chunk.split(block):
                 interior += in_block.numel() * int(not dense[:, in_block][..., others].any())
-        mine = [shard(t, rank, world, order=order) for t in (q, k, v)]
         stats = shard_stats(
             *mine, group=group, variant=variant, causal=causal, order=order,
             key_padding_mask=shard(padding, rank, world, dim=1, order=order),
@@ -290,6 +315,11 @@ def _check_explain(rank: int, world: int, group) -> list[str]:
                 f"rank {rank}: {variant} causal={causal} {order}: (rows, bytes, pairs, interior "
                 f"rows) {got}, counted from the dense mask {counted}"
             )
+    counted = torch.tensor([some_heads])
+    dist.all_reduce(counted, group=group)
+    if not counted.item():
+        failures.append(f"rank {rank}: no case fetched a row for some heads only")
+    q, k, v, *_ = _inputs()
     text = zoo.explain(*[shard(t, rank, world) for t in (q, k, v)], variant="full", cp_group=group)
     if f"rank {rank} of {world}" not in text or "bytes" not in text:
         failures.append(f"rank {rank}: zoo.explain says: {text}")

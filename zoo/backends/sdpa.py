@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.nn.attention.bias import causal_lower_right
 from torch.nn.functional import scaled_dot_product_attention
 
 from ..core.call import AttentionCall
@@ -90,6 +89,9 @@ def _causal_lower_right(call: AttentionCall) -> Tensor:
     """Causal attention with the queries aligned to the last keys, without a dense mask."""
     if not call.q.is_cuda:
         return causal_after_prefix(call.q, call.k, call.v, call.scale)
+    # Imported here: the module imports torch._dynamo, which `import zoo` must not.
+    from torch.nn.attention.bias import causal_lower_right
+
     bias = causal_lower_right(call.q_len, call.kv_len)
     return scaled_dot_product_attention(
         call.q, call.k, call.v, attn_mask=bias, dropout_p=call.dropout_p, scale=call.scale,

@@ -59,19 +59,52 @@ def swap(
     return Pending(outgoing, incoming, like, group).wait()
 
 
-def _post_rows(local: Tensor, sends: dict, fetch: dict, group) -> Pending:
+def _post_rows(
+    local: Tensor, sends: dict, fetch: dict, group, send_pairs=None, fetch_pairs=None
+) -> Pending:
     """Post the rows of (B, H, s, E) ``local`` that each peer fetches from this rank, and the
-    receives of the rows this rank fetches from each peer."""
-    outgoing = {p: local.index_select(2, rows.to(local.device)) for p, rows in sends.items()}
-    incoming = {p: (*local.shape[:2], rows.numel(), local.shape[3]) for p, rows in fetch.items()}
+    receives of the rows this rank fetches from each peer. ``send_pairs`` and ``fetch_pairs``:
+    peer -> (head, row) index pairs where only those (heads, rows) travel, as (B, P, E)."""
+    send_pairs, fetch_pairs = send_pairs or {}, fetch_pairs or {}
+    outgoing = {p: _selected(local, rows, send_pairs.get(p)) for p, rows in sends.items()}
+    incoming = {p: _shape(local.shape, rows, fetch_pairs.get(p)) for p, rows in fetch.items()}
     return Pending(outgoing, incoming, local, group)
 
 
-def _joined(received: dict[int, Tensor], like: Tensor) -> Tensor:
+def _selected(x: Tensor, rows: Tensor, pairs) -> Tensor:
+    """(B, H, n, E) rows of x, or (B, P, E) where only the (head, row) ``pairs`` travel."""
+    rows = rows.to(x.device)
+    if pairs is None:
+        return x.index_select(2, rows)
+    heads, at = (t.to(x.device) for t in pairs)
+    return x[:, heads, rows[at]]
+
+
+def _shape(shape: tuple, rows: Tensor, pairs) -> tuple[int, ...]:
+    """The shape of ``_selected`` for x of ``shape``."""
+    if pairs is None:
+        return (*shape[:2], rows.numel(), shape[3])
+    return (shape[0], pairs[0].numel(), shape[3])
+
+
+def _placed(arrived: Tensor, rows: Tensor, pairs, heads: int) -> Tensor:
+    """(B, H, n, E) from what ``_selected`` sent: zeros where a head did not need a row (no call
+    of that head reads it)."""
+    if pairs is None:
+        return arrived
+    out = arrived.new_zeros(arrived.shape[0], heads, rows.numel(), arrived.shape[-1])
+    h, at = (t.to(arrived.device) for t in pairs)
+    out[:, h, at] = arrived
+    return out
+
+
+def _joined(received: dict[int, Tensor], like: Tensor, fetch=None, fetch_pairs=None) -> Tensor:
     """The received rows in one buffer (B, H, n, E), peers in rank order."""
     if not received:
         return like.new_zeros(*like.shape[:2], 0, like.shape[3])
-    return torch.cat(list(received.values()), dim=2)
+    fetch_pairs = fetch_pairs or {}
+    return torch.cat([_placed(t, fetch[p], fetch_pairs.get(p), like.shape[1]) if fetch else t
+                      for p, t in received.items()], dim=2)  # fmt: skip
 
 
 def in_order(
@@ -95,8 +128,10 @@ class KeyExchange:
     says this rank sends and fetches, and the messages in flight between the steps (the rows in
     the forward, their gradients in the backward)."""
 
-    def __init__(self, sends: dict, fetch: dict, group) -> None:
+    def __init__(self, sends: dict, fetch: dict, group, send_pairs=None, fetch_pairs=None):
         self.sends, self.fetch, self.group = sends, fetch, group
+        # peer -> (head, row) pairs where a peer needs some heads of a row only (else None)
+        self.send_pairs, self.fetch_pairs = send_pairs or {}, fetch_pairs or {}
         self.pending: Pending | None = None
 
 
@@ -106,7 +141,8 @@ class _StartKeys(torch.autograd.Function):
     @staticmethod
     def forward(ctx, own: Tensor, exchange: KeyExchange) -> Tensor:
         ctx.exchange, ctx.shape, ctx.like = exchange, own.shape, own.new_empty(0)
-        exchange.pending = _post_rows(own, exchange.sends, exchange.fetch, exchange.group)
+        exchange.pending = _post_rows(own, exchange.sends, exchange.fetch, exchange.group,
+                                      exchange.send_pairs, exchange.fetch_pairs)  # fmt: skip
         return own.new_zeros(())
 
     @staticmethod
@@ -118,7 +154,13 @@ class _StartKeys(torch.autograd.Function):
             return None, None  # either, their gradient is None: zero, as PyTorch writes it)
         grad_own = ctx.like.new_zeros(ctx.shape)
         for p, rows in exchange.sends.items():  # a row sent to several peers: all their grads
-            grad_own.index_add_(2, rows.to(grad_own.device), returned[p])
+            rows, pairs = rows.to(grad_own.device), exchange.send_pairs.get(p)
+            if pairs is None:
+                grad_own.index_add_(2, rows, returned[p])
+                continue
+            heads, at = (t.to(grad_own.device) for t in pairs)
+            batch = torch.arange(ctx.shape[0], device=grad_own.device)[:, None]
+            grad_own.index_put_((batch, heads[None], rows[at][None]), returned[p], accumulate=True)
         return grad_own, None
 
 
@@ -131,7 +173,7 @@ class _FinishKeys(torch.autograd.Function):
     def forward(ctx, token: Tensor, own: Tensor, exchange: KeyExchange):
         ctx.exchange, ctx.shape, ctx.like = exchange, own.shape, own.new_empty(0)
         ctx.set_materialize_grads(False)  # rows no call read: no gradient, none made
-        fetched = _joined(exchange.pending.wait(), own)
+        fetched = _joined(exchange.pending.wait(), own, exchange.fetch, exchange.fetch_pairs)
         exchange.pending = None
         return fetched, own.new_zeros(())
 
@@ -142,16 +184,23 @@ class _FinishKeys(torch.autograd.Function):
         counts = [rows.numel() for rows in exchange.fetch.values()]
         if grad is None:
             grad = ctx.like.new_zeros(batch, heads, sum(counts), width)
-        outgoing = dict(zip(exchange.fetch, torch.split(grad, counts, dim=2), strict=True))
-        incoming = {p: (batch, heads, rows.numel(), width) for p, rows in exchange.sends.items()}
+        outgoing = {  # each peer's rows (and heads) back to it
+            p: grad_p if exchange.fetch_pairs.get(p) is None else
+            _selected(grad_p, torch.arange(rows.numel()), exchange.fetch_pairs[p])
+            for (p, rows), grad_p in zip(exchange.fetch.items(), torch.split(grad, counts, dim=2),
+                                         strict=True)
+        }  # fmt: skip
+        incoming = {p: _shape(ctx.shape, rows, exchange.send_pairs.get(p))
+                    for p, rows in exchange.sends.items()}  # fmt: skip
         exchange.pending = Pending(outgoing, incoming, grad, exchange.group)
         return ctx.like.new_zeros(()), None, None
 
 
-def start_keys(own: Tensor, sends: dict, fetch: dict, group):
+def start_keys(own: Tensor, sends: dict, fetch: dict, group, send_pairs=None, fetch_pairs=None):
     """Post the exchange of (B, H, s, E) own rows (keys, or values, or both side by side):
-    (a token for ``finish_keys``, the exchange in flight)."""
-    exchange = KeyExchange(sends, fetch, group)
+    (a token for ``finish_keys``, the exchange in flight). ``send_pairs``, ``fetch_pairs``: as
+    ``KeyExchange`` takes them."""
+    exchange = KeyExchange(sends, fetch, group, send_pairs, fetch_pairs)
     return _StartKeys.apply(own, exchange), exchange
 
 

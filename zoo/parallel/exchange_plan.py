@@ -29,10 +29,15 @@ causal pattern that is every key up to its chunk's end, so the call is causal at
 to the last keys, which dense kernels run without a mask (``AtPositions.kind``), also for the
 two chunks of a head-tail shard.
 
+Where the pattern differs per head (BigBird's random blocks), a fetched row travels for the
+key/value heads whose query heads read it (``fetch_heads``); the other heads' slots of it stay
+zero, which no call of theirs reads.
+
 What this costs per rank, for a shard of s positions and blocks of b: a window of w keys fetches
 ceil(w / b) blocks from each neighbour (a halo), global tokens their blocks once, a global query
-block its b rows to each rank and their partials back, a random block its block, and ``full``
-every other rank's whole shard: (world - 1) * s rows, what a ring passes round.
+block its b rows to each rank and their partials back, a random block its block for the heads
+that drew it, and ``full`` every other rank's whole shard: (world - 1) * s rows, what a ring
+passes round.
 """
 
 from __future__ import annotations
@@ -81,6 +86,9 @@ class RankPlan:
     ship_to: tuple[int, ...]  # the ranks it ships them to, each returning their partials
     calls: tuple[CallPlan, ...]  # its narrow rows' calls with overlap, interior ones first
     serial_calls: tuple[CallPlan, ...]  # the same rows without overlap: a call per chunk
+    # owner rank -> [heads, n] which heads read each row of ``fetch``: 1 head where the pattern
+    # is the same for every head, else each query head (a row is sent for those heads only).
+    fetch_heads: dict[int, Tensor]
 
     @property
     def received_rows(self) -> int:
@@ -129,15 +137,14 @@ def block_spans(layout: ShardLayout, chunks: tuple[int, ...], block: int) -> Spa
 def block_states(
     pattern: Pattern, layout: ShardLayout, rank: int, block: int, device: torch.device
 ) -> Tensor:
-    """[query blocks of ``rank``, key blocks of the whole sequence] EMPTY / PARTIAL / FULL, the
-    most a head reads where the pattern differs per head (spans on ``device``, the pattern's)."""
+    """[heads, query blocks of ``rank``, key blocks of the whole sequence] EMPTY / PARTIAL /
+    FULL: one head where the pattern is the same for every head, else each query head's (spans
+    on ``device``, the pattern's)."""
     every_chunk = tuple(range(layout.world * layout.chunks_per_rank))
     q = block_spans(layout, layout.chunks_of(rank), block)
     k = block_spans(layout, every_chunk, block)
     state = pattern.block_state(_on(q, device).column(), _on(k, device).row()).cpu()
-    while state.dim() > 2:  # [1, H, ...] of a layout drawn per head: any head's need counts
-        state = state.amax(dim=0)
-    return state
+    return state.reshape(-1, *state.shape[-2:])  # [1, H, ...] of a layout drawn per head
 
 
 @per_shape(maxsize=64)
@@ -156,15 +163,18 @@ def exchange_plan(
     key_owner = torch.tensor([layout.owner(int(lo) // layout.chunk)[0] for lo in keys.lo])
     plans = []
     for rank in range(layout.world):
-        reads = block_states(pattern, layout, rank, block, device) != EMPTY  # [q blocks, k blocks]
+        reads_per_head = block_states(pattern, layout, rank, block, device) != EMPTY
+        reads = reads_per_head.any(dim=0)  # [q blocks, k blocks]: some head reads
         q = block_spans(layout, layout.chunks_of(rank), block)
-        wide, ship_to = _wide_blocks(reads, key_owner, rank, q, keys, ship_ratio)
-        needed = reads[~wide].any(dim=0)
+        wide, ship_to = _wide_blocks(reads_per_head, key_owner, rank, q, keys, ship_ratio)
+        needed_per_head = reads_per_head[:, ~wide].any(dim=1)  # [heads, k blocks]
+        needed = needed_per_head.any(dim=0)
         positions = layout.positions(rank)
         wide_rows = _rows_of(q, wide, positions)
         calls = [_calls(reads, wide, key_owner != rank, rank, layout, q, keys, split)
                  for split in (True, False)]  # fmt: skip
-        wanted = {}  # chunk of another rank -> the global positions fetched from it
+        wanted = {}  # chunk of another rank -> (global positions fetched, [heads, positions])
+        sizes = keys.hi - keys.lo + 1
         for chunk in chunks:
             if layout.owner(chunk)[0] == rank:
                 continue
@@ -173,7 +183,8 @@ def exchange_plan(
             spans = zip(keys.lo[in_chunk].tolist(), keys.hi[in_chunk].tolist(), strict=True)
             rows = [torch.arange(lo, hi + 1) for lo, hi in spans]
             if rows:
-                wanted[chunk] = torch.cat(rows)
+                heads = needed_per_head[:, in_chunk].repeat_interleave(sizes[in_chunk], dim=1)
+                wanted[chunk] = (torch.cat(rows), heads)
         plans.append(_rank_plan(rank, layout, wanted, wide_rows, ship_to, *calls))
     return ExchangePlan(layout, block, tuple(plans))
 
@@ -211,16 +222,20 @@ def _rows_of(q: Spans, blocks: Tensor, positions: Tensor) -> Tensor:
 
 
 def _wide_blocks(
-    reads: Tensor, key_owner: Tensor, rank: int, q: Spans, keys: Spans, ship_ratio: float | None
-) -> tuple[Tensor, tuple[int, ...]]:
-    """([q blocks] which of the rank's query blocks it ships, the ranks it ships them to).
+    reads_per_head: Tensor, key_owner: Tensor, rank: int, q: Spans, keys: Spans,
+    ship_ratio: float | None,
+) -> tuple[Tensor, tuple[int, ...]]:  # fmt: skip
+    """([q blocks] which of the rank's query blocks it ships, the ranks it ships them to), from
+    ``reads_per_head`` [heads, q blocks, k blocks].
 
     Candidates: the blocks that read more than half of some other rank's key blocks (a partial
     computed densely then costs at most twice what the pattern reads). Taking them widest first,
     up to ``MAX_SHIPPED`` of the rank's rows, the rank ships the set that saves the most bytes:
-    the key rows that only shipped blocks read, less ``ship_ratio`` key rows per shipped query
-    row and rank shipped to. None where no set saves anything (``full``: every block is wide and
-    shipping all saves less than it costs)."""
+    the key rows that only shipped blocks read, per head (a row travels for the heads that read
+    it), less ``ship_ratio`` key rows per shipped query row and rank shipped to. None where no
+    set saves anything (``full``: every block is wide and shipping all saves less than it
+    costs)."""
+    reads = reads_per_head.any(dim=0)
     nothing = torch.zeros(reads.shape[0], dtype=torch.bool), ()
     if ship_ratio is None:
         return nothing
@@ -232,17 +247,19 @@ def _wide_blocks(
     widest = sorted(torch.nonzero(candidate).flatten().tolist(),
                     key=lambda b: -int((reads[b] & others).sum()))  # fmt: skip
     key_rows, q_rows = keys.hi - keys.lo + 1, q.hi - q.lo + 1
-    narrow_readers = reads.sum(dim=0)  # [k blocks] unshipped query blocks that read each
-    read_by_shipped = torch.zeros_like(others)
+    heads = reads_per_head.shape[0]
+    narrow_readers = reads_per_head.sum(dim=1)  # [heads, k blocks] unshipped blocks reading
+    read_by_shipped = torch.zeros_like(narrow_readers, dtype=torch.bool)
     best, best_count, shipped_rows = 0.0, 0, 0
     for count, block in enumerate(widest, start=1):
         if shipped_rows + int(q_rows[block]) > MAX_SHIPPED * int(q_rows.sum()):
             break
-        narrow_readers -= reads[block].long()
-        read_by_shipped |= reads[block]
+        narrow_readers -= reads_per_head[:, block].long()
+        read_by_shipped |= reads_per_head[:, block]
         shipped_rows += int(q_rows[block])
-        saved = int(key_rows[read_by_shipped & (narrow_readers == 0) & others].sum())
-        owners = int(key_owner[read_by_shipped & others].unique().numel())
+        unread = read_by_shipped & (narrow_readers == 0) & others  # [heads, k blocks]
+        saved = float((unread * key_rows).sum()) / heads  # in rows of every head
+        owners = int(key_owner[read_by_shipped.any(dim=0) & others].unique().numel())
         if saved - ship_ratio * shipped_rows * owners > best:
             best, best_count = saved - ship_ratio * shipped_rows * owners, count
     if not best_count:
@@ -262,12 +279,16 @@ def _rank_plan(
     calls: list[tuple[bool, Tensor, int | None, int | None]],
     serial_calls: list[tuple[bool, Tensor, int | None, int | None]],
 ) -> RankPlan:
-    """The rank's plan from the positions it fetches per chunk of another rank."""
+    """The rank's plan from the positions it fetches per chunk of another rank (and the heads
+    that read each)."""
     fetch: dict[int, list[Tensor]] = {}
-    for chunk, positions in sorted(wanted.items()):  # a peer's rows in chunk order: sorted
+    heads: dict[int, list[Tensor]] = {}
+    for chunk, (positions, readers) in sorted(wanted.items()):  # a peer's rows: chunk order
         owner, row0 = layout.owner(chunk)
         fetch.setdefault(owner, []).append(positions - chunk * layout.chunk + row0)
+        heads.setdefault(owner, []).append(readers)
     fetched = {owner: torch.cat(rows) for owner, rows in sorted(fetch.items())}
+    fetch_heads = {owner: torch.cat(readers, dim=1) for owner, readers in sorted(heads.items())}
     # Received rows arrive as one buffer, peers in rank order, each peer's rows sorted.
     next_row, offset = {}, 0
     for owner, rows in fetched.items():
@@ -279,10 +300,10 @@ def _rank_plan(
             pieces.append((-1, row0, layout.chunk))
             positions.append(torch.arange(chunk * layout.chunk, (chunk + 1) * layout.chunk))
         elif chunk in wanted:
-            count = wanted[chunk].numel()
+            count = wanted[chunk][0].numel()
             pieces.append((owner, next_row[owner], count))
             next_row[owner] += count
-            positions.append(wanted[chunk])
+            positions.append(wanted[chunk][0])
     own, attended = layout.positions(rank), torch.cat(positions)
 
     def planned(calls) -> tuple[CallPlan, ...]:
@@ -298,7 +319,7 @@ def _rank_plan(
 
     return RankPlan(
         rank, own, attended, fetched, tuple(pieces), wide_rows, ship_to, planned(calls),
-        planned(serial_calls),
+        planned(serial_calls), fetch_heads,
     )  # fmt: skip
 
 

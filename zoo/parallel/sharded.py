@@ -119,7 +119,8 @@ def context_parallel_attention(
     if padding is not None:
         padding_all = gather_padding(padding, sends, mine.fetch, mine.pieces, group)
     own = torch.cat([k, v], dim=-1)  # one message per peer for both
-    started, exchange = start_keys(own, sends, mine.fetch, group)
+    started, exchange = start_keys(own, sends, mine.fetch, group,
+                                   *head_pairs(plan, rank, k.shape[1]))  # fmt: skip
     common = (variant, backend, causal, dropout_p, scale, score, encoding)
     width = k.shape[-1]
 
@@ -332,6 +333,26 @@ def rank_pattern(
     )  # fmt: skip
 
 
+@per_shape(maxsize=256)
+def head_pairs(plan: ExchangePlan, rank: int, kv_heads: int) -> tuple[dict, dict]:
+    """(peer -> the (key/value head, row) pairs ``rank`` sends it, peer -> those it fetches
+    from it), for the peers that need only some heads of some rows (a pattern drawn per head,
+    BigBird's random blocks); the others send every head of their rows."""
+
+    def pairs(readers: Tensor):
+        if readers.shape[0] == 1:  # the same pattern for every head
+            return None
+        per_kv_head = readers.unflatten(0, (kv_heads, -1)).any(dim=1)  # a group's any head
+        return None if bool(per_kv_head.all()) else torch.nonzero(per_kv_head, as_tuple=True)
+
+    mine = plan.ranks[rank]
+    sends = {peer.rank: pairs(peer.fetch_heads[rank]) for peer in plan.ranks
+             if rank in peer.fetch}  # fmt: skip
+    fetch = {owner: pairs(readers) for owner, readers in mine.fetch_heads.items()}
+    return ({p: v for p, v in sends.items() if v is not None},
+            {p: v for p, v in fetch.items() if v is not None})  # fmt: skip
+
+
 def shard_stats(
     q: Tensor,
     k: Tensor,
@@ -368,13 +389,18 @@ def received_bytes(
     plan: ExchangePlan, rank: int, q: Tensor, k: Tensor, v: Tensor, padded: bool
 ) -> int:
     """Bytes ``rank`` receives in a call on shards shaped as q, k, v (the whole batch): the key
-    and value rows it fetches (and their padding, one byte a row), the wide query rows shipped
-    to it, and the partials of its own wide rows (float32, float64 for float64)."""
+    and value rows it fetches, of the heads that read them (and their padding, one byte a row),
+    the wide query rows shipped to it, and the partials of its own wide rows (float32, float64
+    for float64)."""
     mine = plan.ranks[rank]
-    row_bytes = k.shape[1] * (k.shape[-1] + v.shape[-1]) * k.element_size() + int(padded)
+    fetched = head_pairs(plan, rank, k.shape[1])[1]
+    key_bytes = (k.shape[-1] + v.shape[-1]) * k.element_size()
+    head_rows = sum(fetched[p][0].numel() if p in fetched else k.shape[1] * rows.numel()
+                    for p, rows in mine.fetch.items())  # fmt: skip
     query_bytes = q.shape[1] * q.shape[-1] * q.element_size()
     partial_bytes = q.shape[1] * (v.shape[-1] + 1) * (8 if q.dtype == torch.float64 else 4)
     shipped_in = sum(plan.shippers(rank).values())  # others' wide rows it computes partials of
     partials_in = mine.wide_rows.numel() * len(mine.ship_to)
-    received = mine.received_rows * row_bytes + shipped_in * query_bytes
+    received = head_rows * key_bytes + mine.received_rows * int(padded)
+    received += shipped_in * query_bytes
     return q.shape[0] * (received + partials_in * partial_bytes)
