@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .base import repeat_kv
 from .lse_merge import combine_two, lse_for_backward
 
 _forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -29,14 +30,8 @@ def causal_after_prefix(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor
     return _CausalAfterPrefix.apply(q, k, v, scale)
 
 
-def _heads(x: Tensor, groups: int) -> Tensor:
-    """k or v with each key/value head repeated for its query heads (the kernel takes one
-    head count; the causal half cannot stack the heads as rows, as lse_merge does)."""
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
-
-
 def _summed(grad: Tensor, groups: int) -> Tensor:
-    """The inverse of ``_heads`` for a gradient: each key/value head's query heads summed."""
+    """The inverse of ``repeat_kv`` for a gradient: each key/value head's query heads summed."""
     return grad if groups == 1 else grad.unflatten(1, (-1, groups)).sum(dim=2)
 
 
@@ -44,7 +39,9 @@ class _CausalAfterPrefix(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         groups, split = q.shape[1] // k.shape[1], k.shape[2] - q.shape[2]
-        k, v = _heads(k, groups), _heads(v, groups)
+        # The kernel takes one head count, and the causal half cannot stack a group's query
+        # heads as rows (as lse_merge does): k and v repeated for their query heads.
+        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
         before, last = slice(None, split), slice(split, None)
         out_a, lse_a = _forward(q, k[:, :, before], v[:, :, before], scale=scale)[:2]
         out_b, lse_b = _forward(q, k[:, :, last], v[:, :, last], is_causal=True, scale=scale)[:2]

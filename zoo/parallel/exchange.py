@@ -98,12 +98,12 @@ def _placed(arrived: Tensor, rows: Tensor, pairs, heads: int) -> Tensor:
     return out
 
 
-def _joined(received: dict[int, Tensor], like: Tensor, fetch=None, fetch_pairs=None) -> Tensor:
+def _joined(received: dict[int, Tensor], like: Tensor, fetch: dict, fetch_pairs=None) -> Tensor:
     """The received rows in one buffer (B, H, n, E), peers in rank order."""
     if not received:
         return like.new_zeros(*like.shape[:2], 0, like.shape[3])
     fetch_pairs = fetch_pairs or {}
-    return torch.cat([_placed(t, fetch[p], fetch_pairs.get(p), like.shape[1]) if fetch else t
+    return torch.cat([_placed(t, fetch[p], fetch_pairs.get(p), like.shape[1])
                       for p, t in received.items()], dim=2)  # fmt: skip
 
 
@@ -213,7 +213,7 @@ def finish_keys(token: Tensor, own: Tensor, exchange: KeyExchange) -> tuple[Tens
 def gather_padding(padding: Tensor, sends: dict, fetch: dict, pieces: tuple, group) -> Tensor:
     """(B, s) key padding of own rows -> (B, m) that of the keys the rank attends."""
     as_rows = padding.to(torch.uint8)[:, None, :, None]  # (B, 1, s, 1): rows like k's
-    fetched = _joined(_post_rows(as_rows, sends, fetch, group).wait(), as_rows)
+    fetched = _joined(_post_rows(as_rows, sends, fetch, group).wait(), as_rows, fetch)
     return in_order(as_rows, fetched, pieces)[:, 0, :, 0].bool()
 
 

@@ -157,7 +157,7 @@ def context_parallel_attention(
         )  # fmt: skip
         if wide_out is not None:
             parts.append((mine.wide_rows, wide_out))
-    return _in_rows(parts, (*q.shape[:3], v.shape[-1]), q) + token.to(q.dtype)
+    return _in_rows(parts) + token.to(q.dtype)
 
 
 def _take(x: Tensor, rows: Tensor) -> Tensor:
@@ -168,25 +168,17 @@ def _take(x: Tensor, rows: Tensor) -> Tensor:
     return x.index_select(2, rows.to(x.device))
 
 
-def _in_rows(parts: list[tuple[Tensor, Tensor]], shape: tuple, like: Tensor) -> Tensor:
-    """(B, H, s, Dv): each part's output (B, H, rows, Dv) in its rows of the shard (rows
-    sorted, on the CPU). Where the parts' rows form a few runs of consecutive rows (a window's
-    edge and interior), the runs are joined by one ``cat``; else each part is copied in."""
+def _in_rows(parts: list[tuple[Tensor, Tensor]]) -> Tensor:
+    """(B, H, s, Dv): the parts' outputs (B, H, rows, Dv), which together hold every row of the
+    shard once (rows sorted, on the CPU), joined in row order by one ``cat`` of their runs of
+    consecutive rows (a view where one part holds every row)."""
     runs = []  # (first row, the part's output for its run)
     for rows, part in parts:
         breaks = (torch.nonzero(rows.diff() != 1).flatten() + 1).tolist()
         for start, stop in zip([0, *breaks], [*breaks, rows.numel()], strict=True):
             runs.append((int(rows[start]), part.narrow(2, start, stop - start)))
-    if len(runs) <= _MAX_RUNS:
-        runs.sort(key=lambda run: run[0])
-        return runs[0][1] if len(runs) == 1 else torch.cat([run for _, run in runs], dim=2)
-    out = like.new_zeros(shape)
-    for rows, part in parts:
-        out = out.index_copy(2, rows.to(like.device), part)
-    return out
-
-
-_MAX_RUNS = 8  # more runs (wide blocks scattered over a head-tail shard): one copy per part
+    runs.sort(key=lambda run: run[0])
+    return runs[0][1] if len(runs) == 1 else torch.cat([run for _, run in runs], dim=2)
 
 
 def ship_ratio(q: Tensor, k: Tensor, v: Tensor) -> float:
