@@ -20,9 +20,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import FIXED_VARIANTS, GRAPH_VARIANTS, small_params, subprocess_timeout
+from helpers import FIXED_VARIANTS, GRAPH_VARIANTS, gpu, small_params, subprocess_timeout
 
 import zoo
+from zoo.backends.flex import FlexBackend
 from zoo.functional import prepare_call, resolve_pattern
 from zoo.layout.block_layout import specialized
 from zoo.parallel import ShardLayout, exchange_plan, shard, shard_stats, unshard
@@ -159,6 +160,43 @@ def _check_overlap(rank: int, world: int, group) -> list[str]:
     if events != expected:
         return [f"rank {rank}: events {events}, expected {expected}"]
     return []
+
+
+FLEX_VARIANTS = ("sliding_window", "causal", "longformer", "bigbird", "dilated", "neighborhood_2d")
+
+
+def _check_flex(rank: int, world: int, group) -> list[str]:
+    """Flex (its eager path: no backward on a CPU, and compiling each call would cost seconds)
+    at 2 ranks, on a variant of each kind of plan (a halo, a causal prefix, global rows
+    shipped, random blocks per head, a regrouped order, a 2-D grid), causal or not in turn,
+    padded, both orders, in float32 (flex takes no float64): the forward equals the shard of
+    the one-process call on the same backend within twice that call's own error against the
+    float64 reference. The mask_mod reads the global positions each call maps its indices
+    to. (Every variant would cost 2 to 5 minutes here: an eager flex call takes about a
+    second on this CPU.)"""
+    if world != 2:
+        return []
+    q, k, v, padding, _ = _inputs()
+    flex, failures = FlexBackend(compile=False), []
+    for i, variant in enumerate(FLEX_VARIANTS):
+        causal, order = bool(i % 2), ORDERS[i // 2 % 2]
+        kwargs = dict(variant=variant, causal=causal, key_padding_mask=padding,
+                      **small_params(variant))  # fmt: skip
+        whole = shard(zoo.attention(q, k, v, backend="reference", **kwargs), rank, world,
+                      order=order)  # fmt: skip
+        one = zoo.attention(*(t.float() for t in (q, k, v)), backend=flex, **kwargs)
+        allowed = 2 * _error(shard(one, rank, world, order=order).double(), whole) + 1e-7
+        kwargs["key_padding_mask"] = shard(padding, rank, world, dim=1, order=order)
+        mine = [shard(t, rank, world, order=order).float() for t in (q, k, v)]
+        out = zoo.parallel.context_parallel_attention(
+            *mine, group=group, backend=flex, order=order, plan_block=PLAN_BLOCK,
+            overlap=bool(i % 3), **kwargs,
+        )  # fmt: skip
+        error = _error(out.double(), whole)
+        if not error <= allowed:
+            failures.append(f"rank {rank}: flex {variant} causal={causal} {order}: {error:.1e} "
+                            f"> {allowed:.1e}")  # fmt: skip
+    return failures
 
 
 WIDE_LENGTH, WIDE_BLOCK = 128, 8  # shards of 8 plan blocks or more: a global block is wide
@@ -358,6 +396,7 @@ def _check_module(rank: int, world: int, group) -> list[str]:
 CHECKS = {
     "matches": _check_matches,
     "overlap": _check_overlap,
+    "flex": _check_flex,
     "wide": _check_wide,
     "errors": _check_errors,
     "explain": _check_explain,
@@ -388,11 +427,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module", params=(2, 4), ids=("2 ranks", "4 ranks"))
-def outcome(request, tmp_path_factory) -> dict[str, list[str]]:
-    """Every check's failures over the ranks of one group of ``request.param`` processes."""
-    world = request.param
-    folder = tmp_path_factory.mktemp(f"cp{world}")
+def _outcome(world: int, folder) -> dict[str, list[str]]:
+    """Every check's failures over the ranks of one group of ``world`` processes."""
     context = mp.start_processes(
         _worker, args=(world, _free_port(), str(folder)), nprocs=world, join=False,
         start_method="spawn",
@@ -410,28 +446,19 @@ def outcome(request, tmp_path_factory) -> dict[str, list[str]]:
     return found
 
 
-def test_every_fixed_variant_matches_one_process_forward_and_backward(outcome):
-    assert not outcome["matches"], "\n".join(outcome["matches"])
-
-
-def test_interior_rows_run_while_the_exchange_is_in_flight(outcome):
-    assert not outcome["overlap"], "\n".join(outcome["overlap"])
-
-
-def test_wide_rows_computed_where_their_keys_are_match_one_process(outcome):
-    assert not outcome["wide"], "\n".join(outcome["wide"])
-
-
-def test_bad_calls_raise_on_every_rank_before_any_exchange(outcome):
-    assert not outcome["errors"], "\n".join(outcome["errors"])
-
-
-def test_explain_bytes_and_pairs_equal_counts_from_the_dense_mask(outcome):
-    assert not outcome["explain"], "\n".join(outcome["explain"])
-
-
-def test_module_on_shards_matches_one_process(outcome):
-    assert not outcome["module"], "\n".join(outcome["module"])
+@pytest.mark.parametrize("world", (2, 4), ids=("2 ranks", "4 ranks"))
+def test_every_check_holds_on_every_rank(world, tmp_path):
+    """One group of processes runs every check of CHECKS on each rank (a process start costs
+    seconds): ``matches``, every fixed variant equals the one-process call forward and backward;
+    ``overlap``, the interior rows run while the exchange is in flight; ``flex``, flex's forward
+    equals it; ``wide``, wide rows computed where their keys are; ``errors``, bad calls raise on
+    every rank before any exchange; ``explain``, its bytes and pairs equal counts from the dense
+    mask; ``module``, the module on shards equals one process. One test per world size, not one
+    per check: a module fixture shared by tests was set up again by each pytest-xdist worker
+    that ran one of them."""
+    found = _outcome(world, tmp_path)
+    failed = [f"{name}: {failure}" for name, failures in found.items() for failure in failures]
+    assert not failed, "\n".join(failed)
 
 
 def test_cases_cover_every_backend_order_and_encoding_for_every_variant_kind():
@@ -475,33 +502,57 @@ def test_a_call_without_a_process_group_says_how_to_start_one():
         zoo.attention(q, q, q, variant="local", cp_group=object())
 
 
+GPU_CASES = (  # (variant, causal, order): a halo, per-head random blocks, causal without
+    # a mask (causal_lower_right), global rows shipped as wide rows
+    ("sliding_window", True, "contiguous"),
+    ("bigbird", False, "contiguous"),
+    ("causal", True, "head_tail"),
+    ("longformer", False, "contiguous"),
+)
+
+
 def _gpu_worker(rank: int, world: int, port: int) -> None:
-    """On GPU ``rank`` with NCCL: a few variants in float32 against the float64 CPU reference,
-    within float32's error."""
-    torch.cuda.set_device(rank)
+    """On GPU ``rank`` with NCCL, in float32: the output and dq, dk, dv of a few variants,
+    overlapped and not, against the float64 reference on the CPU, within float32's error. The
+    tensors are put on the GPU and the current device is left at GPU 0 (no set_device), as a
+    script that forgets it would."""
     dist.init_process_group(
         "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     try:
-        q, k, v, padding, _ = _inputs()
-        for variant, causal in (("sliding_window", True), ("bigbird", False), ("full", True)):
+        q, k, v, padding, grad = _inputs()
+        for i, (variant, causal, order) in enumerate(GPU_CASES):
             kwargs = dict(variant=variant, causal=causal, **small_params(variant))
-            whole = zoo.attention(q, k, v, backend="reference", key_padding_mask=padding, **kwargs)
-            mine = [shard(t, rank, world).float().cuda() for t in (q, k, v)]
-            out = zoo.attention(
-                *mine, cp_group=dist.group.WORLD,
-                key_padding_mask=shard(padding, rank, world, dim=1).cuda(), **kwargs,
+            whole = [t.clone().requires_grad_() for t in (q, k, v)]
+            reference = zoo.attention(*whole, backend="reference", key_padding_mask=padding,
+                                      **kwargs)  # fmt: skip
+            reference.backward(grad)
+            device = torch.device("cuda", rank)
+            mine = [shard(t, rank, world, order=order).float().to(device).requires_grad_()
+                    for t in (q, k, v)]  # fmt: skip
+            mask = shard(padding, rank, world, dim=1, order=order).to(device)
+            out = zoo.parallel.context_parallel_attention(
+                *mine, group=dist.group.WORLD, order=order, key_padding_mask=mask,
+                plan_block=PLAN_BLOCK, overlap=bool(i % 2), **kwargs,
             )  # fmt: skip
-            error = _error(out.double().cpu(), shard(whole, rank, world))
-            assert error < 1e-4, f"rank {rank}: {variant} causal={causal}: {error}"
+            out.backward(shard(grad, rank, world, order=order).float().to(device))
+            cpu = [t.detach().double().cpu() for t in mine]
+            for t, a in zip(cpu, mine, strict=True):
+                t.grad = None if a.grad is None else a.grad.double().cpu()
+            errors = _shard_errors(out.double().cpu(), cpu, reference, whole, rank, world, order)
+            assert max(errors) < 1e-4, f"rank {rank}: {variant} causal={causal}: {errors}"
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
-def test_nccl_on_two_gpus_matches_one_process():
-    mp.start_processes(_gpu_worker, args=(2, _free_port()), nprocs=2, start_method="spawn")
+@gpu
+@pytest.mark.parametrize("world", [1, 2])
+def test_nccl_on_gpus_matches_one_process(world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs (NCCL), this machine has "
+                    f"{torch.cuda.device_count()}")  # fmt: skip
+    mp.start_processes(_gpu_worker, args=(world, _free_port()), nprocs=world,
+                       start_method="spawn")  # fmt: skip
 
 
 @pytest.mark.parametrize("order", ORDERS)

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from ..backends.blocked.index_rows import index_rows
+from ..core.narrowed import narrowed
 from ..core.shape_cache import per_shape
 from ..patterns.base import Spans
 from ..patterns.grid import Tiles
@@ -81,11 +82,11 @@ class Axis:
     def scatter(self, x: Tensor, dim: int = -2) -> Tensor:
         """Slots of ``x`` back into the original order (padding slots dropped)."""
         if self.identity:
-            return x.narrow(dim, 0, self.length)
+            return narrowed(x, dim, 0, self.length)
         if self.aligned:
             dim, groups = dim % x.dim(), self.slots // self.step
             x = x.unflatten(dim, (self.step, groups)).transpose(dim, dim + 1).flatten(dim, dim + 1)
-            return x.narrow(dim, 0, self.length)
+            return narrowed(x, dim, 0, self.length)
         return index_rows(x, dim, self.slot_of)
 
 

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..core.narrowed import narrowed
+
 
 def feature_attention(
     phi_q: Tensor, phi_k: Tensor, v: Tensor, *, causal: bool, chunk_size: int
@@ -66,7 +68,7 @@ def _chunked_causal(
     num = inside @ vc + torch.einsum("bhncm,bhnmd->bhncd", pq, before)
     den = inside.sum(dim=-1) + torch.einsum("bhncm,bhnm->bhnc", pq, before_norm)
     out = _divide(num, den).flatten(2, 3)  # (B, H, n·C, Dv)
-    return out[:, :, :length]
+    return narrowed(out, 2, 0, length)
 
 
 def _exclusive_cumsum(chunks: Tensor, start: Tensor) -> Tensor:

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..core.narrowed import narrowed
+
 
 class Pending:
     """Messages posted and not yet waited for: a tensor sent to each peer of ``outgoing`` and
@@ -60,15 +62,23 @@ def swap(
 
 
 def _post_rows(
-    local: Tensor, sends: dict, fetch: dict, group, send_pairs=None, fetch_pairs=None
+    local: tuple[Tensor, ...], sends: dict, fetch: dict, group, send_pairs=None, fetch_pairs=None
 ) -> Pending:
-    """Post the rows of (B, H, s, E) ``local`` that each peer fetches from this rank, and the
+    """Post the rows of (B, H, s, E_i) ``local`` tensors (keys and values: side by side in one
+    message per peer, (B, H, n, sum E_i)) that each peer fetches from this rank, and the
     receives of the rows this rank fetches from each peer. ``send_pairs`` and ``fetch_pairs``:
     peer -> (head, row) index pairs where only those (heads, rows) travel, as (B, P, E)."""
     send_pairs, fetch_pairs = send_pairs or {}, fetch_pairs or {}
-    outgoing = {p: _selected(local, rows, send_pairs.get(p)) for p, rows in sends.items()}
-    incoming = {p: _shape(local.shape, rows, fetch_pairs.get(p)) for p, rows in fetch.items()}
-    return Pending(outgoing, incoming, local, group)
+    outgoing = {p: _side_by_side([_selected(x, rows, send_pairs.get(p)) for x in local])
+                for p, rows in sends.items()}  # fmt: skip
+    shape = (*local[0].shape[:3], sum(x.shape[3] for x in local))
+    incoming = {p: _shape(shape, rows, fetch_pairs.get(p)) for p, rows in fetch.items()}
+    return Pending(outgoing, incoming, local[0], group)
+
+
+def _side_by_side(parts: list[Tensor]) -> Tensor:
+    """Only the rows that travel are copied together (not the whole shard)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
 def _selected(x: Tensor, rows: Tensor, pairs) -> Tensor:
@@ -98,27 +108,24 @@ def _placed(arrived: Tensor, rows: Tensor, pairs, heads: int) -> Tensor:
     return out
 
 
-def _joined(received: dict[int, Tensor], like: Tensor, fetch: dict, fetch_pairs=None) -> Tensor:
-    """The received rows in one buffer (B, H, n, E), peers in rank order."""
-    if not received:
-        return like.new_zeros(*like.shape[:2], 0, like.shape[3])
-    fetch_pairs = fetch_pairs or {}
-    return torch.cat([_placed(t, fetch[p], fetch_pairs.get(p), like.shape[1])
-                      for p, t in received.items()], dim=2)  # fmt: skip
+def _by_peer(received: dict[int, Tensor], fetch: dict, fetch_pairs: dict, heads: int) -> dict:
+    """peer -> the (B, heads, n, E) rows received from it (heads that did not travel: zeros)."""
+    return {p: _placed(t, fetch[p], fetch_pairs.get(p), heads) for p, t in received.items()}
 
 
 def in_order(
-    own: Tensor, fetched: Tensor, pieces: tuple, first: int = 0, stop: int | None = None
+    own: Tensor, fetched: dict[int, Tensor], pieces: tuple, first: int = 0, stop: int | None = None
 ) -> Tensor:
     """Keys ``first .. stop - 1`` of the list a rank attends, in position order, from slices of
-    its own rows (source -1) and of the fetched buffer (source: the peer): a view where they lie
-    in one slice."""
+    its own rows (source -1) and of the rows fetched from each peer (source: the peer): a view
+    where they lie in one slice."""
     stop = sum(count for *_, count in pieces) if stop is None else stop
     parts, at = [], 0
     for source, start, count in pieces:
         lo, hi = max(first, at), min(stop, at + count)
         if lo < hi:
-            parts.append((own if source == -1 else fetched).narrow(2, start + lo - at, hi - lo))
+            parts.append(narrowed(own if source == -1 else fetched[source], 2, start + lo - at,
+                                  hi - lo))  # fmt: skip
         at += count
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
@@ -139,11 +146,11 @@ class _StartKeys(torch.autograd.Function):
     """Posts the exchange; its backward waits for the gradients of the rows this rank sent."""
 
     @staticmethod
-    def forward(ctx, own: Tensor, exchange: KeyExchange) -> Tensor:
-        ctx.exchange, ctx.shape, ctx.like = exchange, own.shape, own.new_empty(0)
-        exchange.pending = _post_rows(own, exchange.sends, exchange.fetch, exchange.group,
+    def forward(ctx, k: Tensor, v: Tensor, exchange: KeyExchange) -> Tensor:
+        ctx.exchange, ctx.shapes, ctx.like = exchange, (k.shape, v.shape), k.new_empty(0)
+        exchange.pending = _post_rows((k, v), exchange.sends, exchange.fetch, exchange.group,
                                       exchange.send_pairs, exchange.fetch_pairs)  # fmt: skip
-        return own.new_zeros(())
+        return k.new_zeros(())
 
     @staticmethod
     def backward(ctx, grad_token: Tensor):
@@ -151,69 +158,87 @@ class _StartKeys(torch.autograd.Function):
         returned = exchange.pending.wait()
         exchange.pending = None
         if not exchange.sends:  # nothing comes back (where no call read the shard's keys
-            return None, None  # either, their gradient is None: zero, as PyTorch writes it)
-        grad_own = ctx.like.new_zeros(ctx.shape)
+            return None, None, None  # either, their gradient is None: zero, as PyTorch writes)
+        grads = [ctx.like.new_zeros(shape) for shape in ctx.shapes]
+        widths = [shape[-1] for shape in ctx.shapes]
+        batch = torch.arange(ctx.shapes[0][0], device=ctx.like.device)[:, None]
         for p, rows in exchange.sends.items():  # a row sent to several peers: all their grads
-            rows, pairs = rows.to(grad_own.device), exchange.send_pairs.get(p)
-            if pairs is None:
-                grad_own.index_add_(2, rows, returned[p])
-                continue
-            heads, at = (t.to(grad_own.device) for t in pairs)
-            batch = torch.arange(ctx.shape[0], device=grad_own.device)[:, None]
-            grad_own.index_put_((batch, heads[None], rows[at][None]), returned[p], accumulate=True)
-        return grad_own, None
+            rows, pairs = rows.to(ctx.like.device), exchange.send_pairs.get(p)
+            for grad, part in zip(grads, returned[p].split(widths, dim=-1), strict=True):
+                if pairs is None:
+                    grad.index_add_(2, rows, part)
+                    continue
+                heads, at = (t.to(ctx.like.device) for t in pairs)
+                grad.index_put_((batch, heads[None], rows[at][None]), part, accumulate=True)
+        return *grads, None
 
 
 class _FinishKeys(torch.autograd.Function):
-    """Waits for the exchange: (the rows fetched, (B, H, n, E), peers in rank order; a token for
-    the output). The token makes the backward run on every rank, also where no call reads the
-    fetched rows (a rank must still return its peers' gradients)."""
+    """Waits for the exchange: per peer that sends keys, in rank order, the (B, H, n, Dk) keys
+    and (B, H, n, Dv) values received from it; then a token for the output. The token makes
+    the backward run on every rank, also where no call reads the fetched rows (a rank must
+    still return its peers' gradients). Keys and values travel side by side, one message per
+    peer, and come back as outputs of their own per peer: no buffer of every fetched row is
+    made, forward or backward."""
 
     @staticmethod
-    def forward(ctx, token: Tensor, own: Tensor, exchange: KeyExchange):
-        ctx.exchange, ctx.shape, ctx.like = exchange, own.shape, own.new_empty(0)
+    def forward(ctx, token: Tensor, k: Tensor, v: Tensor, exchange: KeyExchange):
+        ctx.exchange, ctx.like, ctx.widths = exchange, k.new_empty(0), (k.shape[3], v.shape[3])
+        ctx.shape = (*k.shape[:3], k.shape[3] + v.shape[3])
         ctx.set_materialize_grads(False)  # rows no call read: no gradient, none made
-        fetched = _joined(exchange.pending.wait(), own, exchange.fetch, exchange.fetch_pairs)
+        received = _by_peer(exchange.pending.wait(), exchange.fetch, exchange.fetch_pairs,
+                            k.shape[1])  # fmt: skip
         exchange.pending = None
-        return fetched, own.new_zeros(())
+        return *(part for t in received.values() for part in t.split(ctx.widths, dim=-1)), \
+            k.new_zeros(())  # fmt: skip
 
     @staticmethod
-    def backward(ctx, grad: Tensor | None, grad_token: Tensor | None):
+    def backward(ctx, *grads: Tensor | None):
         exchange = ctx.exchange
-        batch, heads, _, width = ctx.shape
-        counts = [rows.numel() for rows in exchange.fetch.values()]
-        if grad is None:
-            grad = ctx.like.new_zeros(batch, heads, sum(counts), width)
-        outgoing = {  # each peer's rows (and heads) back to it
-            p: grad_p if exchange.fetch_pairs.get(p) is None else
-            _selected(grad_p, torch.arange(rows.numel()), exchange.fetch_pairs[p])
-            for (p, rows), grad_p in zip(exchange.fetch.items(), torch.split(grad, counts, dim=2),
-                                         strict=True)
-        }  # fmt: skip
+        batch, heads = ctx.shape[:2]
+        outgoing = {}  # each peer's rows (and heads) back to it, keys and values side by side
+        for index, (p, rows) in enumerate(exchange.fetch.items()):
+            pair = grads[2 * index : 2 * index + 2]  # its keys' and values' gradients
+            both = [ctx.like.new_zeros(batch, heads, rows.numel(), w) if g is None else g
+                    for g, w in zip(pair, ctx.widths, strict=True)]  # fmt: skip
+            grad_p, pairs = torch.cat(both, dim=-1), exchange.fetch_pairs.get(p)
+            outgoing[p] = grad_p if pairs is None else _selected(
+                grad_p, torch.arange(rows.numel()), pairs)  # fmt: skip
         incoming = {p: _shape(ctx.shape, rows, exchange.send_pairs.get(p))
                     for p, rows in exchange.sends.items()}  # fmt: skip
-        exchange.pending = Pending(outgoing, incoming, grad, exchange.group)
-        return ctx.like.new_zeros(()), None, None
+        exchange.pending = Pending(outgoing, incoming, ctx.like, exchange.group)
+        return ctx.like.new_zeros(()), None, None, None
 
 
-def start_keys(own: Tensor, sends: dict, fetch: dict, group, send_pairs=None, fetch_pairs=None):
-    """Post the exchange of (B, H, s, E) own rows (keys, or values, or both side by side):
-    (a token for ``finish_keys``, the exchange in flight). ``send_pairs``, ``fetch_pairs``: as
-    ``KeyExchange`` takes them."""
+def start_keys(
+    k: Tensor, v: Tensor, sends: dict, fetch: dict, group, send_pairs=None, fetch_pairs=None
+):
+    """Post the exchange of the (B, H, s, Dk) keys and (B, H, s, Dv) values of this rank's
+    shard: (a token for ``finish_keys``, the exchange in flight). ``send_pairs``,
+    ``fetch_pairs``: as ``KeyExchange`` takes them."""
     exchange = KeyExchange(sends, fetch, group, send_pairs, fetch_pairs)
-    return _StartKeys.apply(own, exchange), exchange
+    return _StartKeys.apply(k, v, exchange), exchange
 
 
-def finish_keys(token: Tensor, own: Tensor, exchange: KeyExchange) -> tuple[Tensor, Tensor]:
-    """Wait for ``start_keys``'s exchange: ((B, H, n, E) the rows fetched, peers in rank order,
-    for ``in_order``; a zero scalar that the call's output must add)."""
-    return _FinishKeys.apply(token, own, exchange)
+def finish_keys(
+    token: Tensor, k: Tensor, v: Tensor, exchange: KeyExchange
+) -> tuple[dict[int, Tensor], dict[int, Tensor], Tensor]:
+    """Wait for ``start_keys``'s exchange: (peer -> the (B, H, n, Dk) keys fetched from it,
+    peer -> the (B, H, n, Dv) values, for ``in_order``; a zero scalar that the call's output
+    must add)."""
+    *parts, token = _FinishKeys.apply(token, k, v, exchange)
+    peers = list(exchange.fetch)
+    return (
+        dict(zip(peers, parts[0::2], strict=True)),
+        dict(zip(peers, parts[1::2], strict=True)),
+        token,
+    )
 
 
 def gather_padding(padding: Tensor, sends: dict, fetch: dict, pieces: tuple, group) -> Tensor:
     """(B, s) key padding of own rows -> (B, m) that of the keys the rank attends."""
     as_rows = padding.to(torch.uint8)[:, None, :, None]  # (B, 1, s, 1): rows like k's
-    fetched = _joined(_post_rows(as_rows, sends, fetch, group).wait(), as_rows, fetch)
+    fetched = _by_peer(_post_rows((as_rows,), sends, fetch, group).wait(), fetch, {}, 1)
     return in_order(as_rows, fetched, pieces)[:, 0, :, 0].bool()
 
 

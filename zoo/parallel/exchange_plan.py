@@ -79,8 +79,8 @@ class RankPlan:
     q_positions: Tensor  # [shard] global positions of its queries (and own keys), increasing
     kv_positions: Tensor  # [m] global positions of the keys it attends: own and fetched, sorted
     fetch: dict[int, Tensor]  # owner rank -> [n] rows of the owner's shard it receives, sorted
-    # The keys it attends as slices of two sources, in position order: (-1, first, count) of its
-    # own shard, (p, first, count) of what it receives from rank p.
+    # The keys it attends as slices, in position order: (-1, first, count) of its own shard,
+    # (p, first, count) of the rows it receives from rank p.
     pieces: tuple[tuple[int, int, int], ...]
     wide_rows: Tensor  # [g] rows of its shard it ships (its wide query rows), sorted; often none
     ship_to: tuple[int, ...]  # the ranks it ships them to, each returning their partials
@@ -289,10 +289,7 @@ def _rank_plan(
         heads.setdefault(owner, []).append(readers)
     fetched = {owner: torch.cat(rows) for owner, rows in sorted(fetch.items())}
     fetch_heads = {owner: torch.cat(readers, dim=1) for owner, readers in sorted(heads.items())}
-    # Received rows arrive as one buffer, peers in rank order, each peer's rows sorted.
-    next_row, offset = {}, 0
-    for owner, rows in fetched.items():
-        next_row[owner], offset = offset, offset + rows.numel()
+    next_row = dict.fromkeys(fetched, 0)  # each peer's rows arrive as one tensor, sorted
     pieces, positions = [], []
     for chunk in range(layout.world * layout.chunks_per_rank):
         owner, row0 = layout.owner(chunk)

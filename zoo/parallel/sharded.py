@@ -28,6 +28,8 @@ only the wide rows merge partials (the house's one merge, ``zoo.backends.lse_mer
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -36,6 +38,7 @@ from torch import Tensor
 
 from ..backends import Backend, resolve_backend
 from ..core.call import check_key_padding_mask, check_qkv, unread_padding
+from ..core.narrowed import narrowed
 from ..core.prepare import Encoding, attention_encoding, prepare_call
 from ..core.resolve import call_pattern, concrete_params
 from ..core.scores import AdditiveScore
@@ -66,6 +69,24 @@ class ShardStats:
     pairs: float  # (query, key) pairs its queries may attend, per head and sequence
 
 
+def on_q_device(function: Callable) -> Callable:
+    """Run ``function(q, ...)`` with q's GPU as the current CUDA device: NCCL stages
+    ``all_gather_object`` on the current device and ``batch_isend_irecv`` hangs where it is not
+    the tensors' one, and a training script that put its tensors on ``cuda:LOCAL_RANK`` without
+    ``torch.cuda.set_device`` would otherwise have every rank's agreement on GPU 0. (Autograd
+    runs a GPU's backward on a thread whose current device is that GPU already.)"""
+
+    @functools.wraps(function)
+    def on_device(q, *args, **kwargs):
+        if not (isinstance(q, Tensor) and q.is_cuda):
+            return function(q, *args, **kwargs)
+        with torch.cuda.device(q.device):
+            return function(q, *args, **kwargs)
+
+    return on_device
+
+
+@on_q_device
 def context_parallel_attention(
     q: Tensor,
     k: Tensor,
@@ -118,26 +139,24 @@ def context_parallel_attention(
     padding_all = None
     if padding is not None:
         padding_all = gather_padding(padding, sends, mine.fetch, mine.pieces, group)
-    own = torch.cat([k, v], dim=-1)  # one message per peer for both
-    started, exchange = start_keys(own, sends, mine.fetch, group,
+    started, exchange = start_keys(k, v, sends, mine.fetch, group,
                                    *head_pairs(plan, rank, k.shape[1]))  # fmt: skip
     common = (variant, backend, causal, dropout_p, scale, score, encoding)
-    width = k.shape[-1]
 
-    def run(index: int, call: CallPlan, fetched: Tensor | None) -> tuple[Tensor, Tensor]:
+    def run(index: int, call: CallPlan, fetched: list[dict] | None) -> tuple[Tensor, Tensor]:
         """The call's rows against its run of keys: its own (interior), or of the keys it
         attends, own and ``fetched`` in position order (views of k and v where the run is
         all its own: their gradients then need no copy)."""
         wrapper = rank_pattern(pattern, plan, rank, q.device, heads, index, overlap)
         held = call.first, call.stop - call.first
         if call.interior:
-            k_run, v_run, held_padding = k.narrow(2, *held), v.narrow(2, *held), padding
+            k_run, v_run, held_padding = narrowed(k, 2, *held), narrowed(v, 2, *held), padding
         else:
-            k_fetched, v_fetched = fetched.split([width, fetched.shape[-1] - width], dim=-1)
+            k_fetched, v_fetched = fetched
             run_of = (mine.pieces, call.first, call.stop)
             k_run, v_run = in_order(k, k_fetched, *run_of), in_order(v, v_fetched, *run_of)
             held_padding = padding_all
-        held_padding = None if held_padding is None else held_padding.narrow(1, *held)
+        held_padding = None if held_padding is None else narrowed(held_padding, 1, *held)
         out = _one_call(_take(q, call.rows), k_run, v_run, held_padding, wrapper, *common)
         return call.rows, out
 
@@ -147,7 +166,7 @@ def context_parallel_attention(
             parts.append(run(index, call, None))
         else:
             waiting.append((index, call))
-    fetched, token = finish_keys(started, own, exchange)
+    *fetched, token = finish_keys(started, k, v, exchange)
     parts += [run(index, call, fetched) for index, call in waiting]
     if plan.ships:
         bias = encoding.bias if encoding is not None and encoding.kind == "bias" else None
@@ -164,7 +183,7 @@ def _take(x: Tensor, rows: Tensor) -> Tensor:
     """x's rows (dim 2) named by ``rows`` (sorted, on the CPU): a view where they are one run."""
     first, count = int(rows[0]), rows.numel()
     if int(rows[-1]) - first + 1 == count:
-        return x.narrow(2, first, count)
+        return narrowed(x, 2, first, count)
     return x.index_select(2, rows.to(x.device))
 
 
@@ -176,7 +195,7 @@ def _in_rows(parts: list[tuple[Tensor, Tensor]]) -> Tensor:
     for rows, part in parts:
         breaks = (torch.nonzero(rows.diff() != 1).flatten() + 1).tolist()
         for start, stop in zip([0, *breaks], [*breaks, rows.numel()], strict=True):
-            runs.append((int(rows[start]), part.narrow(2, start, stop - start)))
+            runs.append((int(rows[start]), narrowed(part, 2, start, stop - start)))
     runs.sort(key=lambda run: run[0])
     return runs[0][1] if len(runs) == 1 else torch.cat([run for _, run in runs], dim=2)
 

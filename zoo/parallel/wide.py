@@ -30,6 +30,7 @@ from torch import Tensor
 from ..backends.base import repeat_kv
 from ..backends.lse_merge import kernel_partial, merge, partial
 from ..backends.reference import attention_mask, masked_scores, score_bias
+from ..core.narrowed import narrowed
 from ..core.prepare import prepare_call
 from ..core.shape_cache import per_shape
 from ..patterns import Pattern
@@ -65,8 +66,8 @@ def own_keys_partial(
     parts = []
     for index, wrapper in enumerate(wrappers):
         held = index * size, size
-        chunk_padding = None if padding is None else padding.narrow(1, *held)
-        parts.append(_chunk_partial(q, k.narrow(2, *held), v.narrow(2, *held), chunk_padding,
+        chunk_padding = None if padding is None else narrowed(padding, 1, *held)
+        parts.append(_chunk_partial(q, narrowed(k, 2, *held), narrowed(v, 2, *held), chunk_padding,
                                     wrapper, scale, score, bias))  # fmt: skip
     return parts[0] if len(parts) == 1 else merge(*zip(*parts, strict=True))
 
