@@ -268,6 +268,14 @@ def _explain_sharded(q: Tensor, k: Tensor, v: Tensor, group: object, **kwargs: o
     for option in ("scale", "score", "return_weights"):  # no effect on the plan
         kwargs.pop(option, None)
     stats = shard_stats(q, k, v, group=group, order=order, **kwargs)
+    if stats.routed:
+        return (
+            f"context parallel rank {stats.rank} of {stats.world} ({order}): its queries choose "
+            "their key blocks by content, so what it receives is known in the call only: the "
+            "blocks they choose, from the block sums that the ranks add up, at most "
+            f"{stats.received_bytes} bytes ({stats.received_rows} key/value rows per sequence "
+            "and key/value head, every other shard)"
+        )
     sources = ", ".join(str(r) for r in stats.sources) or "none"
     shipped = ""
     if stats.ship_to:

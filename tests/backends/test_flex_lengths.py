@@ -18,9 +18,11 @@ changed from one process to the next. The reporter reproduced it with torch alon
 (On the 2-core Xeon where this test was written the script above printed ~1e-7 for every length
 tried, so the fault depends on the machine or on memory contents.) The flex backend now pads to
 whole blocks on CPU (see ``zoo/backends/flex.py``); this test holds it to the reference at every
-length from 1 to 300 and a large odd one, for several variants, causal or not, with key
+residue of the length modulo the kernel's block of 128, across its first boundary (lengths 1 to
+140), and a large odd length, for several variants, causal or not, with key
 padding, in a fresh process (the reported failures changed between processes; seed 1 runs the
-other configuration at each length).
+other configuration at each length). Every length from 1 to 300 took 70-90 s of the suite on a
+2-core CPU.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from pathlib import Path
 import pytest
 from helpers import subprocess_timeout
 
-# Runs in a fresh process: every length 1..300 once, then a large odd one. Each compiled graph
+# Runs in a fresh process: each length once, then a large odd one. Each compiled graph
 # costs seconds on CPU (one per configuration and padded length), so a process alternates two
 # configurations (variant, causal, key padding) by length, and the second process, which swaps
 # them, finds the first one's graphs in inductor's cache.
@@ -47,7 +49,9 @@ seed = int(sys.argv[1])
 torch.set_num_threads(2)
 generator = torch.Generator().manual_seed(seed)
 configs = [("local", True, True), ("longformer", False, False)]
-cases = [(n, *configs[(n + seed) % 2]) for n in range(1, 301)]
+# Every residue modulo the kernel's block of 128, across its first boundary
+lengths = range(1, 141)
+cases = [(n, *configs[(n + seed) % 2]) for n in lengths]
 cases += [(1999, "bigbird", True, True)]  # causal, padded, many blocks (16 of 128), random ones
 failures = []
 for n, variant, causal, padded in cases:
@@ -76,7 +80,7 @@ def test_compiled_flex_matches_reference_at_every_length(seed):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["cases"] == 301
+    assert result["cases"] == 141
     assert result["failures"] == [], f"compiled flex differs from the reference: {result}"
 
 

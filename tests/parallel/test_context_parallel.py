@@ -28,6 +28,7 @@ from zoo.functional import prepare_call, resolve_pattern
 from zoo.layout.block_layout import specialized
 from zoo.parallel import ShardLayout, exchange_plan, shard, shard_stats, unshard
 from zoo.parallel.sharded import rank_pattern, ship_ratio
+from zoo.patterns import Local, Moba
 
 LENGTH = 56  # 56 / 16 (block_size): the last pattern block ends mid-way; shards of 28 and 14
 PLAN_BLOCK = 8  # shards of 14 (4 ranks) and chunks of 7 end mid-block
@@ -199,6 +200,71 @@ def _check_flex(rank: int, world: int, group) -> list[str]:
     return failures
 
 
+MOBA = dict(variant="moba", block_size=4, top_k=3)  # blocks of 4 straddle chunks of 7 (4 ranks)
+ROUTED_CASES = (  # (variant and parameters, causal, padded, backend, order, pos)
+    (MOBA, True, True, "blocked", "contiguous", "rope"),
+    (MOBA, False, False, "reference", "head_tail", None),
+    (MOBA, True, False, "sdpa", "head_tail", "alibi"),
+    (MOBA, False, True, "blocked", "contiguous", None),
+    (dict(variant=Moba(block_size=4, top_k=2) | Local(window_size=5)), True, True, "blocked",
+     "head_tail", None),
+)  # fmt: skip
+
+
+def _counting(start_keys, record: list):
+    """``start_keys`` that records how many rows the rank fetches."""
+
+    def counted(k, v, sends, fetch, *args):
+        record.append(sum(rows.numel() for rows in fetch.values()))
+        return start_keys(k, v, sends, fetch, *args)
+
+    return counted
+
+
+def _check_routed(rank: int, world: int, group) -> list[str]:
+    """MoBA (and a union with a window), its blocks chosen from the block sums every rank adds
+    up: each rank's shard of the output and of dq, dk, dv equals the one-process call (float64),
+    causal or not, padded or not, both orders, overlapped and not; and the rows it fetches are
+    the plan blocks of other ranks that hold a key its queries read in the one-process call's
+    mask."""
+    q, k, v, padding, grad = _inputs()
+    failures = []
+    for i, (variant, causal, padded, backend, order, pos) in enumerate(ROUTED_CASES):
+        kwargs = dict(causal=causal, pos=pos, **variant)
+        whole_mask = padding if padded else None
+        whole = [t.clone().requires_grad_() for t in (q, k, v)]
+        reference = zoo.attention(*whole, backend="reference", key_padding_mask=whole_mask,
+                                  **kwargs)  # fmt: skip
+        reference.backward(grad)
+        mine = [shard(t, rank, world, order=order).requires_grad_() for t in (q, k, v)]
+        mask = shard(padding, rank, world, dim=1, order=order) if padded else None
+        sharded = zoo.parallel.sharded
+        fetched, start = [], sharded.start_keys
+        sharded.start_keys = _counting(start, fetched)
+        try:
+            out = zoo.parallel.context_parallel_attention(
+                *mine, group=group, backend=backend, order=order, key_padding_mask=mask,
+                plan_block=PLAN_BLOCK, overlap=bool(i % 2), **kwargs,
+            )  # fmt: skip
+        finally:
+            sharded.start_keys = start
+        out.backward(shard(grad, rank, world, order=order))
+        errors = _shard_errors(out, mine, reference, whole, rank, world, order)
+        case = f"{variant} causal={causal} padded={padded} {backend} {order} pos={pos}"
+        if max(errors) > TOLERANCE:
+            shown = ", ".join(f"{e:.1e}" for e in errors)
+            failures.append(f"rank {rank}: {case}: |error| out, dq, dk, dv = {shown}")
+        call = prepare_call(q, k, v, key_padding_mask=whole_mask, **kwargs)
+        layout = ShardLayout(world, LENGTH // world, order)
+        rows = layout.positions(rank)
+        reads = call.pattern.dense(LENGTH, LENGTH)[:, :, rows].flatten(0, 2).any(dim=0)
+        expected = _fetched_rows(reads, layout, rank, PLAN_BLOCK)
+        if fetched != [expected]:
+            failures.append(f"rank {rank}: {case}: fetched {fetched} rows, the mask says "
+                            f"{expected}")  # fmt: skip
+    return failures
+
+
 WIDE_LENGTH, WIDE_BLOCK = 128, 8  # shards of 8 plan blocks or more: a global block is wide
 WIDE_VARIANTS = {
     "longformer": dict(window_size=8),
@@ -260,7 +326,7 @@ def _check_errors(rank: int, world: int, group) -> list[str]:
     odd = [t[:, :, :-1] for t in mine]
     bad_calls = {
         "unequal shards": (short, dict(variant="local"), "shape"),
-        "routed variant": (mine, dict(variant="moba", block_size=4), "by content"),
+        "graph variant": (mine, dict(variant="graph"), "reads a graph"),
         "mechanism": (mine, dict(variant="performer"), "mechanism"),
         "misspelt on one rank": (mine, dict(variant="locl" if rank == 1 else "local"), "variant"),
         "bad parameter": (mine, dict(variant="local", window_size=-1), "window_size"),
@@ -397,6 +463,7 @@ CHECKS = {
     "matches": _check_matches,
     "overlap": _check_overlap,
     "flex": _check_flex,
+    "routed": _check_routed,
     "wide": _check_wide,
     "errors": _check_errors,
     "explain": _check_explain,
@@ -503,11 +570,12 @@ def test_a_call_without_a_process_group_says_how_to_start_one():
 
 
 GPU_CASES = (  # (variant, causal, order): a halo, per-head random blocks, causal without
-    # a mask (causal_lower_right), global rows shipped as wide rows
+    # a mask (causal_lower_right), global rows shipped as wide rows, MoBA
     ("sliding_window", True, "contiguous"),
     ("bigbird", False, "contiguous"),
     ("causal", True, "head_tail"),
     ("longformer", False, "contiguous"),
+    ("moba", True, "head_tail"),  # blocks chosen by content, on what auto picks on a GPU
 )
 
 

@@ -6,6 +6,8 @@ exchanging only the key/value blocks that the pattern reads (``zoo.attention(...
 - ``exchange_plan``: which key rows each rank fetches from each other rank, and which wide query
   rows it ships, from the block states of the pattern at the global length;
 - ``exchange``: the differentiable point-to-point fetch, and ``SwapRows`` for wide rows;
+- ``routed_plan``: a pattern chosen by content (MoBA): the block sums the ranks add up, the
+  choice per chunk, and a plan made per call;
 - ``wide``: wide query rows (global tokens) computed where their keys are, merged by log-sum-exp;
 - ``at_positions``: the global pattern seen through one rank's rows;
 - ``sharded``: the call, its agreement between ranks, and ``shard_stats`` (``zoo.explain``);

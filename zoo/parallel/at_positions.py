@@ -38,7 +38,8 @@ class AtPositions(Pattern):
     pattern: Pattern
     q_positions: Tensor  # [s]
     kv_positions: Tensor  # [m], m >= s
-    heads: int | None = None  # query heads of a pattern drawn per head (for ``dense``)
+    heads: int | None = None  # query heads of a pattern drawn per head or routed (``dense``)
+    batch: int | None = None  # sequences of a routed pattern (for ``dense``)
 
     @property
     def offset(self) -> int:
@@ -70,12 +71,19 @@ class AtPositions(Pattern):
         if self.heads is None:
             return self.allowed(q[:, None], k[None, :])
         h = torch.arange(self.heads, device=device)[:, None, None]
+        if self.pattern.routed:  # (B, H, q_len, kv_len), as a routed pattern's dense is
+            b = torch.arange(self.batch, device=device)[:, None, None, None]
+            return self.allowed_at(b, h[None], q[None, None, :, None], k[None, None, None, :])
         zero = torch.zeros((), dtype=torch.long, device=device)
         return self.allowed_at(zero, h, q[None, :, None], k[None, None, :])[None]
 
     @property
     def per_head(self) -> bool:
         return self.pattern.per_head
+
+    @property
+    def routed(self) -> bool:
+        return self.pattern.routed
 
     def head(self, h: int) -> Pattern:
         return AtPositions(self.pattern.head(h), self.q_positions, self.kv_positions)

@@ -143,7 +143,7 @@ def block_states(
     every_chunk = tuple(range(layout.world * layout.chunks_per_rank))
     q = block_spans(layout, layout.chunks_of(rank), block)
     k = block_spans(layout, every_chunk, block)
-    state = pattern.block_state(_on(q, device).column(), _on(k, device).row()).cpu()
+    state = pattern.block_state(spans_on(q, device).column(), spans_on(k, device).row()).cpu()
     return state.reshape(-1, *state.shape[-2:])  # [1, H, ...] of a layout drawn per head
 
 
@@ -168,28 +168,45 @@ def exchange_plan(
         q = block_spans(layout, layout.chunks_of(rank), block)
         wide, ship_to = _wide_blocks(reads_per_head, key_owner, rank, q, keys, ship_ratio)
         needed_per_head = reads_per_head[:, ~wide].any(dim=1)  # [heads, k blocks]
-        needed = needed_per_head.any(dim=0)
         positions = layout.positions(rank)
         wide_rows = _rows_of(q, wide, positions)
-        calls = [_calls(reads, wide, key_owner != rank, rank, layout, q, keys, split)
+        calls = [planned_calls(reads, wide, key_owner != rank, rank, layout, q, keys, split)
                  for split in (True, False)]  # fmt: skip
-        wanted = {}  # chunk of another rank -> (global positions fetched, [heads, positions])
-        sizes = keys.hi - keys.lo + 1
-        for chunk in chunks:
-            if layout.owner(chunk)[0] == rank:
-                continue
-            first, last = chunk * layout.chunk, (chunk + 1) * layout.chunk
-            in_chunk = needed & (keys.lo >= first) & (keys.lo < last)
-            spans = zip(keys.lo[in_chunk].tolist(), keys.hi[in_chunk].tolist(), strict=True)
-            rows = [torch.arange(lo, hi + 1) for lo, hi in spans]
-            if rows:
-                heads = needed_per_head[:, in_chunk].repeat_interleave(sizes[in_chunk], dim=1)
-                wanted[chunk] = (torch.cat(rows), heads)
-        plans.append(_rank_plan(rank, layout, wanted, wide_rows, ship_to, *calls))
+        wanted = wanted_rows(needed_per_head, keys, layout, rank)
+        plans.append(rank_plan(rank, layout, wanted, wide_rows, ship_to, *calls))
     return ExchangePlan(layout, block, tuple(plans))
 
 
-def _calls(
+def wanted_rows(
+    needed_per_head: Tensor, keys: Spans, layout: ShardLayout, rank: int
+) -> dict[int, tuple[Tensor, Tensor]]:
+    """chunk of another rank -> (the global positions ``rank`` fetches from it, [heads,
+    positions] the heads that read each), from ``needed_per_head`` [heads, key blocks]."""
+    needed, wanted = needed_per_head.any(dim=0), {}
+    sizes = keys.hi - keys.lo + 1
+    for chunk in range(layout.world * layout.chunks_per_rank):
+        if layout.owner(chunk)[0] == rank:
+            continue
+        first, last = chunk * layout.chunk, (chunk + 1) * layout.chunk
+        in_chunk = needed & (keys.lo >= first) & (keys.lo < last)
+        spans = zip(keys.lo[in_chunk].tolist(), keys.hi[in_chunk].tolist(), strict=True)
+        rows = [torch.arange(lo, hi + 1) for lo, hi in spans]
+        if rows:
+            heads = needed_per_head[:, in_chunk].repeat_interleave(sizes[in_chunk], dim=1)
+            wanted[chunk] = (torch.cat(rows), heads)
+    return wanted
+
+
+def fetched_rows(wanted: dict, layout: ShardLayout) -> dict[int, Tensor]:
+    """owner rank -> the rows of its shard in ``wanted`` (``wanted_rows``), sorted."""
+    fetch: dict[int, list[Tensor]] = {}
+    for chunk, (positions, _) in sorted(wanted.items()):  # a peer's rows: chunk order
+        owner, row0 = layout.owner(chunk)
+        fetch.setdefault(owner, []).append(positions - chunk * layout.chunk + row0)
+    return {owner: torch.cat(rows) for owner, rows in sorted(fetch.items())}
+
+
+def planned_calls(
     reads: Tensor, wide: Tensor, others: Tensor, rank: int, layout: ShardLayout, q: Spans,
     keys: Spans, split: bool,
 ) -> list[tuple[bool, Tensor, int | None, int | None]]:  # fmt: skip
@@ -270,7 +287,7 @@ def _wide_blocks(
     return wide, ship_to
 
 
-def _rank_plan(
+def rank_plan(
     rank: int,
     layout: ShardLayout,
     wanted: dict[int, Tensor],
@@ -281,13 +298,10 @@ def _rank_plan(
 ) -> RankPlan:
     """The rank's plan from the positions it fetches per chunk of another rank (and the heads
     that read each)."""
-    fetch: dict[int, list[Tensor]] = {}
     heads: dict[int, list[Tensor]] = {}
-    for chunk, (positions, readers) in sorted(wanted.items()):  # a peer's rows: chunk order
-        owner, row0 = layout.owner(chunk)
-        fetch.setdefault(owner, []).append(positions - chunk * layout.chunk + row0)
-        heads.setdefault(owner, []).append(readers)
-    fetched = {owner: torch.cat(rows) for owner, rows in sorted(fetch.items())}
+    for chunk, (_, readers) in sorted(wanted.items()):
+        heads.setdefault(layout.owner(chunk)[0], []).append(readers)
+    fetched = fetched_rows(wanted, layout)
     fetch_heads = {owner: torch.cat(readers, dim=1) for owner, readers in sorted(heads.items())}
     next_row = dict.fromkeys(fetched, 0)  # each peer's rows arrive as one tensor, sorted
     pieces, positions = [], []
@@ -329,7 +343,7 @@ def pairs_per_rank(
     block = max(1, min(block, layout.chunk))
     q = block_spans(layout, layout.chunks_of(rank), block)
     k = block_spans(layout, tuple(range(layout.world * layout.chunks_per_rank)), block)
-    state = pattern.block_state(_on(q, device).column(), _on(k, device).row()).cpu()
+    state = pattern.block_state(spans_on(q, device).column(), spans_on(k, device).row()).cpu()
     state = state.reshape(-1, *state.shape[-2:])  # [heads (1 where shared), q blocks, k blocks]
     q_size, k_size = q.hi - q.lo + 1, k.hi - k.lo + 1
     total = float(((state == FULL) * q_size[:, None] * k_size[None, :]).sum())
@@ -346,5 +360,5 @@ def pairs_per_rank(
     return total / state.shape[0]
 
 
-def _on(spans: Spans, device: torch.device) -> Spans:
+def spans_on(spans: Spans, device: torch.device) -> Spans:
     return Spans(spans.lo.to(device), spans.hi.to(device), 1, spans.complete.to(device))

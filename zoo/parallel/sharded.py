@@ -48,6 +48,7 @@ from ..patterns import Pattern, reads_graph
 from .at_positions import AtPositions, at_global
 from .exchange import finish_keys, gather_padding, in_order, start_keys
 from .exchange_plan import PLAN_BLOCK, CallPlan, ExchangePlan, exchange_plan, pairs_per_rank
+from .routed_plan import bind_chunks, routed_plan, unshardable_reason
 from .shards import ShardLayout, check_order
 from .wide import wide_attention
 
@@ -67,6 +68,8 @@ class ShardStats:
     ship_to: tuple[int, ...]  # the ranks it ships them to
     interior_rows: int  # query rows it computes while the exchange is in flight, with overlap
     pairs: float  # (query, key) pairs its queries may attend, per head and sequence
+    # Chosen by content: the figures are bounds (every other shard), the call knows its own.
+    routed: bool = False
 
 
 def on_q_device(function: Callable) -> Callable:
@@ -125,29 +128,40 @@ def context_parallel_attention(
     _agree(group, fingerprint + options, problem)
     pattern, encoding, padding = setup
     layout = ShardLayout(world, q.shape[2], order)
-    ratio = ship_ratio(q, k, v) if dropout_p == 0 else None  # a partial has no dropout
-    plan = exchange_plan(pattern, layout, plan_block, q.device, ratio)
-    mine = plan.ranks[rank]
-    sends = plan.sends(rank)
     heads = q.shape[1]
     overlap = q.is_cuda if overlap is None else overlap
     if encoding is not None and encoding.kind == "rotate":
-        positions = mine.q_positions.to(q.device)
+        positions = layout.positions(rank).to(q.device)
         q, k = encoding.rotate(q, k, positions, positions)
     if padding is not None:
         k, v = unread_padding(k, padding), unread_padding(v, padding)
+    if pattern.routed:  # chosen by content: the choice, then a plan of this call's own
+        bound = bind_chunks(pattern, q, k, padding, causal, layout, rank, group)
+        mine, sends = routed_plan(bound, layout, rank, plan_block, q.device, group)
+        plan, pairs = None, ({}, {})
+    else:
+        ratio = ship_ratio(q, k, v) if dropout_p == 0 else None  # a partial has no dropout
+        plan = exchange_plan(pattern, layout, plan_block, q.device, ratio)
+        mine, sends, pairs = plan.ranks[rank], plan.sends(rank), head_pairs(plan, rank, k.shape[1])
     padding_all = None
     if padding is not None:
         padding_all = gather_padding(padding, sends, mine.fetch, mine.pieces, group)
-    started, exchange = start_keys(k, v, sends, mine.fetch, group,
-                                   *head_pairs(plan, rank, k.shape[1]))  # fmt: skip
+    started, exchange = start_keys(k, v, sends, mine.fetch, group, *pairs)
     common = (variant, backend, causal, dropout_p, scale, score, encoding)
 
     def run(index: int, call: CallPlan, fetched: list[dict] | None) -> tuple[Tensor, Tensor]:
         """The call's rows against its run of keys: its own (interior), or of the keys it
         attends, own and ``fetched`` in position order (views of k and v where the run is
         all its own: their gradients then need no copy)."""
-        wrapper = rank_pattern(pattern, plan, rank, q.device, heads, index, overlap)
+        if plan is None:  # routed: its chunk's choice, at the call's positions
+            held_at = mine.q_positions if call.interior else mine.kv_positions
+            chunk = int(mine.q_positions[call.rows[0]]) // layout.chunk
+            wrapper = AtPositions(
+                bound[chunk], mine.q_positions[call.rows].to(q.device),
+                held_at[call.first : call.stop].to(q.device), heads, q.shape[0],
+            )  # fmt: skip
+        else:
+            wrapper = rank_pattern(pattern, plan, rank, q.device, heads, index, overlap)
         held = call.first, call.stop - call.first
         if call.interior:
             k_run, v_run, held_padding = narrowed(k, 2, *held), narrowed(v, 2, *held), padding
@@ -168,7 +182,7 @@ def context_parallel_attention(
             waiting.append((index, call))
     *fetched, token = finish_keys(started, k, v, exchange)
     parts += [run(index, call, fetched) for index, call in waiting]
-    if plan.ships:
+    if plan is not None and plan.ships:
         bias = encoding.bias if encoding is not None and encoding.kind == "bias" else None
         wide_out, token = wide_attention(
             q, k, v, padding, pattern=pattern, plan=plan, rank=rank, after=token, group=group,
@@ -272,12 +286,18 @@ def _setup(q, k, v, variant, causal, key_padding_mask, pos, order, params, world
     pattern = call_pattern(
         variant, causal, concrete_params(params), length, length, q.device, heads=q.shape[1]
     )
-    if pattern.routed or reads_graph(pattern):
-        what = "a graph given with each call" if reads_graph(pattern) else "its blocks by content"
+    if reads_graph(pattern):
         raise ValueError(
-            f"variant {variant!r} chooses {what}, which context parallelism does not shard yet "
-            "(its plan would depend on every rank's data); use a fixed-pattern variant, or run "
-            "it without cp_group"
+            f"variant {variant!r} reads a graph given with each call, which context parallelism "
+            "does not shard (its edges cross shards as the data says); use a fixed-pattern or "
+            "routed variant, or run it without cp_group"
+        )
+    reason = unshardable_reason(pattern) if pattern.routed else None
+    if reason is not None:
+        raise ValueError(
+            f"variant {variant!r} chooses its blocks by content and cannot run sharded: {reason}; "
+            "use moba (or a composition of it) or a fixed-pattern variant, or run it without "
+            "cp_group"
         )
     padding = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
     encoding = attention_encoding(pos, q, k, causal)
@@ -386,6 +406,14 @@ def shard_stats(
     pattern, _, padding = _setup(q, k, v, variant, causal, key_padding_mask, pos, order, params,
                                  world)  # fmt: skip
     layout = ShardLayout(world, q.shape[2], order)
+    if pattern.routed:  # chosen by content: the plan exists in the call only; at most
+        others = (world - 1) * q.shape[2]  # every other shard, every pair
+        row_bytes = k.shape[1] * (k.shape[-1] + v.shape[-1]) * k.element_size()
+        return ShardStats(
+            rank, world, others, q.shape[0] * others * (row_bytes + int(padding is not None)),
+            tuple(r for r in range(world) if r != rank), 0, (), 0,
+            float(q.shape[2] * layout.length), routed=True,
+        )  # fmt: skip
     ratio = ship_ratio(q, k, v) if dropout_p == 0 else None
     plan = exchange_plan(pattern, layout, plan_block, q.device, ratio)
     mine = plan.ranks[rank]
