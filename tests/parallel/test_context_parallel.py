@@ -24,11 +24,15 @@ from helpers import FIXED_VARIANTS, GRAPH_VARIANTS, gpu, small_params, subproces
 
 import zoo
 from zoo.backends.flex import FlexBackend
+from zoo.core import shape_cache
+from zoo.core.resolve import call_pattern
 from zoo.functional import prepare_call, resolve_pattern
 from zoo.layout.block_layout import specialized
 from zoo.parallel import ShardLayout, exchange_plan, shard, shard_stats, unshard
+from zoo.parallel.at_positions import AtPositions
 from zoo.parallel.sharded import rank_pattern, ship_ratio
 from zoo.patterns import Local, Moba
+from zoo.patterns.routed import RouteInputs
 
 LENGTH = 56  # 56 / 16 (block_size): the last pattern block ends mid-way; shards of 28 and 14
 PLAN_BLOCK = 8  # shards of 14 (4 ranks) and chunks of 7 end mid-block
@@ -643,3 +647,18 @@ def test_every_call_of_a_causal_shard_runs_as_causal_attention(order):
     assert len(kinds["causal"]) == 2 * calls
     assert set(kinds["causal"]) == {"causal"}, kinds["causal"]
     assert set(kinds["sliding_window"]) == {"sparse"}
+
+
+def test_a_choice_by_content_is_not_kept_by_the_per_shape_caches():
+    """A chunk's MoBA choice seen through a shard is made for one call: the per-shape caches
+    keep no entry of it (every call would leave its choice there), as they keep a fixed
+    pattern's wrapper."""
+    cpu, positions = torch.device("cpu"), torch.arange(16)
+    q = torch.randn(1, 2, 16, 8)
+    bound = resolve_pattern("moba", False, dict(block_size=4, top_k=2)).bind(RouteInputs(q, q))
+    local = specialized(resolve_pattern("local", False, dict(window_size=3)), 16, 16, cpu)
+    before = shape_cache.stats()["entries"]
+    call_pattern(AtPositions(bound, positions, positions, 2, 1), False, {}, 16, 16, cpu)
+    assert shape_cache.stats()["entries"] == before
+    call_pattern(AtPositions(local, positions, positions), False, {}, 16, 16, cpu)
+    assert shape_cache.stats()["entries"] > before

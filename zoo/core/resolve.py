@@ -88,6 +88,8 @@ def call_pattern(
     if not isinstance(variant, str | Pattern):
         get_spec(variant)  # a TypeError that names what variant takes
     frozen = _frozen_params(params)
+    if isinstance(variant, Pattern) and variant.one_call:  # not kept by the caches
+        return resolve_call_pattern(variant, causal, params).specialize(q_len, kv_len, device)
     if frozen is None:  # a value that is no parameter at all: resolve_pattern says which
         pattern = resolve_call_pattern(variant, causal, params)
         pattern = specialized(pattern, q_len, kv_len, device)

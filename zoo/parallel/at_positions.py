@@ -85,6 +85,10 @@ class AtPositions(Pattern):
     def routed(self) -> bool:
         return self.pattern.routed
 
+    @property
+    def one_call(self) -> bool:
+        return self.pattern.routed  # a chunk's choice, made for this call
+
     def head(self, h: int) -> Pattern:
         return AtPositions(self.pattern.head(h), self.q_positions, self.kv_positions)
 

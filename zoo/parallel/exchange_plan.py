@@ -158,9 +158,7 @@ def exchange_plan(
     """The plan of every rank for ``pattern`` specialised at ``layout.length`` on ``device``
     (see the module docstring); its index tensors live on the CPU."""
     block = max(1, min(block, layout.chunk))
-    chunks = range(layout.world * layout.chunks_per_rank)
-    keys = block_spans(layout, tuple(chunks), block)
-    key_owner = torch.tensor([layout.owner(int(lo) // layout.chunk)[0] for lo in keys.lo])
+    keys, key_owner = plan_keys(layout, block)
     plans = []
     for rank in range(layout.world):
         reads_per_head = block_states(pattern, layout, rank, block, device) != EMPTY
@@ -177,6 +175,23 @@ def exchange_plan(
     return ExchangePlan(layout, block, tuple(plans))
 
 
+@per_shape(maxsize=64)
+def plan_keys(layout: ShardLayout, block: int) -> tuple[Spans, Tensor]:
+    """(the plan's key blocks over the whole sequence, [key blocks] the rank holding each)."""
+    keys = block_spans(layout, tuple(range(layout.world * layout.chunks_per_rank)), block)
+    chunk_owner = torch.tensor(
+        [layout.owner(c)[0] for c in range(layout.world * layout.chunks_per_rank)]
+    )
+    return keys, chunk_owner[keys.lo // layout.chunk]
+
+
+def _positions_in(lo: Tensor, hi: Tensor) -> Tensor:
+    """lo[0] .. hi[0], lo[1] .. hi[1], ...: the positions of the spans, one tensor."""
+    sizes = hi - lo + 1
+    first_of_span = (torch.cumsum(sizes, 0) - sizes).repeat_interleave(sizes)
+    return lo.repeat_interleave(sizes) + torch.arange(int(sizes.sum())) - first_of_span
+
+
 def wanted_rows(
     needed_per_head: Tensor, keys: Spans, layout: ShardLayout, rank: int
 ) -> dict[int, tuple[Tensor, Tensor]]:
@@ -189,11 +204,9 @@ def wanted_rows(
             continue
         first, last = chunk * layout.chunk, (chunk + 1) * layout.chunk
         in_chunk = needed & (keys.lo >= first) & (keys.lo < last)
-        spans = zip(keys.lo[in_chunk].tolist(), keys.hi[in_chunk].tolist(), strict=True)
-        rows = [torch.arange(lo, hi + 1) for lo, hi in spans]
-        if rows:
+        if in_chunk.any():
             heads = needed_per_head[:, in_chunk].repeat_interleave(sizes[in_chunk], dim=1)
-            wanted[chunk] = (torch.cat(rows), heads)
+            wanted[chunk] = (_positions_in(keys.lo[in_chunk], keys.hi[in_chunk]), heads)
     return wanted
 
 

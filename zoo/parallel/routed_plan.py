@@ -8,10 +8,10 @@ same on every rank, as ``exchange_plan`` makes one. Instead, per call:
    their sums up (``all_reduce``): every rank then holds the sums and counts of every block of
    the whole sequence, (B, H_kv, blocks, D) and (B, blocks), a few KiB where the keys are MiB;
 2. each rank binds the pattern, per chunk it holds, to that chunk's queries at their global
-   positions and those sums (``RouteInputs.block_sums``): each query's blocks, exactly as one
-   process chooses them; a block that lies within one chunk is summed as one process sums it,
-   and one that two ranks share is added in another order (a choice within float32's rounding
-   of a tie may then differ);
+   positions and those sums (``RouteInputs.block_sums``): each query's blocks, as one process
+   chooses them up to float32 rounding (the sums and scores are reduced over tensors of other
+   shapes, and a block that two ranks share is added in another order), which can flip a
+   choice within rounding of a tie;
 3. the key blocks of the plan that some query block of the rank reads (from the bound
    pattern's block states) are what it fetches; the ranks exchange which blocks each needs
    (one ``all_gather`` of a flag per plan block), so that each knows what to send;
@@ -39,6 +39,7 @@ from .exchange_plan import (
     RankPlan,
     block_spans,
     fetched_rows,
+    plan_keys,
     planned_calls,
     rank_plan,
     spans_on,
@@ -122,8 +123,7 @@ def routed_plan(
     bound patterns: the key blocks some query block of the rank reads, from every other rank,
     told to the others in one ``all_gather``."""
     block = max(1, min(block, layout.chunk))
-    keys = block_spans(layout, tuple(range(layout.world * layout.chunks_per_rank)), block)
-    key_owner = torch.tensor([layout.owner(int(lo) // layout.chunk)[0] for lo in keys.lo])
+    keys, key_owner = plan_keys(layout, block)
     reads = []
     for chunk in layout.chunks_of(rank):
         q = block_spans(layout, (chunk,), block)

@@ -148,6 +148,12 @@ class Pattern:
         return False
 
     @property
+    def one_call(self) -> bool:
+        """Whether it was made for one call only (a choice by content already made): the
+        per-shape caches must not keep it, or every call would leave its choice there."""
+        return False
+
+    @property
     def per_head(self) -> bool:
         """Whether its pairs differ per query head while fixed by position (not chosen by
         content): ``for_heads`` gives its layout for a number of heads."""
