@@ -246,9 +246,7 @@ def planned_calls(
 
 def _rows_of(q: Spans, blocks: Tensor, positions: Tensor) -> Tensor:
     """The rows of a rank's shard (global ``positions``) in its query blocks ``blocks`` (mask)."""
-    spans = zip(q.lo[blocks].tolist(), q.hi[blocks].tolist(), strict=True)
-    held = [torch.arange(lo, hi + 1) for lo, hi in spans]
-    return torch.searchsorted(positions, torch.cat(held) if held else torch.zeros(0).long())
+    return torch.searchsorted(positions, _positions_in(q.lo[blocks], q.hi[blocks]))
 
 
 def _wide_blocks(

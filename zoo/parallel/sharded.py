@@ -47,7 +47,14 @@ from ..mechanisms.dispatch import is_mechanism
 from ..patterns import Pattern, reads_graph
 from .at_positions import AtPositions, at_global
 from .exchange import finish_keys, gather_padding, in_order, start_keys
-from .exchange_plan import PLAN_BLOCK, CallPlan, ExchangePlan, exchange_plan, pairs_per_rank
+from .exchange_plan import (
+    PLAN_BLOCK,
+    CallPlan,
+    ExchangePlan,
+    RankPlan,
+    exchange_plan,
+    pairs_per_rank,
+)
 from .routed_plan import bind_chunks, routed_plan, unshardable_reason
 from .shards import ShardLayout, check_order
 from .wide import wide_attention
@@ -154,12 +161,8 @@ def context_parallel_attention(
         attends, own and ``fetched`` in position order (views of k and v where the run is
         all its own: their gradients then need no copy)."""
         if plan is None:  # routed: its chunk's choice, at the call's positions
-            held_at = mine.q_positions if call.interior else mine.kv_positions
             chunk = int(mine.q_positions[call.rows[0]]) // layout.chunk
-            wrapper = AtPositions(
-                bound[chunk], mine.q_positions[call.rows].to(q.device),
-                held_at[call.first : call.stop].to(q.device), heads, q.shape[0],
-            )  # fmt: skip
+            wrapper = at_call(bound[chunk], mine, call, q.device, heads, q.shape[0])
         else:
             wrapper = rank_pattern(pattern, plan, rank, q.device, heads, index, overlap)
         held = call.first, call.stop - call.first
@@ -357,10 +360,19 @@ def rank_pattern(
     the pattern's identity, so every later call of the rank finds them again."""
     mine = plan.ranks[rank]
     planned = (mine.calls if overlap else mine.serial_calls)[call]
-    held = mine.q_positions if planned.interior else mine.kv_positions
+    return at_call(pattern, mine, planned, device, heads if pattern.per_head else None)
+
+
+def at_call(
+    pattern: Pattern, mine: RankPlan, call: CallPlan, device: torch.device, heads: int | None,
+    batch: int | None = None,
+) -> AtPositions:  # fmt: skip
+    """``pattern`` seen through ``call``'s rows and its run of keys (own keys for an interior
+    call, else the keys the rank attends)."""
+    held = mine.q_positions if call.interior else mine.kv_positions
     return AtPositions(
-        pattern, mine.q_positions[planned.rows].to(device),
-        held[planned.first : planned.stop].to(device), heads if pattern.per_head else None,
+        pattern, mine.q_positions[call.rows].to(device),
+        held[call.first : call.stop].to(device), heads, batch,
     )  # fmt: skip
 
 
