@@ -3,7 +3,7 @@
 ``python -m eval demo [--seq-len N]``: for each variant, the backend that ``auto`` chose, the
 allowed pairs and the pairs that backend scored (both as a fraction of n^2), and the median time
 of a forward + backward pass. A variant that reads the call's graph (``graph``) runs on an
-example graph (``zoo.testing.check_routed.example_graph``: a ring, chords and a clique of 24 nodes);
+example graph (``zoo.testing.routed_views.example_graph``: a ring, chords and a clique of 24 nodes);
 one that chooses its blocks by content (``moba``) chooses them from the random input, so its
 fractions are the mean over heads.
 """
@@ -27,7 +27,7 @@ from zoo.backends import resolve_backend
 from zoo.functional import prepare_call
 from zoo.patterns import reads_graph
 from zoo.registry import get_spec
-from zoo.testing.check_routed import example_graph
+from zoo.testing.routed_views import example_graph
 from zoo.views.tables import markdown_table
 
 

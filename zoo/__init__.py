@@ -7,7 +7,6 @@
 >>> zoo.list_variants("*local*"), zoo.list_mechanisms()
 """
 
-from . import _moved  # noqa: F401  (old module names, zoo.frames and so on, keep importing)
 from .backends import Backend, Capabilities, get_backend, list_backends, register_backend
 from .core.scores import AdditiveScore
 from .decoding.cache import KVCache
@@ -31,7 +30,7 @@ from .registry import (
     list_variants,
     load_registry,
 )
-from .testing.check import PatternCheckError, check_pattern
+from .testing.pattern_views import PatternCheckError, check_pattern
 
 list_pattern_families = list_families
 

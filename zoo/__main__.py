@@ -240,13 +240,14 @@ def run(args: argparse.Namespace) -> bool | None:
 def check(args: argparse.Namespace) -> bool:
     """``zoo check``: one line per pattern, ok on stdout or the first disagreement on stderr.
 
-    ``--all`` checks every registry variant with its defaults at ``zoo.testing.check.LENGTHS`` (37,
-    100, 300, 600: small, none a multiple of a block size, and 600 above moba's default block of
-    512, so the last blocks are partial), a pattern chosen by content on a seeded random input and
-    ``graph`` on an example graph (``zoo.testing.check_routed``); seconds on one core
+    ``--all`` checks every registry variant with its defaults at
+    ``zoo.testing.pattern_views.LENGTHS`` (37, 100, 300, 600: small, none a multiple of a block
+    size, and 600 above moba's default block of 512, so the last blocks are partial), a pattern
+    chosen by content on a seeded random input and ``graph`` on an example graph
+    (``zoo.testing.routed_views``); seconds on one core
     (measured: eval/results/design-notes-cpu.md#zoo-check-one-thread)."""
     from .registry import list_variants
-    from .testing.check import LENGTHS, PatternCheckError, check_pattern
+    from .testing.pattern_views import LENGTHS, PatternCheckError, check_pattern
 
     if args.all == bool(args.name):
         raise ValueError("give a pattern NAME or --all, not both or neither")

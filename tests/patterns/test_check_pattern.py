@@ -117,7 +117,7 @@ def test_every_registry_variant_passes(variant):
     # 2-D variants need grids that their default 7 x 7 kernel fits at n and 2n/3 (196: 14 x 14,
     # 130: 10 x 13); the default lengths have 37 = 1 x 37 and 66 = 6 x 11.
     grid = "grid" in zoo.get_spec(variant).parameters()
-    lengths = (144, 196, 300, 600) if grid else zoo.testing.check.LENGTHS
+    lengths = (144, 196, 300, 600) if grid else zoo.testing.pattern_views.LENGTHS
     assert zoo.check_pattern(variant, lengths=lengths) == 16  # 4 lengths x 4 q/k length pairs
 
 
@@ -145,7 +145,7 @@ class _LyingMoba(Moba):
 
 def test_a_routed_block_state_that_claims_too_much_is_named():
     with pytest.raises(
-        zoo.testing.check.PatternCheckError, match=r"block_state says FULL .* sequence"
+        zoo.testing.pattern_views.PatternCheckError, match=r"block_state says FULL .* sequence"
     ):
         zoo.check_pattern(_LyingMoba(block_size=8, top_k=2), lengths=(37,))
 
@@ -175,7 +175,7 @@ def test_an_empty_claim_with_an_allowed_pair_names_the_block_and_the_pair():
 
 
 def test_lengths_cover_decoding_and_both_uneven_shapes():
-    assert zoo.testing.check.shapes_of([100, (5, 7)]) == [
+    assert zoo.testing.pattern_views.shapes_of([100, (5, 7)]) == [
         (100, 100),
         (1, 100),
         (66, 100),

@@ -18,7 +18,7 @@ from zoo.core.resolve import call_pattern
 from zoo.functional import resolve_pattern
 from zoo.layout.block_layout import specialized, with_heads
 from zoo.patterns import Global, Random, RandomBlocks, made_causal
-from zoo.testing.check import check_pattern
+from zoo.testing.pattern_views import check_pattern
 
 CPU = torch.device("cpu")
 SMALL = dict(block_size=8, random_blocks=2)

@@ -16,7 +16,7 @@ those it calls FULL, so a wrong claim gives wrong outputs with no error. This mo
 
 Each check runs on the pattern as ``specialize`` returns it for the shape, on the CPU. A pattern
 chosen by content is bound to a seeded random input first and checked per sequence and head
-(``zoo.testing.check_routed``; a pattern that reads the call's graph, ``graph``, on an example
+(``zoo.testing.routed_views``; a pattern that reads the call's graph, ``graph``, on an example
 graph). The zoo's own tests (tests/patterns/test_patterns.py) run the same function on every
 variant.
 """
@@ -33,7 +33,7 @@ from ..layout.frames import Axis, Frame, build_frame
 from ..patterns.base import EMPTY, FULL, PARTIAL, Pattern, query_positions
 from ..patterns.compose import memo_parts, order_key
 from ..patterns.grid import Tiles
-from .check_routed import check_routed
+from .routed_views import check_bound_views
 
 CPU = torch.device("cpu")
 LENGTHS = (37, 100, 300, 600)
@@ -144,7 +144,7 @@ def check_pattern(
                 disagree=False,
             ) from error
         if p.routed:  # chosen by content: the views of one bound input, per sequence and head
-            check_routed(p, q_len, kv_len, blocks, fail)
+            check_bound_views(p, q_len, kv_len, blocks, fail)
         else:
             _check_shape(p, q_len, kv_len, blocks, fail)
             if p.per_head:  # drawn per query head: each head's views, as one layout each

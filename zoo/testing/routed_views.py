@@ -57,7 +57,7 @@ def bound_inputs(q_len: int, kv_len: int) -> RouteInputs:
     return RouteInputs(q, k, padding, edge_index=torch.stack([graph, kv_len - 1 - graph]))
 
 
-def check_routed(pattern: Pattern, q_len: int, kv_len: int, blocks, fail) -> None:
+def check_bound_views(pattern: Pattern, q_len: int, kv_len: int, blocks, fail) -> None:
     """Raise ``fail(message)`` at the first disagreement of ``pattern``'s views, bound to
     ``bound_inputs`` at this shape, causal and not."""
     inputs = bound_inputs(q_len, kv_len)
