@@ -1,12 +1,17 @@
 """xFormers' ``memory_efficient_attention`` with its structured attention biases.
 
-A pattern runs as the pieces of ``xformers_plan``: one piece (full, causal, a local window) is one
-``memory_efficient_attention`` call; several pieces (a window plus global tokens, block-local
-chunks) each run through ``memory_efficient_attention_partial``, which also returns each query's
-log-sum-exp, and merge exactly by it (``lse_merge``). Their backward pass gives every piece the
-merged output and log-sum-exp: with those, each piece's softmax is the whole pattern's softmax
-restricted to its keys, so the pieces' gradients add up to the pattern's gradient exactly
-(FlashAttention's backward over key blocks, with pieces for blocks).
+A pattern runs as the pieces of its plan (``plan.py``): one piece over the whole call (full,
+causal, a local window) is one ``memory_efficient_attention`` call; otherwise each piece (a
+window plus global tokens, block-local chunks, as a batch of windows where it repeats) runs
+through ``memory_efficient_attention_partial``, which also returns each query's log-sum-exp,
+and the pieces that hold a query merge exactly by it (``lse_merge``). The backward pass gives
+every piece the merged output and log-sum-exp: with those, each piece's softmax is the whole
+pattern's softmax restricted to its keys, so the pieces' gradients add up to the pattern's
+gradient exactly (FlashAttention's backward over key blocks, with pieces for blocks). A piece
+takes the gradients its role names: dq of its queries, dk and dv of its kept keys, or all three;
+block-local chunks run by queries for the output and dq and by keys for dk and dv, so that each
+comes from one call, rounded once (FlashAttention returns every result in bf16 or fp16: merged,
+a sum of several rounded calls is rounded again).
 
 Imported lazily. xFormers' wheels carry compiled operators built for one torch version; where the
 package is missing, its operators do not load against the installed torch, or there is no CUDA
@@ -68,7 +73,7 @@ def kernel_reason(call: AttentionCall, pieces: list[Piece]) -> str | None:
     FlashAttention kernels (bf16/fp16, one head size, a multiple of 8 up to 256); a whole-call
     full or causal mask also has the cutlass kernel, which takes float32."""
     d, dv = call.q.shape[-1], call.v.shape[-1]
-    merged = len(pieces) > 1 or pieces[0].chunk is not None
+    merged = len(pieces) > 1 or pieces[0].count > 1
     flash_only = merged or isinstance(pieces[0].mask, tuple)
     if flash_only and (call.q.dtype == torch.float32 or d != dv or d % 8 or d > 256):
         return (
@@ -166,35 +171,40 @@ class XformersKernels:
         return dq.flatten(2, 3), shared_gradient(dk), shared_gradient(dv)
 
 
-def _chunks(x: Tensor, chunk: int | None) -> Tensor:
-    """(B, M, ...) as (B * M / chunk, chunk, ...): aligned chunks become a batch."""
-    return x if chunk is None else x.reshape(-1, chunk, *x.shape[2:])
+def _windows(x: Tensor, span: tuple[int, int], piece: Piece, dim: int = 1) -> Tensor:
+    """x's ``span`` (the first window's rows or keys) along ``dim``, with the piece's further
+    windows moved on by its step, as a batch: (B, M, ...) to (B * count, M_span, ...) for dim 1;
+    (B, H, M) to (B * count, H, M_span) for dim 2 (a log-sum-exp)."""
+    start, stop = span
+    if piece.count == 1:
+        return x.narrow(dim, start, stop - start)
+    size, step = stop - start, piece.step
+    x = x.narrow(dim, start, (piece.count - 1) * step + size)
+    if size == step:  # aligned chunks: a reshape, a view where x allows one
+        x = x.unflatten(dim, (piece.count, size))
+    else:  # overlapping windows: a copy
+        x = x.unfold(dim, size, step).movedim(-1, dim + 1)
+    return x.movedim(dim, 1).flatten(0, 1)
 
 
-def _unchunk(x: Tensor, batch: int) -> Tensor:
-    return x.reshape(batch, -1, *x.shape[2:])
-
-
-def _lse_chunks(lse: Tensor, chunk: int | None) -> Tensor:
-    """(B, H, M) as (B * M / chunk, H, chunk), matching ``_chunks`` of the queries."""
-    if chunk is None:
-        return lse
-    b, h, m = lse.shape
-    return lse.reshape(b, h, m // chunk, chunk).transpose(1, 2).reshape(-1, h, chunk)
-
-
-def _lse_unchunk(lse: Tensor, batch: int) -> Tensor:
-    _, h, chunk = lse.shape
-    return lse.reshape(batch, -1, h, chunk).transpose(1, 2).reshape(batch, h, -1)
+def _joined(x: Tensor, batch: int, used: int, dim: int = 1) -> Tensor:
+    """The inverse of ``_windows`` for results of which each window's first ``used`` rows or keys
+    count, windows that tile their span (used == step where there are several)."""
+    x = x.narrow(dim, 0, used).unflatten(0, (batch, -1))  # (B, count, ...)
+    return x.movedim(1, dim).flatten(dim, dim + 1)
 
 
 def _slices(piece: Piece, *tensors: Tensor) -> list[Tensor]:
-    """q-like tensors sliced to the piece's rows, then k-like ones to its keys, all chunked."""
+    """q-like tensors cut to the piece's rows, then k-like ones to its keys, as window batches."""
     q_like, k_like = tensors[: len(tensors) - 2], tensors[-2:]
-    rows, keys = slice(*piece.rows), slice(*piece.keys)
-    return [_chunks(t[:, rows], piece.chunk) for t in q_like] + [
-        _chunks(t[:, keys], piece.chunk) for t in k_like
+    return [_windows(t, piece.rows, piece) for t in q_like] + [
+        _windows(t, piece.keys, piece) for t in k_like
     ]
+
+
+def _span(piece: Piece, used: int, first: int) -> slice:
+    """Where a piece's results (``used`` per window) go: from its first row or key on."""
+    return slice(first, first + (piece.count - 1) * piece.step + used)
 
 
 class _PieceAttention(torch.autograd.Function):
@@ -202,13 +212,19 @@ class _PieceAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, pieces, q_len, scale, kernels):
-        partials = []
+        partials, rows = [], []
+        batch = q.shape[0]
         for piece in pieces:
+            if not piece.outputs:
+                continue
             pq, pk, pv = _slices(piece, q, k, v)
             out, lse = kernels.partial(pq, pk, pv, piece.mask, scale)
             lse = torch.where(lse == math.inf, -math.inf, lse)  # a row without keys, as FA2 says
-            partials.append((_unchunk(out, q.shape[0]), _lse_unchunk(lse, q.shape[0])))
-        out, lse = merge_rows([piece.rows for piece in pieces], partials, q_len)
+            used = piece.shape[0]
+            partials.append((_joined(out, batch, used), _joined(lse, batch, used, dim=2)))
+            span = _span(piece, used, piece.rows[0])
+            rows.append((span.start, span.stop))
+        out, lse = merge_rows(rows, partials, q_len)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.pieces, ctx.scale, ctx.kernels = pieces, scale, kernels
@@ -222,13 +238,24 @@ class _PieceAttention(torch.autograd.Function):
         batch, grad = q.shape[0], grad.contiguous()
         for piece in ctx.pieces:
             pg, po, pq, pk, pv = _slices(piece, grad, out, q, k, v)
-            piece_lse = _lse_chunks(lse[..., slice(*piece.rows)].contiguous(), piece.chunk)
+            piece_lse = _windows(lse, piece.rows, piece, dim=2).contiguous()
             dq, dk, dv = ctx.kernels.backward(pg, po, piece_lse, pq, pk, pv, piece.mask, ctx.scale)
-            grads[0][:, slice(*piece.rows)] += _unchunk(dq, batch)
-            grads[1][:, slice(*piece.keys)] += _unchunk(dk, batch)
-            grads[2][:, slice(*piece.keys)] += _unchunk(dv, batch)
+            if piece.outputs:
+                rows = piece.shape[0]
+                grads[0][:, _span(piece, rows, piece.rows[0])] += _joined(dq, batch, rows)
+            if piece.key_grads:
+                kept, keys = piece.kept_keys, _span(piece, piece.kept_keys, piece.keys[0])
+                grads[1][:, keys] += _joined(dk, batch, kept)
+                grads[2][:, keys] += _joined(dv, batch, kept)
         dq, dk, dv = (g.to(t.dtype) for g, t in zip(grads, (q, k, v), strict=True))
         return dq, dk, dv, None, None, None, None
+
+
+def _one_call(pieces: list[Piece], call: AttentionCall) -> bool:
+    """Whether the plan is one kernel call over the whole call (which takes dropout)."""
+    piece = pieces[0]
+    whole = piece.rows == (0, call.q_len) and piece.keys == (0, call.kv_len)
+    return len(pieces) == 1 and piece.count == 1 and whole
 
 
 class XformersBackend(Backend):
@@ -265,8 +292,11 @@ class XformersBackend(Backend):
             pieces = self.plan(call)
             if isinstance(pieces, str):
                 reason = f"{pieces} (the pattern of {call.variant!r})"
-            elif len(pieces) > 1 and call.dropout_p > 0:
-                reason = "it has no dropout for patterns merged from several kernel calls"
+            elif call.dropout_p > 0 and not _one_call(pieces, call):
+                reason = (
+                    "it has no dropout for patterns merged from several kernel calls or run as a "
+                    "batch of windows (its partial kernel has none)"
+                )
             elif isinstance(self.kernels, XformersKernels):
                 reason = kernel_reason(call, pieces)
         return reason
@@ -275,8 +305,7 @@ class XformersBackend(Backend):
         pieces = self.plan(call)
         assert not isinstance(pieces, str), pieces  # reason_against ran first
         q, k, v = (t.transpose(1, 2) for t in (call.q, call.k, call.v))  # xFormers' (B, M, H, K)
-        single = len(pieces) == 1 and pieces[0].chunk is None
-        if single and pieces[0].rows == (0, call.q_len) and pieces[0].keys == (0, call.kv_len):
+        if _one_call(pieces, call):
             out = self.kernels.attention(q, k, v, pieces[0].mask, call.scale, call.dropout_p)
         else:
             out = _PieceAttention.apply(q, k, v, pieces, call.q_len, call.scale, self.kernels)
