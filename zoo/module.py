@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from .backends import Backend
 from .core.arguments import check_int, check_probability
+from .core.device_build import can_read_values
 from .core.scores import AdditiveScore
 from .decoding.cache import KVCache
 from .decoding.generation import module_step, new_cache
@@ -62,9 +63,9 @@ def padding_from_lengths(valid_lens: Tensor, kv_len: int) -> Tensor:
     """(B,) numbers of valid keys -> (B, kv_len) key padding mask (True = padding)."""
     valid_lens = check_valid_lens(valid_lens)
     # A data-dependent check: checked in eager mode, skipped inside a compiled graph (where it
-    # would be a graph break).
+    # would be a graph break) and on fake tensors (which have no values).
     out_of_range = (valid_lens < 0) | (valid_lens > kv_len)
-    if not torch.compiler.is_compiling() and bool(out_of_range.any()):
+    if can_read_values(valid_lens) and bool(out_of_range.any()):
         raise ValueError(
             f"valid_lens must lie in [0, {kv_len}] (the key length), got {valid_lens.tolist()}"
         )

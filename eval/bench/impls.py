@@ -241,7 +241,7 @@ class SdpaDense:
 def compiled_flex_attention():
     """The zoo's compiled FlexAttention kernel, so that both flex cells run the same compiled
     function (dynamo caches a graph per shape and mask)."""
-    from zoo.backends.flex import _kernel
+    from zoo.backends.flex_kernel import _kernel
 
     return _kernel(True)
 

@@ -6,7 +6,11 @@ dtype, variant, causality, pass and length, that backend leads the order. The fa
 
 - attention weights asked for: reference (the only backend that returns them);
 - full and causal attention: sdpa (FlashAttention on GPU, no mask), then the others;
-- sparse patterns on GPU: flex (compiled, block-sparse), blocked, sdpa, reference;
+- sparse patterns on GPU: flex (compiled, block-sparse), blocked, sdpa, reference. Measured on
+  an H100 (eval/results/bench-gpu-h100, bfloat16, forward+backward, 16K and 64K tokens): flex was
+  the fastest zoo backend at every point, xformers 1.43-3.84x and blocked 2.36-18.3x slower; those
+  points are the table's CUDA rows. xformers is in no fallback order: only a measured entry where
+  it was fastest would put it first;
 - sparse patterns on CPU: blocked where it scores few enough pairs to win, else sdpa with a dense
   mask; then reference. Per scored pair the blocked backend costs more than a dense SDPA pair
   (more so forward and backward), plus a fixed cost that dominates below ~1K tokens; so it goes
@@ -97,4 +101,6 @@ def explain_choice(call: AttentionCall, backends: dict[str, Backend]) -> str:
             f" vs {entry['runner_up']} {entry['runner_up_ms']:.3g} ms ({entry['source']})"
         )
     where = f"{call.pattern.kind} pattern of {call.variant!r} on {call.device.type}"
-    return f"{head} ({source}; order for a {where}: {order}{skipped})"
+    notes = backend.capabilities.adaptations(call) if backend else []
+    adapted = "".join(f"; {backend.name} {note}" for note in notes)
+    return f"{head} ({source}; order for a {where}: {order}{skipped}{adapted})"

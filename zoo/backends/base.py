@@ -27,6 +27,25 @@ class Capabilities:
     routed: bool = False  # runs layouts chosen by content, per sequence and head (MoBA)
     per_head: bool = False  # runs fixed layouts that differ per query head (Pattern.per_head)
     decode: bool = False  # runs a step of new tokens against a KVCache (``Backend.decode_step``)
+    # (device type, the smallest head size its kernel takes there): smaller q/k or v heads are
+    # padded with zeros to it, the scale kept the call's, which changes neither scores nor output
+    padded_heads: tuple[str, int] | None = None
+
+    def head_padding(self, device: torch.device, qk_size: int, v_size: int) -> int | None:
+        """The head size q/k or v are padded to on ``device``, or None if neither is."""
+        if self.padded_heads is None or device.type != self.padded_heads[0]:
+            return None
+        least = self.padded_heads[1]
+        return least if min(qk_size, v_size) < least else None
+
+    def adaptations(self, call: AttentionCall) -> list[str]:
+        """What the backend changes about this call to run it, in words (for ``explain``)."""
+        least = self.head_padding(call.device, call.q.shape[-1], call.v.shape[-1])
+        if least is None:
+            return []
+        sizes = {"q/k": call.q.shape[-1], "v": call.v.shape[-1]}
+        small = " and ".join(f"{name} head size {n}" for name, n in sizes.items() if n < least)
+        return [f"pads {small} with zeros to {least} (its {call.device.type} kernel's least)"]
 
     def reason_against(self, call: AttentionCall) -> str | None:
         """Why these capabilities do not cover the call, or None."""

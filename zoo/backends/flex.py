@@ -35,7 +35,7 @@ from ..layout.frames import Frame, build_frame
 from ..patterns import EMPTY, PARTIAL, Pattern, Tiles
 from .base import FLOATS, Backend, Capabilities, DecodeStep
 from .flex_decode import flex_decode
-from .flex_kernel import _flex_module, _kernel, flex_block_tensors
+from .flex_kernel import _flex_module, flex_block_tensors, run_kernel
 
 
 def flex_frame(pattern: Pattern, q_len: int, kv_len: int, block: int, device) -> Frame:
@@ -161,6 +161,7 @@ class FlexBackend(Backend):
         routed=True,
         per_head=True,
         decode=True,
+        padded_heads=("cuda", 16),
     )
 
     def __init__(self, block_size: int = 128, compile: bool = True) -> None:
@@ -231,8 +232,10 @@ class FlexBackend(Backend):
                 # tensor and fails on a view of another kernel's output (the heads of a
                 # projection, say): hand it stored tensors.
                 q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out = _kernel(self.compile)(
-            q, k, v, score_mod=score_mod, block_mask=self.block_mask(call), scale=call.scale,
+        least = self.capabilities.head_padding(call.device, q.shape[-1], v.shape[-1])
+        out = run_kernel(
+            self.compile, least, q, k, v, score_mod=score_mod, block_mask=self.block_mask(call),
+            scale=call.scale,
             enable_gqa=call.groups > 1,  # k and v shared by each group of query heads, not copied
         )  # fmt: skip
         if not frame.q.identity:
@@ -241,4 +244,6 @@ class FlexBackend(Backend):
 
     def decode_step(self, step: DecodeStep) -> Tensor:
         """A block mask over the step's query rows and the cache's slots (``flex_decode``)."""
-        return flex_decode(step, self.block_size, self.compile)
+        sizes = step.q.shape[-1], step.values.shape[-1]
+        least = self.capabilities.head_padding(step.q.device, *sizes)
+        return flex_decode(step, self.block_size, self.compile, least)

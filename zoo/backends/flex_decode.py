@@ -32,7 +32,7 @@ from torch import Tensor
 
 from ..patterns import EMPTY, FULL, PARTIAL
 from .base import DecodeStep
-from .flex_kernel import _flex_module, _kernel, flex_block_tensors
+from .flex_kernel import _flex_module, flex_block_tensors, run_kernel
 
 
 def _pad(x: Tensor, dim: int, size: int, value: float | bool | int) -> Tensor:
@@ -45,9 +45,11 @@ def _pad(x: Tensor, dim: int, size: int, value: float | bool | int) -> Tensor:
     return torch.cat((x, x.new_full(shape, value)), dim)
 
 
-def flex_decode(step: DecodeStep, block: int, compile: bool) -> Tensor:
+def flex_decode(
+    step: DecodeStep, block: int, compile: bool, least_head: int | None = None
+) -> Tensor:
     """A decoding step (``zoo.backends.base.DecodeStep``) on FlexAttention with blocks of
-    ``block`` -> (B, H, t, Dv)."""
+    ``block`` -> (B, H, t, Dv); heads padded to ``least_head`` if given (``run_kernel``)."""
     q, keys, values, pattern = step.q, step.keys, step.values, step.pattern
     q_pos, key_pos, key_ok, valid, mask = (
         step.q_pos,
@@ -85,8 +87,8 @@ def flex_decode(step: DecodeStep, block: int, compile: bool) -> Tensor:
         def score_mod(score, b, h, q_idx, kv_idx):
             return score + bias(h, q_pos[b, q_idx], key_pos[b, kv_idx]).to(score.dtype)
 
-    out = _kernel(compile)(
-        q, keys, values, score_mod=score_mod, block_mask=block_mask, scale=scale,
-        enable_gqa=q.shape[1] != keys.shape[1],
+    out = run_kernel(
+        compile, least_head, q, keys, values, score_mod=score_mod, block_mask=block_mask,
+        scale=scale, enable_gqa=q.shape[1] != keys.shape[1],
     )  # fmt: skip
     return out[:, :, :t]

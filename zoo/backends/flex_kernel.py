@@ -8,6 +8,8 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
+from ..core.device_build import has_no_data
+from ..core.narrowed import narrowed
 from ..layout.block_layout import used_first
 from ..patterns import FULL, PARTIAL
 
@@ -22,12 +24,45 @@ def _flex_module():
     return flex_attention
 
 
-def _kernel(compiled: bool):
+def _kernel(compiled: bool, q: Tensor | None = None):
     flex = _flex_module().flex_attention
+    if q is not None and has_no_data(q) and not torch.compiler.is_compiling():
+        return _uncompiled
     if not compiled or torch.compiler.is_compiling():
         # Inside a model that torch.compile traces, the model's graph compiles the kernel.
         return flex
     return _compiled_kernel()
+
+
+def _uncompiled(*args, **kwargs):
+    """The eager kernel on fake or meta tensors (the CUDA paths checked on a CPU): without the
+    dynamo pass eager flex makes, which fails on fake tensors once their sizes vary (torch's
+    debugging switch, the higher-order op run as it is)."""
+    module = _flex_module()
+    saved = module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
+    module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+    try:
+        return module.flex_attention(*args, **kwargs)
+    finally:
+        module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = saved
+
+
+def run_kernel(compiled: bool, least_head: int | None, q: Tensor, k: Tensor, v: Tensor, **kwargs):
+    """The kernel on q, k, v; with ``least_head``, q/k and v heads padded with zeros to that
+    size first (Inductor's CUDA lowering refuses heads under 16: tl.dot's least) and the output
+    cropped back. Zero columns add nothing to a score, and the scale stays the true head's."""
+    kernel = _kernel(compiled, q)
+    if least_head is None:
+        return kernel(q, k, v, **kwargs)
+    if kwargs.get("scale") is None:
+        kwargs["scale"] = q.shape[-1] ** -0.5
+    width = v.shape[-1]
+    q, k, v = (_pad_head(x, least_head) for x in (q, k, v))
+    return narrowed(kernel(q, k, v, **kwargs), -1, 0, width)
+
+
+def _pad_head(x: Tensor, least: int) -> Tensor:
+    return torch.nn.functional.pad(x, (0, least - x.shape[-1])) if x.shape[-1] < least else x
 
 
 @lru_cache(maxsize=1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..core.call import AttentionCall
 from .base import FLOATS, Backend, Capabilities, DecodeStep, step_bias
@@ -92,7 +93,8 @@ def _causal_lower_right(call: AttentionCall) -> Tensor:
     # Imported here: the module imports torch._dynamo, which `import zoo` must not.
     from torch.nn.attention.bias import causal_lower_right
 
-    bias = causal_lower_right(call.q_len, call.kv_len)
+    with _disable_current_modes():  # it holds only the lengths; under a fake mode (torch.export)
+        bias = causal_lower_right(call.q_len, call.kv_len)  # its Tensor would be made fake
     return scaled_dot_product_attention(
         call.q, call.k, call.v, attn_mask=bias, dropout_p=call.dropout_p, scale=call.scale,
         enable_gqa=call.groups > 1,

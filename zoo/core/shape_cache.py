@@ -11,7 +11,11 @@ and it can be handed to the next builder (a frame to a layout).
 
 A builder always runs with every tracing and fake mode switched off (``torch.export``'s
 non-strict tracing, a user's ``FakeTensorMode``): its result is kept for later calls, so its
-tensors must be real. A traced program sees them as constants.
+tensors must be real. A traced program sees them as constants. The one exception is a call on
+a device that holds no data in this process (fake CUDA tensors on a machine without a GPU, meta
+tensors): there the builder runs on the CPU with its tensors tagged with that device, its result
+is mirrored onto the device under the caller's mode and nothing is cached
+(``zoo.core.device_build``).
 
 The caches are bounded, least recently used first, by count per builder and by bytes over all
 builders: a training run over many lengths keeps the structures of its recent lengths, not of
@@ -50,6 +54,9 @@ from typing import Any, TypeVar
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
+
+from . import device_build as _device_build
+from .device_build import device_build, needs_device_build
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -103,6 +110,8 @@ class _ShapeCache:
         _CACHES[id(self)] = self
 
     def get(self, args: tuple) -> _Entry:
+        if needs_device_build(args):  # fake CUDA on a CPU-only machine, meta: never cached
+            return _Entry(device_build(self.builder, args), 0, _TOTAL["call"])
         with _LOCK:
             entry = _ENTRIES.get((id(self), args))
             if entry is not None:
@@ -234,6 +243,7 @@ def new_call() -> bool:
     nothing at run time."""
     with _LOCK:
         _TOTAL["call"] += 1
+    _device_build.new_call()
     return True
 
 

@@ -32,6 +32,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
+from ..core.device_build import can_read_values
 from ..core.shape_cache import per_shape
 from ..patterns import Pattern
 from ..patterns.retention import Retention, retention
@@ -147,6 +148,8 @@ class KVCache:
                     f"cache holds {want.dtype} on {want.device}, got {name} in {t.dtype} on "
                     f"{t.device}; build the cache with the model's dtype and device"
                 )
+        if not can_read_values(counts):  # fake tensors (torch.export): shapes checked only
+            return
         after = self.lengths + counts
         if bool((after > self.max_len).any()):
             row = int(torch.argmax((after > self.max_len).int()))

@@ -113,7 +113,13 @@ def head_layout(pattern: Pattern, h: int) -> Pattern:
 def allowed_pairs(pattern: Pattern, q_len: int, kv_len: int, block: int = 128) -> int:
     """The exact number of allowed pairs, counted block by block: full blocks by size, partial
     blocks by evaluating the mask on them alone, empty blocks never. Each disjoint part of the
-    pattern is counted in its own token order, where its blocks are sparse."""
+    pattern is counted in its own token order, where its blocks are sparse. Counted on the CPU
+    once per shape, whatever mode the caller is in (``explain`` under fake tensors)."""
+    return _allowed_pairs(pattern, q_len, kv_len, block)
+
+
+@per_shape(maxsize=256)
+def _allowed_pairs(pattern: Pattern, q_len: int, kv_len: int, block: int) -> int:
     device = torch.device("cpu")
     total = 0
     for part in specialized(pattern, q_len, kv_len, device).parts():

@@ -88,7 +88,7 @@ class Union(Pattern):
         return reduce(torch.maximum, (c.block_state(q, k) for c in self.children))
 
     def dense(self, q_len: int, kv_len: int) -> Tensor:
-        return reduce(torch.logical_or, (c.dense(q_len, kv_len) for c in self.children))
+        return reduce(torch.logical_or, _together([c.dense(q_len, kv_len) for c in self.children]))
 
     def causal_form(self) -> Pattern:
         return Union(tuple(c.causal_form() for c in self.children))
@@ -170,7 +170,7 @@ class Intersection(Pattern):
         return reduce(torch.minimum, (c.block_state(q, k) for c in self.children))
 
     def dense(self, q_len: int, kv_len: int) -> Tensor:
-        return reduce(torch.logical_and, (c.dense(q_len, kv_len) for c in self.children))
+        return reduce(torch.logical_and, _together([c.dense(q_len, kv_len) for c in self.children]))
 
     def causal_form(self) -> Pattern:
         return Intersection(tuple(c.causal_form() for c in self.children))
@@ -240,7 +240,8 @@ class Difference(Pattern):
         return torch.where(self.exclude.block_state(q, k) == FULL, EMPTY, kept).to(torch.int8)
 
     def dense(self, q_len: int, kv_len: int) -> Tensor:
-        return self.include.dense(q_len, kv_len) & ~self.exclude.dense(q_len, kv_len)
+        include, exclude = _together([p.dense(q_len, kv_len) for p in (self.include, self.exclude)])
+        return include & ~exclude
 
     def causal_form(self) -> Pattern:
         return Difference(self.include.causal_form(), self.exclude.causal_form())
@@ -255,3 +256,10 @@ class Difference(Pattern):
 # ``a | b`` and ``a & b`` (Pattern.__or__ and __and__) build these.
 Pattern._union = Union
 Pattern._intersection = Intersection
+
+
+def _together(masks: list[Tensor]) -> list[Tensor]:
+    """Children's dense masks on one device: a fixed child's is on the CPU, a choice by content
+    (MoBA's) on the device of the call's tensors."""
+    device = next((m.device for m in masks if m.device.type != "cpu"), masks[0].device)
+    return [m.to(device) for m in masks]

@@ -23,6 +23,7 @@ first and last few) are grouped apart (``BlockLayout.row_groups``) and gathered 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -178,9 +179,8 @@ def _used_shared_slots(group: GroupPlan) -> GroupPlan:
     on a CPU (measured: eval/results/design-notes-cpu.md#used-shared-slots)."""
     band, shared, extra = group.widths
     unused = group.masked[:, :, band : band + shared].all(dim=1).all(dim=0)
-    keep = torch.cat(
-        [torch.ones(band, dtype=torch.bool), ~unused, torch.ones(extra, dtype=torch.bool)]
-    ).to(unused.device)
+    ones = functools.partial(torch.ones, dtype=torch.bool, device=unused.device)
+    keep = torch.cat([ones(band), ~unused, ones(extra)])
     columns = torch.nonzero(keep).flatten()
     used = int(keep[band : band + shared].sum())
     return GroupPlan(

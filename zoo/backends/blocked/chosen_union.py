@@ -37,6 +37,7 @@ from torch import Tensor
 from torch.nn.functional import dropout, scaled_dot_product_attention
 
 from ...core.call import AttentionCall
+from ...core.device_build import has_no_data
 from ...layout.block_layout import used_first
 from ...layout.frames import Frame
 from ...patterns import EMPTY, Pattern
@@ -74,7 +75,8 @@ def routed_groups(state: Tensor, waste: float) -> list[RoutedGroup]:
     is padded by more than ``waste`` of its width (causal rows need 1 .. Qb key blocks: one
     width for all would double the work). Query blocks with no key block are left out."""
     used = state != EMPTY
-    if torch.compiler.is_compiling():  # a graph cannot read the widths: every key block, masked
+    if torch.compiler.is_compiling() or has_no_data(used):
+        # a graph (or fake tensors: torch.export) cannot read the widths: every key block, masked
         rows = torch.arange(used.shape[2], device=used.device)
         return [RoutedGroup(rows, *_slots(used, used.shape[-1]))]
     need = used.sum(-1).amax(dim=(0, 1))  # (Qb,)

@@ -1,0 +1,120 @@
+"""The CUDA paths on a machine without a GPU: every variant on every backend with fake CUDA tensors
+(``zoo.testing.fake_cuda``), so that a cpu/cuda mix or a shape a CUDA kernel refuses shows in CI,
+not first on a GPU. Fake tensors carry shapes and devices only: these tests check that the CUDA
+path runs and where its tensors live; the values are checked on the GPU (``gpu`` tests).
+
+Inputs require grad where torch can record autograd on fake CUDA tensors: always on a CUDA build
+of torch; on a CPU-only build, not through FlexAttention, whose forward traces its backward
+(which torch cannot run there). The autograd functions' forwards of blocked and sdpa, where a
+backward's device mix would be built, run with grad everywhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import SELF_CONTAINED_VARIANTS, small_params
+
+import zoo
+from zoo.backends import flex_kernel
+from zoo.backends.flex_kernel import run_kernel
+from zoo.testing.fake_cuda import FakeCudaUnavailable, fake_cuda
+
+try:
+    with fake_cuda():
+        pass
+except FakeCudaUnavailable as error:  # no C++ compiler on a CPU-only build
+    pytest.skip(str(error), allow_module_level=True)
+
+HEADS = [8, 16, 24, 64, 128]
+BACKENDS = ["auto", "flex", "blocked", "sdpa"]
+
+
+def _grad_recorded(backend: str) -> bool:
+    return torch.backends.cuda.is_built() or backend in ("blocked", "sdpa")
+
+
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", SELF_CONTAINED_VARIANTS)
+def test_every_variant_runs_its_cuda_path_on_fake_cuda_tensors(variant, backend, head):
+    """Forward on fake CUDA tensors: grouped heads, a value head of another size, a length that is
+    no multiple of any block, fewer queries than keys; causal and padded in turn by head size."""
+    causal, padded = head in (8, 24, 128), head in (16, 24)
+    grad = _grad_recorded(backend)
+    with fake_cuda():
+        q = torch.randn(2, 4, 150, head, device="cuda", requires_grad=grad)
+        k = torch.randn(2, 2, 200, head, device="cuda", requires_grad=grad)
+        v = torch.randn(2, 2, 200, max(head // 2, 1), device="cuda", requires_grad=grad)
+        padding = torch.zeros(2, 200, dtype=torch.bool, device="cuda") if padded else None
+        out = zoo.attention(
+            q, k, v, variant=variant, backend=backend, causal=causal, key_padding_mask=padding,
+            **small_params(variant),
+        )  # fmt: skip
+    assert out.device.type == "cuda"
+    assert out.shape == (2, 4, 150, v.shape[-1])
+    assert out.requires_grad == grad
+
+
+@pytest.mark.parametrize("variant", ["local", "bigbird", "moba", "neighborhood_2d"])
+def test_flex_hands_its_cuda_kernel_heads_of_at_least_16(variant, monkeypatch):
+    """Inductor's CUDA lowering of FlexAttention refuses heads under 16 (tl.dot's least): the
+    backend pads q/k and v with zeros on CUDA, and says so in explain."""
+    seen = []
+
+    def kernel(q, k, v, **kwargs):
+        seen.append((q.shape[-1], k.shape[-1], v.shape[-1], kwargs["scale"]))
+        return torch.empty(*q.shape[:-1], v.shape[-1], device=q.device, dtype=q.dtype)
+
+    monkeypatch.setattr(flex_kernel, "_kernel", lambda compiled, q=None: kernel)
+    with fake_cuda():
+        q = torch.randn(1, 2, 100, 8, device="cuda")
+        v = torch.randn(1, 2, 100, 4, device="cuda")
+        out = zoo.attention(q, q, v, variant=variant, backend="flex", **small_params(variant))
+        said = zoo.explain(q, q, v, variant=variant, **small_params(variant))
+    assert seen == [(16, 16, 16, pytest.approx(8**-0.5))]  # the scale stays the true head's
+    assert out.shape == (1, 2, 100, 4)
+    assert "auto -> flex" in said
+    assert "pads q/k head size 8 and v head size 4 with zeros to 16" in said
+
+
+def test_explain_says_nothing_of_padding_where_heads_are_large_enough():
+    with fake_cuda():
+        q = torch.randn(1, 2, 100, 64, device="cuda")
+        said = zoo.explain(q, q, q, variant="local", window_size=7)
+    assert "auto -> flex" in said and "pads" not in said
+
+
+def test_zero_padded_heads_leave_output_and_gradients_unchanged(monkeypatch):
+    """The padding itself, where values exist: q/k of 8 and v of 4 padded to 16 give the
+    unpadded call's output and gradients (a dense kernel stands in for FlexAttention, which has
+    no backward on a CPU)."""
+
+    def dense(q, k, v, *, block_mask=None, scale=None):
+        scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+        return torch.softmax(scores, dim=-1) @ v
+
+    monkeypatch.setattr(flex_kernel, "_kernel", lambda compiled, q=None: dense)
+    tensors = [torch.randn(1, 2, 64, d, dtype=torch.float64, requires_grad=True) for d in (8, 8, 4)]
+    grad_out = torch.randn(1, 2, 64, 4, dtype=torch.float64)
+    results = []
+    for least in (None, 16):
+        out = run_kernel(False, least, *tensors)
+        results.append([out, *torch.autograd.grad(out, tensors, grad_out)])
+    for plain, padded in zip(*results, strict=True):
+        torch.testing.assert_close(padded, plain, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("variant", ["sliding_window", "bigbird", "moba", "neighborhood_2d"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_module_runs_its_cuda_path_on_fake_cuda_tensors(variant, backend):
+    """A layer built on the CUDA device under a fake mode (as meta-device initialisation and
+    torch.export on a CPU build machine make it), with padding, rope and grouped heads."""
+    grad = _grad_recorded(backend)
+    with fake_cuda(), torch.device("cuda"), torch.set_grad_enabled(grad):
+        attn = zoo.create_attention(
+            variant, dim=64, num_heads=4, num_kv_heads=2, pos="rope", backend=backend,
+            causal=True, **small_params(variant),
+        )  # fmt: skip
+        y = attn(torch.randn(2, 100, 64), valid_lens=torch.tensor([100, 30]))
+    assert y.device.type == "cuda" and y.shape == (2, 100, 64)
