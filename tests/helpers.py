@@ -13,6 +13,8 @@ import os
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import zoo
 from zoo.functional import prepare_call
@@ -233,3 +235,18 @@ def check_against_reference(
     names = ["out", "dq", "dk", "dv"]
     names += [f"d{name}" for name, _ in ([] if pos is None else pos.named_parameters())]
     assert_within_convention(got, baseline, oracle, names)
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the most elements of any tensor an operation returns while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self.largest = max(self.largest, leaf.numel())
+        return out

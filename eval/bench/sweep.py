@@ -21,7 +21,7 @@ from . import report
 from .cell import Settings, measure_cell, new_record
 from .config import BenchConfig
 from .impls import Point, SdpaDense, ZooImpl, clear_zoo_caches, variant_peer
-from .measure import free_memory
+from .measure import free_memory, is_oom
 from .routed import chosen_pairs, is_routed
 
 
@@ -76,6 +76,23 @@ def allowed_pairs_for(variant: str, params: dict, causal: bool, n: int) -> int |
         return None
 
 
+def chosen_pairs_for(
+    variant: str, params: dict, causal: bool, q: torch.Tensor, k: torch.Tensor
+) -> int | None:
+    """The pairs a variant chosen by content allows on these inputs (counted without an n x n
+    grid, ``eval.bench.routed``), or None where its choice cannot be made here (a graph without
+    its edges, no memory for the choice): its cells then record why."""
+    try:
+        return chosen_pairs(variant, params, causal, q.detach(), k.detach())
+    except ValueError:
+        return None
+    except Exception as error:
+        if not is_oom(error):
+            raise
+        free_memory(q.device)
+        return None
+
+
 def progress(i: int, total: int, cell: dict[str, Any]) -> str:
     """The one line printed when a cell finishes."""
     backend = cell["backend"]
@@ -106,18 +123,19 @@ class Runner:
         self.pairs: dict[tuple, int | None] = {}
         self.oom_at: dict[tuple, int] = {}  # (variant, backend, pass, causal) -> n
 
+    @staticmethod
+    def count(impl: Any, point: Point) -> int | None:
+        """The cell's allowed pairs: from the point's own inputs for a choice by content, else
+        from the pattern and the length; never through an n x n mask."""
+        if is_routed(impl.variant, impl.params):
+            return chosen_pairs_for(impl.variant, impl.params, point.causal, point.q, point.k)
+        return allowed_pairs_for(impl.variant, impl.params, point.causal, point.n)
+
     def run(self, impl: Any, point: Point) -> dict[str, Any]:
         """One cell, or its 'skipped' record after an out-of-memory at a shorter length."""
         key = (impl.variant, repr(sorted(impl.params.items())), point.causal, point.n)
         if key not in self.pairs:
-            if is_routed(impl.variant, impl.params):  # chosen by content: from these inputs
-                self.pairs[key] = chosen_pairs(
-                    impl.variant, impl.params, point.causal, point.q.detach(), point.k.detach()
-                )
-            else:
-                self.pairs[key] = allowed_pairs_for(
-                    impl.variant, impl.params, point.causal, point.n
-                )
+            self.pairs[key] = self.count(impl, point)
         pairs, total = self.pairs[key], report.all_pairs(point.n, point.causal)
         series = (impl.variant, impl.name, point.pass_name, point.causal)
         if series in self.oom_at:

@@ -14,25 +14,9 @@ import textwrap
 
 import pytest
 import torch
-from helpers import subprocess_timeout
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import LargestTensor, subprocess_timeout
 
 import zoo
-
-
-class LargestTensor(TorchDispatchMode):
-    """Records the element count of the largest tensor any operator returns."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, tuple | list) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
 
 
 @pytest.mark.parametrize(
