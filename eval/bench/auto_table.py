@@ -5,9 +5,12 @@ For every measured point (device type, dtype, variant with all its parameters, c
 it keeps the fastest zoo backend that ran without error (and passed the reference check, where
 the benchmark ran one: up to its check_max_len), and the runner-up. Peers (dense SDPA, standard
 FlexAttention, xFormers) are the yardstick, not candidates: auto chooses among zoo backends.
-Compiled flex is no candidate on CPU: its first call per shape compiles for seconds, a cost the
-timed figure leaves out. Entries of the device types and dtypes in the new results replace the
-table's old ones; the others stay.
+An ``auto`` cell is a measurement of the backend it ran (its ``resolved``, such as ``auto ->
+flex``) where that backend was not timed directly at the point: a sweep run with
+``backends=[auto,blocked,xformers]`` times flex only through auto, and leaving it out would crown
+xformers or blocked. Compiled flex is no candidate on CPU: its first call per shape compiles for
+seconds, a cost the timed figure leaves out. Entries of the device types and dtypes in the new
+results replace the table's old ones; the others stay.
 """
 
 from __future__ import annotations
@@ -26,28 +29,33 @@ POINT = ("device", "dtype", "variant", "params", "causal", "pass", "n")
 
 def entries_from(bench: dict[str, Any], source: str) -> list[dict[str, Any]]:
     device = bench["header"]["device_type"]
-    timed: dict[tuple, list[tuple[float, str]]] = defaultdict(list)
+    direct: dict[tuple, dict[str, float | None]] = defaultdict(dict)  # None: ran, not ok
+    through_auto: dict[tuple, dict[str, float]] = defaultdict(dict)
     for cell in bench["cells"]:
-        if cell["kind"] != "zoo" or cell["backend"] == "auto" or cell["status"] != "ok":
+        if cell["kind"] != "zoo":
             continue
-        if device == "cpu" and cell["backend"] == "flex":
+        by_auto = cell["backend"] == "auto"
+        name = cell.get("resolved") if by_auto else cell["backend"]
+        if name in (None, "auto") or (device == "cpu" and name == "flex"):
             continue
-        params = json.dumps(
-            comparable(resolved_params(cell["variant"], cell["params"])), sort_keys=True
-        )
-        point = (
-            device,
-            cell["dtype"],
-            cell["variant"],
-            params,
-            cell["causal"],
-            cell["pass"],
-            cell["n"],
-        )
-        timed[point].append((cell["time_ms"], cell["backend"]))
+        ms = cell["time_ms"] if cell["status"] == "ok" else None
+        point = _point(device, cell)
+        if not by_auto:
+            direct[point][name] = ms
+        elif ms is not None:
+            through_auto[point].setdefault(name, ms)
+    # An auto cell stands in only for a backend not timed directly at its point (a direct cell
+    # that failed is not rescued by auto's run of the same backend).
+    timed: dict[tuple, dict[str, float]] = {}
+    for point in {*direct, *through_auto}:
+        ran = {name: ms for name, ms in direct.get(point, {}).items() if ms is not None}
+        stand_ins = through_auto.get(point, {}).items()
+        ran |= {name: ms for name, ms in stand_ins if name not in direct.get(point, {})}
+        if ran:
+            timed[point] = ran
     entries = []
-    for point, times in sorted(timed.items()):
-        times.sort()
+    for point, ran in sorted(timed.items()):
+        times = sorted((ms, name) for name, ms in ran.items())
         best, runner = times[0], times[1] if len(times) > 1 else (float("nan"), "-")
         entry = dict(zip(POINT, point, strict=True))
         entry["params"] = json.loads(entry["params"])
@@ -62,6 +70,14 @@ def entries_from(bench: dict[str, Any], source: str) -> list[dict[str, Any]]:
             }
         )
     return entries
+
+
+def _point(device: str, cell: dict[str, Any]) -> tuple:
+    """The cell's POINT, its parameters resolved and made one JSON string."""
+    params = json.dumps(
+        comparable(resolved_params(cell["variant"], cell["params"])), sort_keys=True
+    )
+    return (device, cell["dtype"], cell["variant"], params, cell["causal"], cell["pass"], cell["n"])
 
 
 def merge(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 import torch
 
 import zoo
 import zoo.backends.auto as auto
 from eval.bench.auto_table import entries_from, merge, write_table
+from zoo.backends import get_backend
 from zoo.backends.auto_table import load_table, lookup
+from zoo.core.call import AttentionCall
 from zoo.functional import prepare_call
 
 
@@ -95,3 +99,85 @@ def test_the_shipped_table_names_real_backends():
     for entry in load_table():
         assert entry["backend"] in zoo.list_backends()
         assert entry["pass"] in ("fwd", "fwd+bwd") and entry["n"] > 0
+
+
+def test_an_auto_cell_measures_the_backend_it_ran():
+    """A sweep run with backends=[auto,blocked,xformers] times flex only through auto: that cell
+    counts for flex, or the table would crown xformers."""
+
+    def on_cuda(*cells):
+        return {"header": {"device_type": "cuda"}, "cells": list(cells)}
+
+    def gpu(backend, ms, **extra):
+        return cell("local", backend, 16384, ms, pass_="fwd+bwd") | {"dtype": "bfloat16"} | extra
+
+    flex_by_auto = gpu("auto", 0.9, resolved="flex")
+    others = [gpu("blocked", 16.5), gpu("xformers", 1.38), gpu("xformers", 0.1, kind="peer")]
+    (entry,) = entries_from(on_cuda(flex_by_auto, *others), "gpu.json")
+    assert (entry["backend"], entry["time_ms"], entry["runner_up"]) == ("flex", 0.9, "xformers")
+    (entry,) = entries_from(on_cuda(*others), "gpu.json")  # without it: the trap
+    assert entry["backend"] == "xformers"
+    # A backend timed directly keeps its own figure; one that failed is not rescued by auto's run.
+    (entry,) = entries_from(
+        on_cuda(gpu("auto", 0.5, resolved="blocked"), gpu("blocked", 3.0), gpu("sdpa", 9.0)),
+        "gpu.json",
+    )
+    assert (entry["backend"], entry["time_ms"]) == ("blocked", 3.0)
+    failed = gpu("sdpa", 9.0, status="mismatch")
+    (entry,) = entries_from(
+        on_cuda(gpu("auto", 1.0, resolved="sdpa"), failed, gpu("blocked", 3.0)), "g"
+    )
+    assert (entry["backend"], entry["runner_up"]) == ("blocked", "-")
+    # On the CPU compiled flex is no candidate, through auto or not.
+    cpu = {
+        "header": {"device_type": "cpu"},
+        "cells": [cell("local", "auto", 1024, 1.0) | {"resolved": "flex"}],
+    }
+    assert entries_from(cpu, "cpu.json") == []
+
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU_RESULTS = sorted((ROOT / "eval/results/bench-gpu-h100").glob("*/bench.json"))
+
+
+class OnCuda(AttentionCall):
+    """A call whose device reads cuda: auto's choice hangs on the table and the order, which
+    need no CUDA tensor (lookup reads the device type, the dtype, the variant and the length)."""
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda")
+
+
+def cuda_call(variant, n, causal, grad, params):
+    q = torch.randn(1, 1, n, 64, dtype=torch.bfloat16, requires_grad=grad)
+    call = prepare_call(q, q, q, variant=variant, causal=causal, **params)
+    return OnCuda(**{f.name: getattr(call, f.name) for f in dataclasses.fields(call)})
+
+
+def test_auto_on_cuda_takes_flex_where_the_h100_measured_it():
+    """Every point of the committed H100 run where auto ran flex is a CUDA row of the shipped
+    table with flex first, and auto's order there starts with flex, before blocked and xformers
+    (slower at every point of that run). Fails if the CUDA rows are missing or rank another
+    first."""
+    assert len(GPU_RESULTS) == 2, GPU_RESULTS
+    shipped = load_table()
+    backends = {name: get_backend(name) for name in zoo.list_backends()}
+    checked = 0
+    for path in GPU_RESULTS:
+        bench = json.loads(path.read_text())
+        assert bench["header"]["device_type"] == "cuda"
+        for c in bench["cells"]:
+            if c["backend"] != "auto" or c["resolved"] != "flex" or c["status"] != "ok":
+                continue
+            call = cuda_call(c["variant"], c["n"], c["causal"], c["pass"] == "fwd+bwd", c["params"])
+            point = f"{c['variant']} n={c['n']} causal={c['causal']} {c['pass']}"
+            entry = lookup(call, shipped)
+            assert entry is not None, f"{point}: no CUDA row in the shipped table"
+            assert (entry["device"], entry["dtype"], entry["n"]) == ("cuda", "bfloat16", c["n"])
+            assert entry["backend"] == "flex", f"{point}: the table ranks {entry['backend']} first"
+            assert entry["source"] == str(path.relative_to(ROOT))
+            order = auto.fallback_order(call, backends)  # the shipped table, as auto reads it
+            assert order[0] == "flex", f"{point}: auto's order {order}"
+            checked += 1
+    assert checked == 13  # 5 points at 16K, 8 at 64K
