@@ -239,34 +239,32 @@ _NO_TENSORS = (
 )  # fmt: skip
 
 
-def _mirror(
-    obj: Any, memo: dict[int, tuple[Any, Any]], convert: Callable[[object], object] | None = None
-) -> Any:
-    """``obj`` with each tensor replaced by ``convert`` of it (default: a tensor of the same
-    shape, strides and dtype on its reported device, made under the caller's mode), through
-    containers, objects' fields, closures, bound methods and partials; objects holding no
-    tensor are kept as they are."""
-    convert = convert or _empty_like
+def _mirror(obj: Any, memo: dict[int, tuple[Any, Any]]) -> Any:
+    """``obj`` with each tagged tensor replaced by one of the same shape, strides and dtype on
+    its device, made under the caller's mode, through containers, objects' fields, closures,
+    bound methods and partials; objects holding none are kept as they are."""
     if id(obj) in memo:
         return memo[id(obj)][1]
     if isinstance(obj, Tensor):
-        result = convert(obj)
+        if not isinstance(obj, Tagged):  # host data (plans' row lists): kept real, a constant
+            return obj
+        result = torch.empty_strided(obj.shape, obj.stride(), dtype=obj.dtype, device=obj.device)
     elif obj is None or isinstance(obj, _NO_TENSORS):
         return obj
     elif isinstance(obj, list | tuple | set | frozenset):
-        items = [_mirror(x, memo, convert) for x in obj]
+        items = [_mirror(x, memo) for x in obj]
         if all(a is b for a, b in zip(items, obj, strict=True)):
             return obj
         result = type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     elif isinstance(obj, dict):
-        items = {k: _mirror(v, memo, convert) for k, v in obj.items()}
+        items = {k: _mirror(v, memo) for k, v in obj.items()}
         if all(items[k] is v for k, v in obj.items()):
             return obj
         result = type(obj)(items)
     elif isinstance(obj, types.FunctionType):
         if not obj.__closure__:
             return obj
-        cells = [_mirror(c.cell_contents, memo, convert) for c in obj.__closure__]
+        cells = [_mirror(c.cell_contents, memo) for c in obj.__closure__]
         if all(a is c.cell_contents for a, c in zip(cells, obj.__closure__, strict=True)):
             return obj
         result = types.FunctionType(
@@ -276,22 +274,22 @@ def _mirror(
         result.__dict__.update(obj.__dict__)
         result.__kwdefaults__ = obj.__kwdefaults__
     elif isinstance(obj, types.MethodType):
-        owner = _mirror(obj.__self__, memo, convert)
+        owner = _mirror(obj.__self__, memo)
         return obj if owner is obj.__self__ else types.MethodType(obj.__func__, owner)
     elif isinstance(obj, functools.partial):
-        fn = _mirror(obj.func, memo, convert)
-        args = _mirror(obj.args, memo, convert)
-        keywords = _mirror(obj.keywords, memo, convert)
+        fn = _mirror(obj.func, memo)
+        args = _mirror(obj.args, memo)
+        keywords = _mirror(obj.keywords, memo)
         if fn is obj.func and args is obj.args and keywords is obj.keywords:
             return obj
         result = functools.partial(fn, *args, **keywords)
     else:
-        return _mirror_fields(obj, memo, convert)
+        return _mirror_fields(obj, memo)
     memo[id(obj)] = (obj, result)
     return result
 
 
-def _mirror_fields(obj: Any, memo: dict[int, tuple[Any, Any]], convert) -> Any:
+def _mirror_fields(obj: Any, memo: dict[int, tuple[Any, Any]]) -> Any:
     fields = dict(getattr(obj, "__dict__", {}))
     for cls in type(obj).__mro__:
         for slot in getattr(cls, "__slots__", ()):
@@ -301,7 +299,7 @@ def _mirror_fields(obj: Any, memo: dict[int, tuple[Any, Any]], convert) -> Any:
         return obj
     result = copy.copy(obj)
     memo[id(obj)] = (obj, result)  # a cycle back to obj finds the copy
-    mirrored = {name: _mirror(value, memo, convert) for name, value in fields.items()}
+    mirrored = {name: _mirror(value, memo) for name, value in fields.items()}
     if all(mirrored[name] is value for name, value in fields.items()):
         memo[id(obj)] = (obj, obj)
         return obj
@@ -309,6 +307,3 @@ def _mirror_fields(obj: Any, memo: dict[int, tuple[Any, Any]], convert) -> Any:
         object.__setattr__(result, name, value)
     return result
 
-
-def _empty_like(t: Tensor) -> Tensor:
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)

@@ -38,6 +38,7 @@ from torch import Tensor
 
 from ..backends import Backend, resolve_backend
 from ..core.call import check_key_padding_mask, check_qkv, unread_padding
+from ..core.device_build import has_no_data
 from ..core.narrowed import narrowed
 from ..core.prepare import Encoding, attention_encoding, prepare_call
 from ..core.resolve import call_pattern, concrete_params
@@ -88,7 +89,7 @@ def on_q_device(function: Callable) -> Callable:
 
     @functools.wraps(function)
     def on_device(q, *args, **kwargs):
-        if not (isinstance(q, Tensor) and q.is_cuda):
+        if not (isinstance(q, Tensor) and q.is_cuda) or has_no_data(q):  # fake: no device
             return function(q, *args, **kwargs)
         with torch.cuda.device(q.device):
             return function(q, *args, **kwargs)
