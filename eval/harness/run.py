@@ -113,8 +113,24 @@ class RunConfig:
     # many-core CPU, or for larger models, raise it (threads=4, or 0 for one per core).
     threads: int = 1
     # Cells trained at once, each in its own process with ``threads`` threads (workers.py): on a
-    # 2-core CPU, workers: 2 with threads: 1 trains two cells at a time on both cores.
-    workers: int = 1
+    # 2-core CPU, workers: 2 with threads: 1 trains two cells at a time on both cores. "auto":
+    # one per GPU where there are GPUs (each worker its own, CUDA_VISIBLE_DEVICES), else one per
+    # core.
+    workers: int | str = 1
+    # "local": this machine's processes (workers); "ray": every cell a Ray task, scheduled by
+    # Ray on one machine or a cluster (eval/harness/ray_launcher.py; pip install -e .[ray]).
+    launcher: str = "local"
+    # The Ray cluster, HOST:PORT (as `ray start --head` prints it); empty: the RAY_ADDRESS
+    # variable, or with neither a local Ray cluster started in this process.
+    ray_address: str = ""
+    # What each cell asks Ray for: {gpus: G, cpus: C, processes: P}. Defaults: one GPU per cell
+    # where the cluster has GPUs (a fraction, e.g. 0.25, lets several small cells share one),
+    # ``threads`` CPUs; processes > 1 (default: gpus when gpus >= 2) trains the cell under
+    # torch.distributed on what Ray gave it (torchrun inside the task).
+    resources: dict[str, float] = field(default_factory=dict)
+    # Times Ray runs a cell again whose worker process died (killed, out of memory, a node
+    # lost); a cell that fails for its own reason is recorded as failed, not retried.
+    max_retries: int = 2
     out: str = "eval/results/{name}"
     save_checkpoints: bool = False  # <out>/checkpoints/<cell key>.pt, for attention maps
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -187,8 +203,20 @@ def check_names(config: RunConfig, source: str) -> None:
             raise ConfigError(f"{source}: best_of[{i}] must be 'lr' or 'seed', got {name!r}")
     if config.train.batch_size < 1 or config.train.steps < 1:
         raise ConfigError(f"{source}: train.steps and train.batch_size must be positive")
-    if config.workers < 1:
-        raise ConfigError(f"{source}: workers must be >= 1, got {config.workers}")
+    if config.workers != "auto" and not (isinstance(config.workers, int) and config.workers >= 1):
+        raise ConfigError(
+            f"{source}: workers must be an int >= 1 or 'auto', got {config.workers!r}"
+        )
+    if config.launcher not in ("local", "ray"):
+        raise ConfigError(f"{source}: launcher must be 'local' or 'ray', got {config.launcher!r}")
+    unknown = set(config.resources) - {"gpus", "cpus", "processes"}
+    if unknown or any(not v >= 0 for v in config.resources.values()):
+        raise ConfigError(
+            f"{source}: resources takes gpus, cpus and processes, each >= 0, got "
+            f"{config.resources!r}"
+        )
+    if config.max_retries < 0:
+        raise ConfigError(f"{source}: max_retries must be >= 0, got {config.max_retries}")
     if config.threads < 0:
         raise ConfigError(
             f"{source}: threads must be >= 0 (0: torch's default, one per core), "
@@ -344,12 +372,14 @@ def run(
     context: distributed.Context,
     show_progress: bool = True,
     shard: tuple[int, int] = (0, 1),
+    only: tuple[str, Path] | None = None,
 ) -> Path:
     """Run every cell not yet in the results file (with ``shard`` (K, N), of every N-th cell of
     the sweep from the K-th on), with ``config.threads`` CPU threads; returns the results file's
-    path."""
+    path. ``only`` (cell key, file): that cell alone, its record written to that file (a cell
+    that a Ray task trains in several processes, ray_launcher.py)."""
     with distributed.thread_count(config.threads):
-        return _run(config, source, context, show_progress, shard)
+        return _run(config, source, context, show_progress, shard, only)
 
 
 def _run(
@@ -358,13 +388,12 @@ def _run(
     context: distributed.Context,
     show_progress: bool,
     shard: tuple[int, int],
+    only: tuple[str, Path] | None,
 ) -> Path:
-    from .train import train
-
-    results = results_file(config)
+    results = results_file(config) if only is None else only[1]
     out = results.parent
     done = finished_keys(results)
-    sweep = cells(config)
+    sweep = cells(config) if only is None else [c for c in cells(config) if c["key"] == only[0]]
     waiting = sum(c["key"] not in done for c in sweep)
     # The share is of the sweep, not of the cells left: a worker that starts after another has
     # finished some cells would otherwise count a different remainder and drop a cell.
@@ -385,27 +414,7 @@ def _run(
         )
         if bar is not None:
             bar.set_description(label)
-        record: dict[str, Any] = {
-            "cell": cell,
-            "best_of": config.best_of,
-            **({"about": config.about} if config.about else {}),
-            "environment": environment(context),
-        }
-        start = time.time()
-        try:
-            checkpoint = (
-                out / "checkpoints" / f"{cell['key']}.pt" if config.save_checkpoints else None
-            )
-            record.update(status="ok", **train(cell, context, bar, checkpoint))
-        except (RuntimeError, ValueError, torch.cuda.OutOfMemoryError) as error:
-            record.update(
-                status="failed",
-                reason=f"{type(error).__name__}: {error}",
-                traceback=traceback.format_exc(limit=3),
-            )
-            if context.device.type == "cuda":
-                torch.cuda.empty_cache()
-        record["wall_seconds"] = round(time.time() - start, 2)
+        record = run_cell(cell, config, context, bar)
         if context.main:
             append_record(results, json.dumps(record) + "\n")
             if bar is None:
@@ -417,6 +426,47 @@ def _run(
     if bar is not None:
         bar.close()
     return results
+
+
+def run_cell(
+    cell: dict[str, Any], config: RunConfig, context: distributed.Context, progress=None
+) -> dict[str, Any]:
+    """Train and evaluate one cell: its record, ``status`` "ok" or "failed" with the reason (a
+    failure of the cell's own: out of memory, a variant that cannot run a length)."""
+    from .train import train
+
+    record: dict[str, Any] = {
+        "cell": cell,
+        "best_of": config.best_of,
+        **({"about": config.about} if config.about else {}),
+        "environment": environment(context),
+    }
+    start = time.time()
+    try:
+        out = results_file(config).parent
+        checkpoint = out / "checkpoints" / f"{cell['key']}.pt" if config.save_checkpoints else None
+        record.update(status="ok", **train(cell, context, progress, checkpoint))
+    except (RuntimeError, ValueError, torch.cuda.OutOfMemoryError) as error:
+        record.update(
+            status="failed",
+            reason=f"{type(error).__name__}: {error}",
+            traceback=traceback.format_exc(limit=3),
+        )
+        if context.device.type == "cuda":
+            torch.cuda.empty_cache()
+    record["wall_seconds"] = round(time.time() - start, 2)
+    return record
+
+
+def gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_workers(workers: int | str) -> int:
+    """``workers`` as a number: "auto" is one per GPU, or one per core without one."""
+    if workers != "auto":
+        return int(workers)
+    return gpu_count() or os.cpu_count() or 1
 
 
 def progress_bar(total: int, enabled: bool):
@@ -437,25 +487,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-report", action="store_true", help="skip the report at the end")
     # one worker's share of the cells (workers.py starts them; not for direct use)
     parser.add_argument("--shard", default=None, help=argparse.SUPPRESS)
+    # one cell, its record to a file (a Ray task's torchrun; not for direct use)
+    parser.add_argument("--cell", nargs=2, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
         config = load_config(RunConfig, args.config, args.overrides)
         check_names(config, args.config)
         check_cells(cells(config), args.config)
         shard = (0, 1) if args.shard is None else parse_shard(args.shard)
+        workers = resolve_workers(config.workers)
     except (ConfigError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if config.workers > 1 and args.shard is None and "WORLD_SIZE" not in os.environ:
-        status = run_in_processes(args.config, args.overrides, config.workers)
+    inner = args.shard is not None or args.cell is not None or "WORLD_SIZE" in os.environ
+    if config.launcher == "ray" and not inner:
+        from .ray_launcher import run_on_ray
+
+        try:
+            status = run_on_ray(config, args.config, args.overrides, not args.no_progress)
+        except ConfigError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        main_process = True
+    elif workers > 1 and not inner:
+        status = run_in_processes(args.config, args.overrides, workers, gpu_count())
         main_process = True
     else:
         context = distributed.start(config.device)
+        only = None if args.cell is None else (args.cell[0], Path(args.cell[1]))
         try:
-            run(config, args.config, context, not args.no_progress, shard)
+            run(config, args.config, context, not args.no_progress, shard, only)
         finally:
             distributed.stop(context)
-        status, main_process = 0, context.main
+        status, main_process = 0, context.main and only is None
     if status == 0 and main_process and not args.no_report:
         from .report import write_report
 

@@ -6,12 +6,15 @@ thread each) instead of one. The harness's models are too small for two threads 
 Each worker is ``python -m eval run CONFIG ... --shard K/N``: it takes every N-th cell not yet
 done, from the K-th on, and appends its records to the one results file under a lock; the
 parent waits for all of them and writes the report. Results do not depend on the number of
-workers (every cell's seeds are its own). On one GPU, workers share it; under torchrun, keep 1.
+workers (every cell's seeds are its own). With several GPUs each worker has its own
+(``CUDA_VISIBLE_DEVICES``); on one GPU, workers share it; under torchrun, keep 1. Beyond one
+machine: ``launcher: ray`` (ray_launcher.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,11 +31,16 @@ def parse_shard(text: str) -> tuple[int, int]:
     return index, count
 
 
-def run_in_processes(config: str, overrides: list[str], workers: int) -> int:
-    """Run the sweep in ``workers`` processes; returns the worst exit status."""
+def run_in_processes(config: str, overrides: list[str], workers: int, gpus: int = 0) -> int:
+    """Run the sweep in ``workers`` processes; returns the worst exit status. With ``gpus``,
+    worker k sees GPU k mod gpus alone (``CUDA_VISIBLE_DEVICES``): a machine's GPUs shared out,
+    not every worker on the first."""
     command = [sys.executable, "-m", "eval", "run", config, *overrides]
     processes = [
-        subprocess.Popen([*command, "--shard", f"{k}/{workers}", "--no-report", "--no-progress"])
+        subprocess.Popen(
+            [*command, "--shard", f"{k}/{workers}", "--no-report", "--no-progress"],
+            env=worker_environment(k, gpus),
+        )
         for k in range(workers)
     ]
     try:
@@ -41,6 +49,17 @@ def run_in_processes(config: str, overrides: list[str], workers: int) -> int:
         for p in processes:  # an interrupted parent stops its workers
             if p.poll() is None:
                 p.terminate()
+
+
+def worker_environment(k: int, gpus: int) -> dict[str, str]:
+    """Worker k's environment: this one, with its own GPU where there are GPUs to share out
+    (CUDA_VISIBLE_DEVICES indexes the GPUs this process was given, if it was given a list)."""
+    env = dict(os.environ)
+    if gpus:
+        visible = env.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(gpus)]
+        env["CUDA_VISIBLE_DEVICES"] = ids[k % len(ids)]
+    return env
 
 
 def append_record(path: Path, line: str) -> None:
