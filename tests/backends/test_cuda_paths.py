@@ -118,3 +118,45 @@ def test_the_module_runs_its_cuda_path_on_fake_cuda_tensors(variant, backend):
         )  # fmt: skip
         y = attn(torch.randn(2, 100, 64), valid_lens=torch.tensor([100, 30]))
     assert y.device.type == "cuda" and y.shape == (2, 100, 64)
+
+
+@pytest.fixture
+def fake_ranks(monkeypatch):
+    """Rank 1 of a fake process group of 4 (its collectives do nothing): one process runs one
+    rank's whole sharded call. The ranks' agreement on the call is taken as given."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+
+    def agreed(out, obj, group=None):
+        out[:] = [obj] * len(out)
+
+    monkeypatch.setattr(dist, "all_gather_object", agreed)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+SHARDED = ["sliding_window", "longformer", "bigbird", "causal", "full", "strided"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_sharded_call_runs_its_cuda_path_on_fake_cuda_tensors(backend, fake_ranks):
+    """Context parallelism's rank path (plans, exchange, calls at global positions, the joined
+    output) on fake CUDA tensors; a choice by content, planned from the data, says it cannot."""
+    grad = _grad_recorded(backend)
+    for variant in SHARDED:
+        causal = variant != "full"
+        with fake_cuda():
+            q = torch.randn(1, 4, 64, 16, device="cuda", requires_grad=grad)
+            k = torch.randn(1, 2, 64, 16, device="cuda", requires_grad=grad)
+            out = zoo.attention(
+                q, k, k, variant=variant, backend=backend, causal=causal, cp_group=fake_ranks,
+                **small_params(variant),
+            )  # fmt: skip
+        assert out.device.type == "cuda" and out.shape == (1, 4, 64, 16), variant
+    with fake_cuda(), pytest.raises(ValueError, match="chooses its blocks by content: sharded"):
+        q = torch.randn(1, 4, 64, 16, device="cuda")
+        zoo.attention(q, q, q, variant="moba", backend=backend, cp_group=fake_ranks, block_size=16)

@@ -23,6 +23,7 @@ import copy
 import functools
 import threading
 import types
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,6 +34,12 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_map
 
 _STATE = threading.local()
+# Mirrors handed out, newest last, each kept with its tagged original so that a later builder
+# given the mirror builds from the original; bounded (they hold no data, only shapes). A call
+# may make other calls before it hands a mirror on (a sharded call's chunks), so they are kept
+# across calls; an id stays unique while its mirror is held here.
+_MIRRORS: OrderedDict[int, tuple[Any, Any]] = OrderedDict()
+MIRRORS_KEPT = 4096
 # Ops of a CUDA tensor that also take CPU tensors (indices, a copy's source) as real CUDA does.
 _CPU_OPERANDS_ALLOWED = {
     "index", "index_put", "index_put_", "_index_put_impl_", "copy_", "_to_copy",
@@ -60,6 +67,12 @@ def has_no_data(t: Tensor) -> bool:
     return t.is_meta or is_fake(t)
 
 
+def on_host() -> contextlib.AbstractContextManager:
+    """Reads of host data (plans' CPU tensors: rows, positions) outside the caller's modes: a
+    fake mode would make them fake and their values unreadable."""
+    return _disable_current_modes()
+
+
 def can_read_values(t: Tensor) -> bool:
     """Whether a check may read ``t``'s values: not in a traced graph (a graph break), not on
     fake or meta tensors (which have none)."""
@@ -71,9 +84,8 @@ def needs_device_build(args: tuple) -> bool:
     data, or an argument is the mirror of such a build."""
     if getattr(_STATE, "building", False):  # a builder that calls another: built the same way
         return True
-    mirrors = getattr(_STATE, "mirrors", {})
     for arg in args:
-        if id(arg) in mirrors:
+        if id(arg) in _MIRRORS:
             return True
         device = arg if isinstance(arg, torch.device) else getattr(arg, "device", None)
         if isinstance(device, torch.device) and not can_hold_data(device):
@@ -81,16 +93,10 @@ def needs_device_build(args: tuple) -> bool:
     return False
 
 
-def new_call() -> None:
-    """Forget the mirrors of the previous call (they are swapped back only within a call)."""
-    _STATE.mirrors = {}
-
-
 def device_build(builder: Callable[..., Any], args: tuple) -> Any:
     """``builder(*args)`` for the device among ``args`` that holds no data: run for real on the
     CPU with its tensors tagged with that device, the result mirrored under the caller's mode."""
-    mirrors = _STATE.__dict__.setdefault("mirrors", {})
-    args = tuple(mirrors[id(a)][1] if id(a) in mirrors else a for a in args)
+    args = tuple(_MIRRORS[id(a)][1] if id(a) in _MIRRORS else a for a in args)
     if getattr(_STATE, "building", False):  # a builder that calls another: stay tagged
         return builder(*args)
     _STATE.building = True
@@ -104,7 +110,9 @@ def device_build(builder: Callable[..., Any], args: tuple) -> Any:
     mirror = _mirror(built, memo)
     for original, mirrored in memo.values():  # each part too: a plan's group goes on alone
         if mirrored is not original:
-            mirrors[id(mirrored)] = (mirrored, original)
+            _MIRRORS[id(mirrored)] = (mirrored, original)
+    while len(_MIRRORS) > MIRRORS_KEPT:
+        _MIRRORS.popitem(last=False)
     return mirror
 
 

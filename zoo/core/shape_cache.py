@@ -55,7 +55,6 @@ from typing import Any, TypeVar
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from . import device_build as _device_build
 from .device_build import device_build, needs_device_build
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -243,7 +242,6 @@ def new_call() -> bool:
     nothing at run time."""
     with _LOCK:
         _TOTAL["call"] += 1
-    _device_build.new_call()
     return True
 
 

@@ -25,6 +25,7 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
+from ..core.device_build import on_host
 from ..patterns.base import Pattern, Spans
 
 _FAR = 2**62  # the bound of a block with no valid slot, as zoo.layout.frames writes it
@@ -108,9 +109,10 @@ class AtPositions(Pattern):
 def _run_ending_in(keys: Tensor, queries: Tensor) -> bool:
     """Whether ``keys`` are consecutive positions and ``queries`` their last ones."""
     m, s = keys.numel(), queries.numel()
-    if m == 0 or s > m or int(keys[-1] - keys[0]) != m - 1:
-        return False
-    return bool(torch.equal(keys[m - s :], queries))
+    with on_host():
+        if m == 0 or s > m or int(keys[-1] - keys[0]) != m - 1:
+            return False
+        return bool(torch.equal(keys[m - s :], queries))
 
 
 def _hull(spans: Spans, lo: Tensor, hi: Tensor, positions: Tensor) -> Spans:

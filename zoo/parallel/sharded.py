@@ -38,7 +38,7 @@ from torch import Tensor
 
 from ..backends import Backend, resolve_backend
 from ..core.call import check_key_padding_mask, check_qkv, unread_padding
-from ..core.device_build import has_no_data
+from ..core.device_build import has_no_data, on_host
 from ..core.narrowed import narrowed
 from ..core.prepare import Encoding, attention_encoding, prepare_call
 from ..core.resolve import call_pattern, concrete_params
@@ -162,7 +162,8 @@ def context_parallel_attention(
         attends, own and ``fetched`` in position order (views of k and v where the run is
         all its own: their gradients then need no copy)."""
         if plan is None:  # routed: its chunk's choice, at the call's positions
-            chunk = int(mine.q_positions[call.rows[0]]) // layout.chunk
+            with on_host():
+                chunk = int(mine.q_positions[call.rows[0]]) // layout.chunk
             wrapper = at_call(bound[chunk], mine, call, q.device, heads, q.shape[0])
         else:
             wrapper = rank_pattern(pattern, plan, rank, q.device, heads, index, overlap)
@@ -199,8 +200,9 @@ def context_parallel_attention(
 
 def _take(x: Tensor, rows: Tensor) -> Tensor:
     """x's rows (dim 2) named by ``rows`` (sorted, on the CPU): a view where they are one run."""
-    first, count = int(rows[0]), rows.numel()
-    if int(rows[-1]) - first + 1 == count:
+    with on_host():
+        first, count, last = int(rows[0]), rows.numel(), int(rows[-1])
+    if last - first + 1 == count:
         return narrowed(x, 2, first, count)
     return x.index_select(2, rows.to(x.device))
 
@@ -211,9 +213,11 @@ def _in_rows(parts: list[tuple[Tensor, Tensor]]) -> Tensor:
     consecutive rows (a view where one part holds every row)."""
     runs = []  # (first row, the part's output for its run)
     for rows, part in parts:
-        breaks = (torch.nonzero(rows.diff() != 1).flatten() + 1).tolist()
-        for start, stop in zip([0, *breaks], [*breaks, rows.numel()], strict=True):
-            runs.append((int(rows[start]), narrowed(part, 2, start, stop - start)))
+        with on_host():
+            breaks = (torch.nonzero(rows.diff() != 1).flatten() + 1).tolist()
+            firsts = [int(rows[start]) for start in [0, *breaks]]
+        for first, start, stop in zip(firsts, [0, *breaks], [*breaks, rows.numel()], strict=True):
+            runs.append((first, narrowed(part, 2, start, stop - start)))
     runs.sort(key=lambda run: run[0])
     return runs[0][1] if len(runs) == 1 else torch.cat([run for _, run in runs], dim=2)
 
@@ -297,6 +301,12 @@ def _setup(q, k, v, variant, causal, key_padding_mask, pos, order, params, world
             "routed variant, or run it without cp_group"
         )
     reason = unshardable_reason(pattern) if pattern.routed else None
+    if pattern.routed and has_no_data(q):
+        raise ValueError(
+            f"variant {variant!r} chooses its blocks by content: sharded, each call plans its "
+            "exchange from the chosen blocks, which fake or meta tensors (torch.export, a CUDA "
+            "path checked on a CPU) do not have; trace it without cp_group, or with real tensors"
+        )
     if reason is not None:
         raise ValueError(
             f"variant {variant!r} chooses its blocks by content and cannot run sharded: {reason}; "
@@ -371,10 +381,12 @@ def at_call(
     """``pattern`` seen through ``call``'s rows and its run of keys (own keys for an interior
     call, else the keys the rank attends)."""
     held = mine.q_positions if call.interior else mine.kv_positions
-    return AtPositions(
-        pattern, mine.q_positions[call.rows].to(device),
-        held[call.first : call.stop].to(device), heads, batch,
-    )  # fmt: skip
+    q_positions, kv_positions = mine.q_positions[call.rows], held[call.first : call.stop]
+    wrapper = AtPositions(pattern, q_positions.to(device), kv_positions.to(device), heads, batch)
+    # Its kind read from the plan's CPU positions, not the device's: no host sync, and it holds
+    # where the device's tensors have no values (fake CUDA on a CPU).
+    wrapper.__dict__["kind"] = AtPositions(pattern, q_positions, kv_positions).kind
+    return wrapper
 
 
 @per_shape(maxsize=256)
