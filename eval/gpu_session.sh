@@ -4,6 +4,8 @@
 # Each stage writes only small files under $OUT (the results, never checkpoints or plots): the
 # report, plots and auto table are rebuilt from them on any machine (see the end of this file).
 #
+#   bash eval/gpu_session.sh all [LIMIT]                # the GPU campaign in one command (below)
+#   bash eval/gpu_session.sh findings [LIMIT]           # the findings' GPU twins, one after another
 #   bash eval/gpu_session.sh tests                      # GPU tests, tiny GPU sweep and training
 #   bash eval/gpu_session.sh bench NAME [key=value...]  # one piece of eval/configs/bench.yaml
 #   BENCH_CONFIG=eval/configs/bench_gqa.yaml bash eval/gpu_session.sh bench gqa  # another config
@@ -18,6 +20,25 @@
 #                                                       # extrapolation_gpu; listops_gpu one
 #                                                       # variant per command: variants=[full])
 #
+# `all` runs these stages in order, each under its own limit, a share of LIMIT seconds (default 540)
+# in percent (SHARES below), cut to what is left before LIMIT and enforced with `timeout` (SIGINT,
+# then SIGKILL 5 s later): a stage cut short keeps what it wrote. Each writes small files in $OUT;
+# $OUT/stages.tsv records each stage's limit, wall time, exit status and how it ended.
+#   env          environment.txt: torch, CUDA, the device, whether xFormers runs
+#   tests        gpu-tests.txt: every test marked gpu (pytest-xdist, 4 workers, where it imports)
+#   realization  bench-realization.json: eval/configs/bench_goals_realization_gpu.yaml (goal e)
+#   goals        bench-goals.json: eval/configs/bench_goals_gpu.yaml, the goal cells (goal a)
+#   moba         bench-moba.json: eval/configs/bench_goals_moba_gpu.yaml (goal b)
+#   profile      profile.json, profile.md: bench-profile of the goal cells and their twins
+#   decode       bench-decode.json: bench-decode beside sdpa_dense (goal c)
+#   compiles     compiles.json, compiles.md: bench-compiles, 20 distinct lengths (goal d)
+# Then (also when a signal stops the script) `python -m eval goals $OUT` writes $OUT/summary.md,
+# whose first lines say which goals hold. ARGS_<stage> adds key=value overrides to a stage's
+# command (ARGS_goals='lengths=[65536,131072]' measures the longer cells in another session;
+# `python -m eval goals OUT1 OUT2` reads both). Tests of this script: STAGE_CMD_<stage>='...'
+# replaces a stage's command (run by bash, with $OUT set), and ZOO_GPU_SESSION_FAKE=1 makes every
+# other stage a no-op (tests/eval/test_gpu_session.py).
+#
 # On a machine with 2 or more GPUs (not a stage: it needs torchrun over every GPU), context
 # parallelism's bytes and time beside PyTorch's ring and an all-gather, with NCCL:
 #   for n in 1 2 4; do torchrun --standalone --nproc-per-node $n -m eval bench-cp \
@@ -29,36 +50,240 @@
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
 #       xformers==0.0.35 "nvidia-cuda-runtime-cu12==12.8.*"
 set -uo pipefail
-stage=${1:?"stage: tests, bench, standard or decode"}
+stage=${1:?"stage: all, findings, tests, bench, standard or decode"}
 shift
 OUT=${OUT:?"set OUT to the folder whose files come back"}
+mkdir -p "$OUT"
+export OUT
 LIMIT=${LIMIT:-540}  # seconds; stopped with SIGINT after that, keeping what it finished
+case $stage in
+all | findings)
+    LIMIT=${1:-$LIMIT}
+    [[ $LIMIT =~ ^[0-9]+$ ]] || { echo "LIMIT must be whole seconds, got $LIMIT" >&2; exit 2; }
+    ;;
+esac
+PY=${PYTHON:-python3}
+FAKE=${ZOO_GPU_SESSION_FAKE:-0}
+KILL_AFTER=${ZOO_GPU_SESSION_KILL_AFTER:-5}  # seconds from SIGINT to SIGKILL
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+if [[ $FAKE != 1 ]] && compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
     # xFormers 0.0.35's _C links libcudart.so.12; a torch built for CUDA 13 has none, and
     # without its _C xFormers runs no operator at all. The nvidia-cuda-runtime-cu12 wheel has it.
     cudart=/tmp/site/nvidia/cuda_runtime/lib
     [ -d "$cudart" ] && export LD_LIBRARY_PATH=$cudart${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
-python3 - <<'EOF' | tee "$OUT/environment.txt"
+ENV_PY='
 import torch, zoo
 from zoo.backends import get_backend
 print("torch", torch.__version__, "cuda", torch.version.cuda, "device",
       torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
 print("xformers:", get_backend("xformers").unavailable() or "runs")
-EOF
+'
+
+# ---- stage lists (all, findings): each stage under its own limit ----------------------------
+# Shares of LIMIT in percent, in order; the rest (14%) is left for the summary and for stages
+# that overrun by their SIGKILL grace. At 540 s: env 16, tests 92, realization 38, goals 119,
+# moba 43, profile 54, decode 65, compiles 38.
+SHARES=(env:3 tests:17 realization:7 goals:22 moba:8 profile:10 decode:12 compiles:7)
+RESERVE_PCT=5  # kept for the summary by every stage's cut (at least 3 s)
+
+now_ms() {
+    local t=${EPOCHREALTIME:-}
+    if [[ -n $t ]]; then
+        t=${t//[.,]/}
+        echo $((10#$t / 1000))
+    else
+        echo $(($(date +%s%N) / 1000000))
+    fi
+}
+secs() { printf '%d.%03d' $(($1 / 1000)) $(($1 % 1000)); }
+share_of() {
+    local item
+    for item in "${SHARES[@]}"; do [[ ${item%%:*} == "$1" ]] && echo "${item#*:}" && return; done
+    echo 0
+}
+record() {  # NAME LIMIT_MS WALL_MS EXIT STATUS
+    printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$(secs "$2")" "$(secs "$3")" "$4" "$5" >>"$OUT/stages.tsv"
+}
+CURRENT= STAGE_PID= WATCHDOG=
+
+# run_stage NAME PERCENT LOG CMD...: CMD under `timeout` for PERCENT of LIMIT (cut to what is left
+# before the deadline less the summary's reserve), its output in LOG, its end in stages.tsv.
+run_stage() {
+    local name=$1 pct=$2 log=$3
+    shift 3
+    local limit_ms=$((LIMIT * 1000 * pct / 100))
+    local left_ms=$((DEADLINE_MS - $(now_ms) - RESERVE_MS))
+    ((left_ms < limit_ms)) && limit_ms=$left_ms
+    if ((limit_ms < 1000)); then
+        echo "== $name: skipped, no time left"
+        record "$name" 0 0 - "skipped: no time left"
+        return 0
+    fi
+    local key=${name//[^A-Za-z0-9_]/_} status= cmd more
+    local override="STAGE_CMD_$key" extra="ARGS_$key"
+    if [[ -n ${!override:-} ]]; then
+        cmd=(bash -c "${!override}")
+    elif [[ $FAKE == 1 ]]; then
+        cmd=(true) status=faked
+    else
+        cmd=("$@")
+    fi
+    if [[ -n ${!extra:-} && ${cmd[0]} != bash && ${cmd[0]} != true ]]; then
+        read -ra more <<<"${!extra}"
+        cmd+=("${more[@]}")
+    fi
+    echo "== $name: limit $(secs "$limit_ms") s: ${cmd[*]}"
+    CURRENT=$name CURRENT_LIMIT=$limit_ms CURRENT_T0=$(now_ms)
+    # In the background and waited for, so that a signal to this script is handled at once.
+    timeout -s INT -k "$KILL_AFTER" "$(secs "$limit_ms")" "${cmd[@]}" >"$log" 2>&1 </dev/null &
+    STAGE_PID=$!
+    wait "$STAGE_PID"
+    local rc=$?
+    local wall_ms=$(($(now_ms) - CURRENT_T0))
+    STAGE_PID= CURRENT=
+    case $rc in
+    0) status=${status:-ok} ;;
+    124) status="stopped at its limit" ;;
+    137) status="killed after its limit" ;;
+    *) status="failed" ;;
+    esac
+    record "$name" "$limit_ms" "$wall_ms" "$rc" "$status"
+    tail -n "${TAIL_LINES:-6}" "$log"
+}
+
+collect() {  # the results the stages left in $WORK, copied into $OUT (small files only)
+    local name
+    for name in realization goals moba; do
+        [[ -f $WORK/bench-$name/bench.json ]] &&
+            cp "$WORK/bench-$name/bench.json" "$OUT/bench-$name.json"
+    done
+    for name in bench-decode.json bench-decode.md; do
+        [[ -f $WORK/decode/$name ]] && cp "$WORK/decode/$name" "$OUT/$name"
+    done
+    for name in "${FINDINGS_RUN[@]}"; do
+        [[ -f $WORK/standard-$name/results.jsonl ]] &&
+            cp "$WORK/standard-$name/results.jsonl" "$OUT/standard-$name.jsonl"
+    done
+    return 0
+}
+
+finish() {  # on exit, also after a signal: the stage under way recorded, the files, the summary
+    local rc=$?
+    trap - EXIT TERM INT HUP
+    [[ -n $WATCHDOG ]] && kill "$WATCHDOG" 2>/dev/null
+    if [[ -n $STAGE_PID ]]; then
+        kill -INT "$STAGE_PID" 2>/dev/null  # timeout passes it on; SIGKILL follows its grace
+        wait "$STAGE_PID" 2>/dev/null
+        record "$CURRENT" "$CURRENT_LIMIT" $(($(now_ms) - CURRENT_T0)) - "interrupted"
+    fi
+    collect
+    local left_ms=$((DEADLINE_MS - $(now_ms)))
+    ((left_ms < 15000)) && left_ms=15000
+    if ! timeout -k 2 "$(secs "$left_ms")" "$PY" -m eval goals "$OUT" "${SUMMARY_ARGS[@]}" \
+        >"$OUT/goals.log" 2>&1 || [[ ! -s $OUT/summary.md ]]; then
+        {
+            echo "# GPU campaign: which goals hold"
+            echo
+            echo "- GPU tests: see gpu-tests.txt (the summary failed: see goals.log)"
+            for goal in a b c d e; do echo "- goal ($goal): not measured; the summary failed"; done
+        } >"$OUT/summary.md"
+    fi
+    echo "== summary ($OUT/summary.md)"
+    head -n 12 "$OUT/summary.md"
+    rm -rf "$WORK"
+    exit "$rc"
+}
+
+start_list() {
+    START_MS=$(now_ms)
+    DEADLINE_MS=$((START_MS + LIMIT * 1000))
+    RESERVE_MS=$((LIMIT * 10 * RESERVE_PCT))
+    ((RESERVE_MS < 3000)) && RESERVE_MS=3000
+    WORK=$(mktemp -d "${TMPDIR:-/tmp}/zoo-gpu-session.XXXXXX")
+    export WORK
+    printf 'stage\tlimit_s\twall_s\texit\tstatus\n' >"$OUT/stages.tsv"
+    trap finish EXIT
+    trap 'echo "== stopped by a signal"; exit 143' TERM INT HUP
+    # The stages' limits keep the list within LIMIT; past it (plus the last SIGKILL grace), this
+    # stops the script the way a signal from outside would, and the summary is still written.
+    (
+        trap 'kill "$nap" 2>/dev/null; exit 0' TERM
+        sleep $((LIMIT + KILL_AFTER + 1)) &
+        nap=$!
+        wait "$nap" && kill -TERM $$
+    ) >/dev/null 2>&1 </dev/null &
+    WATCHDOG=$!
+}
+
+FINDINGS_RUN=()
+SUMMARY_ARGS=()
+case $stage in
+all)
+    start_list
+    run_stage env "$(share_of env)" "$OUT/environment.txt" "$PY" -c "$ENV_PY"
+    workers=()
+    if [[ $FAKE != 1 ]] && "$PY" -c "import xdist" 2>/dev/null; then
+        workers=(-n "${TEST_WORKERS:-4}")
+    fi
+    run_stage tests "$(share_of tests)" "$OUT/gpu-tests.txt" \
+        "$PY" -m pytest -q -m gpu -p no:cacheprovider "${workers[@]}"
+    for name in realization goals moba; do
+        config=eval/configs/bench_goals_gpu.yaml
+        [[ $name != goals ]] && config=eval/configs/bench_goals_${name}_gpu.yaml
+        run_stage "$name" "$(share_of "$name")" "$OUT/bench-$name.log" \
+            "$PY" -m eval bench "$config" "out=$WORK/bench-$name"
+        collect
+    done
+    # The goal cells' kernels beside their twins': 16K then 64K, forward, non-causal.
+    run_stage profile "$(share_of profile)" "$OUT/profile.log" \
+        "$PY" -m eval bench-profile eval/configs/bench_goals_gpu.yaml "out=$OUT" \
+        'lengths=[16384,65536]' 'passes=[fwd]' 'causal=[false]' warmup=2 repeats=3
+    # The zoo's decoding step (auto) and SDPA over the whole cache; bench-decode rewrites its JSON
+    # after every (variant, length), so a cut-short stage keeps the steps it timed.
+    run_stage decode "$(share_of decode)" "$OUT/decode.log" \
+        "$PY" -m eval bench-decode eval/configs/bench_decode.yaml "out=$WORK/decode" \
+        'backends=[auto]' 'peers=[sdpa_dense]' 'lengths=[4096,16384,65536]' warmup=5 repeats=20
+    collect
+    run_stage compiles "$(share_of compiles)" "$OUT/compiles.log" \
+        "$PY" -m eval bench-compiles "out=$OUT"
+    exit 0
+    ;;
+findings)
+    # The findings' GPU twins one after another, each an equal share of 87% of LIMIT (FINDINGS
+    # names which; listops_gpu runs one variant per piece). Their results, standard-NAME.jsonl,
+    # go to eval/results/findings-gpu/NAME/ as the end of this file says.
+    read -ra FINDINGS_RUN <<<"${FINDINGS:-mqar-gap-zoology mqar-gap-uniform extrapolation}"
+    SUMMARY_ARGS=(goals=false)
+    start_list
+    run_stage env 3 "$OUT/environment.txt" "$PY" -c "$ENV_PY"
+    pct=$((87 / ${#FINDINGS_RUN[@]}))
+    for name in "${FINDINGS_RUN[@]}"; do
+        case $name in
+        listops-*) args=(eval/configs/findings/listops_gpu.yaml "variants=[${name#listops-}]") ;;
+        *) args=("eval/configs/findings/${name//-/_}_gpu.yaml") ;;
+        esac
+        run_stage "$name" "$pct" "$OUT/standard-$name.log" "$PY" -m eval run "${args[@]}" \
+            "out=$WORK/standard-$name" save_checkpoints=false
+        collect
+    done
+    exit 0
+    ;;
+esac
+
+"$PY" -c "$ENV_PY" | tee "$OUT/environment.txt"
 
 case $stage in
 tests)
-    timeout -s INT "$LIMIT" python3 -m pytest -q -m gpu -p no:cacheprovider 2>&1 |
+    timeout -s INT "$LIMIT" "$PY" -m pytest -q -m gpu -p no:cacheprovider 2>&1 |
         tee "$OUT/gpu-tests.txt"
     ;;
 bench)
     name=${1:?"bench NAME [key=value ...]"}
     shift
-    timeout -s INT "$LIMIT" python3 -m eval bench "${BENCH_CONFIG:-eval/configs/bench.yaml}" \
+    timeout -s INT "$LIMIT" "$PY" -m eval bench "${BENCH_CONFIG:-eval/configs/bench.yaml}" \
         "out=/tmp/bench-$name" "$@" 2>&1 |
         tee "$OUT/bench-$name.log"
     cp "/tmp/bench-$name/bench.json" "$OUT/bench-$name.json"
@@ -66,7 +291,7 @@ bench)
 standard)
     name=${1:?"standard NAME [key=value ...]"}
     shift
-    timeout -s INT "$LIMIT" python3 -m eval run "${RUN_CONFIG:-eval/configs/standard.yaml}" \
+    timeout -s INT "$LIMIT" "$PY" -m eval run "${RUN_CONFIG:-eval/configs/standard.yaml}" \
         "out=/tmp/standard-$name" \
         save_checkpoints=false "$@" 2>&1 | tee "$OUT/standard-$name.log"
     cp "/tmp/standard-$name/results.jsonl" "$OUT/standard-$name.jsonl"
@@ -74,12 +299,15 @@ standard)
 decode)
     name=${1:?"decode NAME [key=value ...]"}
     shift
-    timeout -s INT "$LIMIT" python3 -m eval bench-decode eval/configs/bench_decode.yaml \
+    timeout -s INT "$LIMIT" "$PY" -m eval bench-decode eval/configs/bench_decode.yaml \
         "out=/tmp/decode-$name" "$@" 2>&1 | tee "$OUT/decode-$name.log"
-    cp "/tmp/decode-$name/bench-decode.json" "/tmp/decode-$name/bench-decode.md" "$OUT/"
+    # The JSON is rewritten after every (variant, length); the markdown only at the end.
+    for file in bench-decode.json bench-decode.md; do
+        [ -f "/tmp/decode-$name/$file" ] && cp "/tmp/decode-$name/$file" "$OUT/"
+    done
     ;;
 *)
-    echo "unknown stage $stage: tests, bench, standard or decode" >&2
+    echo "unknown stage $stage: all, findings, tests, bench, standard or decode" >&2
     exit 2
     ;;
 esac

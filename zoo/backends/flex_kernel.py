@@ -13,8 +13,9 @@ from ..core.narrowed import narrowed
 from ..layout.block_layout import used_first
 from ..patterns import FULL, PARTIAL
 
-# Every pattern and shape is a separate compiled graph; dynamo's default of 8 would send the
-# ninth silently to the slow, unfused eager path.
+# Every pattern (its mask_mod's code) and head layout is a separate compiled graph (on a CPU
+# also every length); dynamo's default of 8 would send the ninth silently to the slow, unfused
+# eager path.
 _RECOMPILE_LIMIT = 256
 
 
@@ -31,7 +32,7 @@ def _kernel(compiled: bool, q: Tensor | None = None):
     if not compiled or torch.compiler.is_compiling():
         # Inside a model that torch.compile traces, the model's graph compiles the kernel.
         return flex
-    return _compiled_kernel()
+    return _compiled_kernel(q is not None and q.device.type != "cpu")
 
 
 def _uncompiled(*args, **kwargs):
@@ -65,15 +66,22 @@ def _pad_head(x: Tensor, least: int) -> Tensor:
     return torch.nn.functional.pad(x, (0, least - x.shape[-1])) if x.shape[-1] < least else x
 
 
-@lru_cache(maxsize=1)
-def _compiled_kernel():
+@lru_cache(maxsize=2)
+def _compiled_kernel(dynamic_lengths: bool = True):
+    """The compiled kernel. ``dynamic_lengths`` (GPUs): automatic dynamic shapes, so the first
+    length compiles a static kernel and the second one of symbolic lengths that serves every
+    later one (the block mask, built per length outside the graph, is an input); with
+    dynamic=False every new length compiled again, 2.5-7.4 s each on an H100. On a CPU the
+    kernel stays one per length: Inductor's CPU template for FlexAttention emitted C++ that does
+    not compile at symbolic lengths for per-head and tiled masks (bigbird, neighborhood_2d;
+    tests/backends/test_flex.py::test_compiled_flex_forward_on_cpu)."""
     flex = _flex_module().flex_attention
     import torch._dynamo.config as dynamo_config
 
     for name in ("recompile_limit", "cache_size_limit"):  # the newer name, and the older one
         if hasattr(dynamo_config, name):
             setattr(dynamo_config, name, max(getattr(dynamo_config, name), _RECOMPILE_LIMIT))
-    return torch.compile(flex, dynamic=False)
+    return torch.compile(flex, dynamic=None if dynamic_lengths else False)
 
 
 def flex_block_tensors(state: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:

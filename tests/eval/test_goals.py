@@ -1,0 +1,200 @@
+"""``python -m eval goals`` (eval/bench/goals.py) on small hand-written stage outputs: each goal
+held, not held and not measured, and the summary's first lines."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from eval.bench import goals
+
+W256, W1024 = {"window_size": 256}, {"window_size": 1024}
+MOBA, TWIN = {"block_size": 512, "top_k": 3}, {"block_size": 512, "neighbors": 1}
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def cell(variant, backend, n, ms, *, causal=False, pass_="fwd", params=None, status="ok",
+         pairs=None, realization=None, reason=None):  # fmt: skip
+    return {
+        "variant": variant, "backend": backend, "kind": "zoo" if backend == "auto" else "peer",
+        "resolved": "flex", "n": n, "causal": causal, "pass": pass_, "params": params or {},
+        "status": status, "reason": reason, "time_ms": ms if status == "ok" else None,
+        "allowed_pairs": pairs, "all_pairs": n * n, "sparsity_realization": realization,
+    }  # fmt: skip
+
+
+def bench(folder, name, cells, **config):
+    base = {
+        "variants": ["local"],
+        "backends": ["auto"],
+        "peers": ["sdpa_dense", "flex_standard"],
+        "lengths": [8192],
+        "passes": ["fwd"],
+        "causal": [False],
+        "params": {"local": W256},
+    }
+    base.update(config)
+    header = {"device": H100, "config": base, "variants": base["variants"]}
+    (folder / f"bench-{name}.json").write_text(json.dumps({"header": header, "cells": cells}))
+
+
+def realization(folder, value=0.7, twin_ms=1.0):
+    bench(folder, "realization", [
+        cell("full", "sdpa_dense", 65536, 100.0),
+        cell("local", "auto", 65536, 1.0, params=W1024, realization=value),
+        cell("local", "flex_standard", 65536, twin_ms, params=W1024),
+    ], lengths=[65536], params={"local": W1024})  # fmt: skip
+
+
+def verdicts(folder, **options) -> dict[str, str]:
+    text, _ = goals.summarise([folder], **options)
+    found = dict(re.findall(r"^- goal \((\w)\) [^:]*: (held|not held|not measured);", text, re.M))
+    assert list(found) == list("abcde"), text
+    return found
+
+
+def test_goal_a_held_not_held_and_partial(tmp_path):
+    realization(tmp_path)
+    bench(tmp_path, "goals", [cell("local", "auto", 8192, 1.02, params=W256),
+                              cell("local", "flex_standard", 8192, 1.0, params=W256)])  # fmt: skip
+    assert verdicts(tmp_path)["a"] == "held"
+    bench(tmp_path, "goals", [cell("local", "auto", 8192, 1.3, params=W256),
+                              cell("local", "flex_standard", 8192, 1.0, params=W256)])  # fmt: skip
+    goal = goals.goal_a(goals.load_runs([tmp_path], []))
+    assert goal.verdict == "not held" and "local (window_size=256) 1.3 at 8K non-causal fwd" in (
+        goal.summary
+    )
+    # A second length asked for and not run: not measured, unless a measured cell already fails.
+    bench(tmp_path, "goals", [cell("local", "auto", 8192, 1.0, params=W256),
+                              cell("local", "flex_standard", 8192, 1.0, params=W256)],
+          lengths=[8192, 16384])  # fmt: skip
+    assert verdicts(tmp_path)["a"] == "not measured"
+    (tmp_path / "bench-realization.json").unlink()  # its grid then comes from its YAML
+    bench(tmp_path, "goals", [cell("local", "auto", 8192, 1.0, params=W256),
+                              cell("local", "flex_standard", 8192, 1.0, params=W256)])  # fmt: skip
+    assert verdicts(tmp_path)["a"] == "not measured"
+
+
+def test_goal_a_counts_a_failed_twin_for_auto_and_a_failed_auto_against_it(tmp_path):
+    realization(tmp_path)
+    bench(tmp_path, "goals", [cell("local", "auto", 8192, 1.0, params=W256),
+                              cell("local", "flex_standard", 8192, None, params=W256,
+                                   status="oom", reason="64 GiB")])  # fmt: skip
+    assert verdicts(tmp_path)["a"] == "held"
+    bench(tmp_path, "goals", [cell("local", "auto", 8192, None, params=W256, status="error",
+                                   reason="boom"),
+                              cell("local", "flex_standard", 8192, 1.0, params=W256)])  # fmt: skip
+    assert verdicts(tmp_path)["a"] == "not held"
+
+
+def moba_run(folder, moba_ms, twin_pairs=1536 * 16384, lengths=(16384,)):
+    cells = []
+    for n in lengths:
+        cells += [
+            cell("moba", "auto", n, moba_ms, params=MOBA, pairs=1536 * n),
+            cell("block_local", "auto", n, 1.0, params=TWIN, pairs=twin_pairs * n // 16384),
+        ]
+    bench(folder, "moba", cells, variants=["moba", "block_local"], peers=["sdpa_dense"],
+          lengths=list(lengths), params={"moba": MOBA, "block_local": TWIN})  # fmt: skip
+
+
+def test_goal_b_compares_time_per_pair_with_the_nearest_fixed_pattern(tmp_path):
+    moba_run(tmp_path, 1.5, lengths=(16384, 65536))
+    assert verdicts(tmp_path)["b"] == "held"
+    moba_run(tmp_path, 1.5, twin_pairs=1536 * 16384 * 2, lengths=(16384, 65536))
+    goal = goals.goal_b(goals.load_runs([tmp_path], []))  # twice the pairs in 1 ms: 3x per pair
+    assert goal.verdict == "not held" and "per pair / the fixed pattern's: 3 at" in goal.summary
+    moba_run(tmp_path, 1.0, twin_pairs=1536 * 16384 // 3, lengths=(16384, 65536))
+    assert verdicts(tmp_path)["b"] == "not measured"  # no fixed pattern within 2x of its pairs
+    moba_run(tmp_path, 1.0)  # 64K not run
+    assert verdicts(tmp_path)["b"] == "not measured"
+
+
+def decode_run(folder, auto_ms, sdpa_ms=1.0, device=H100):
+    config = {"variants": ["sliding_window"], "lengths": [4096], "batch": 1, "heads": 2,
+              "kv_heads": 1, "head_dim": 64, "warmup": 0, "repeats": 2,
+              "params": {"sliding_window": {"window_size": 256}}}  # fmt: skip
+    header = {"device": device, "shape": "B=1, H=2, H_kv=1, D=64, bfloat16", "config": config}
+    cells = [
+        {"impl": "zoo:sliding_window", "variant": "sliding_window", "n": 4096, "ms": auto_ms},
+        {"impl": "sdpa_dense", "variant": "sliding_window", "n": 4096, "ms": sdpa_ms},
+    ]
+    (folder / "bench-decode.json").write_text(json.dumps({"header": header, "cells": cells}))
+
+
+def test_goal_c_floor_from_the_keys_read_and_the_sdpa_step(tmp_path):
+    # 257 keys and values per key/value head, 64 bf16 numbers each: 65792 bytes, 19.6 ns at
+    # 3.35 TB/s; the step within 2x of that, and under SDPA's.
+    decode_run(tmp_path, 3.5e-5)
+    assert verdicts(tmp_path)["c"] == "held"
+    decode_run(tmp_path, 5e-5)
+    assert verdicts(tmp_path)["c"] == "not held"
+    decode_run(tmp_path, 3.5e-5, sdpa_ms=3e-5)
+    assert verdicts(tmp_path)["c"] == "not held"
+    decode_run(tmp_path, 3.5e-5, device="Some GPU")  # no bandwidth known
+    assert verdicts(tmp_path)["c"] == "not measured"
+    assert verdicts(tmp_path, bandwidth=3.35)["c"] == "held"
+
+
+def test_keys_read_by_a_decoding_step():
+    assert goals.keys_read("sliding_window", {"window_size": 256}, 5000, 4, 2) == (257.0, 0)
+    assert goals.keys_read("causal", {}, 99, 2, 2) == (100.0, 0)
+    # MoBA: its own block so far (2000 % 512 + 1), two whole earlier blocks, three block means.
+    assert goals.keys_read("moba", MOBA, 2000, 2, 1) == (465 + 1024, 3)
+
+
+@pytest.mark.parametrize(
+    "compiles, measured, expected",
+    [(2, 20, "held"), (3, 3, "not held"), (1, 5, "not measured")],
+)
+def test_goal_d(tmp_path, compiles, measured, expected):
+    data = {"header": {"device": H100, "call": "local"}, "compiles": compiles,
+            "measured": measured, "compiled_at": [1000]}  # fmt: skip
+    (tmp_path / "compiles.json").write_text(json.dumps(data))
+    assert verdicts(tmp_path)["d"] == expected
+
+
+def test_goal_e_from_the_cell_or_from_the_dense_peer(tmp_path):
+    realization(tmp_path, 0.7)
+    assert verdicts(tmp_path)["e"] == "held"
+    realization(tmp_path, 0.5)
+    assert verdicts(tmp_path)["e"] == "not held"
+    # No realization field: (dense / time) x (pairs / all pairs) = 100 x 0.005 = 0.5.
+    bench(tmp_path, "realization", [
+        cell("full", "sdpa_dense", 65536, 100.0),
+        cell("local", "auto", 65536, 1.0, params=W1024, pairs=65536 * 65536 // 200),
+    ], lengths=[65536], params={"local": W1024})  # fmt: skip
+    goal = goals.goal_e(goals.load_runs([tmp_path], []))
+    assert goal.verdict == "not held" and "lowest 0.5 at 64K non-causal fwd" in goal.summary
+
+
+def test_summary_first_lines_tests_stages_and_unreadable_files(tmp_path):
+    (tmp_path / "gpu-tests.txt").write_text("....F\n= 1 failed, 41 passed, 3 skipped in 9.1s =\n")
+    (tmp_path / "stages.tsv").write_text(
+        "stage\tlimit_s\twall_s\texit\tstatus\ntests\t90.000\t9.500\t1\tfailed\n"
+    )
+    (tmp_path / "bench-goals.json").write_text('{"header": ')  # cut short mid-write
+    assert goals.main([str(tmp_path)]) == 0
+    lines = (tmp_path / "summary.md").read_text().splitlines()
+    assert lines[0] == "# GPU campaign: which goals hold"
+    assert lines[2] == "- GPU tests: 1 failed, 41 passed, 3 skipped (stage failed)"
+    assert all(line.endswith("not measured") or "not measured;" in line for line in lines[3:8])
+    text = "\n".join(lines)
+    assert "| tests | 90.000 | 9.500 | 1 | failed |" in text and "unreadable" in text
+    data = json.loads((tmp_path / "summary.json").read_text())
+    assert {g["verdict"] for g in data["goals"].values()} == {"not measured"}
+
+
+def test_profile_twins_in_the_summary(tmp_path):
+    def prof(backend, kind, step):
+        return {"variant": "local", "params": W256, "backend": backend, "kind": kind, "n": 16384,
+                "causal": False, "pass": "fwd", "resolved": "flex", "status": "ok", "steps": 3,
+                "step_ms": step, "kernel_ms": 0.5, "gap_ms": 0.1, "lead_ms": 0.1, "kernels": 2,
+                "top": []}  # fmt: skip
+
+    cells = [prof("auto", "zoo", 1.2), prof("flex_standard", "peer", 1.0)]
+    (tmp_path / "profile.json").write_text(json.dumps({"header": {"device": H100}, "cells": cells}))
+    text, _ = goals.summarise([tmp_path])
+    assert "| local | 16K non-causal fwd | auto->flex | 1.200 |" in text

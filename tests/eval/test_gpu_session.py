@@ -1,0 +1,131 @@
+"""``bash eval/gpu_session.sh all LIMIT`` on a CPU with its stages faked (ZOO_GPU_SESSION_FAKE=1,
+STAGE_CMD_<stage>): each stage stopped at its limit, the whole within LIMIT, the summary written
+at the end and after a signal, its first lines right for the stubs' data."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+SCRIPT = ROOT / "eval" / "gpu_session.sh"
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash, timeout"
+)
+
+
+def environment(out: Path, **stages: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STAGE_CMD_", "ARGS_"))}
+    env.update(OUT=str(out), ZOO_GPU_SESSION_FAKE="1", PYTHON=sys.executable, TAIL_LINES="2")
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.update({f"STAGE_CMD_{name}": command for name, command in stages.items()})
+    return env
+
+
+def stages(out: Path) -> dict[str, dict[str, str]]:
+    lines = (out / "stages.tsv").read_text().splitlines()
+    names = lines[0].split("\t")
+    return {
+        row["stage"]: row
+        for row in (dict(zip(names, ln.split("\t"), strict=False)) for ln in lines[1:])
+    }
+
+
+def first_lines(out: Path) -> tuple[str, dict[str, str]]:
+    text = (out / "summary.md").read_text()
+    lines = text.splitlines()[:8]
+    found = {}
+    for line in lines:
+        if match := re.match(r"- goal \((\w)\) [^:]*: (held|not held|not measured);", line):
+            found[match[1]] = match[2]
+    return "\n".join(lines), found
+
+
+def stub_data(tmp_path: Path) -> tuple[Path, Path]:
+    """A realization run (0.5 < 0.6: goal e not held) and a compile count (1 for 20: d held)."""
+    cells = [
+        {"variant": "full", "backend": "sdpa_dense", "n": 65536, "causal": False, "pass": "fwd",
+         "params": {}, "status": "ok", "time_ms": 100.0},
+        {"variant": "local", "backend": "auto", "n": 65536, "causal": False, "pass": "fwd",
+         "params": {"window_size": 1024}, "status": "ok", "time_ms": 1.0,
+         "sparsity_realization": 0.5, "allowed_pairs": 1, "all_pairs": 1},
+    ]  # fmt: skip
+    config = {"variants": ["local"], "backends": ["auto"], "peers": ["sdpa_dense"],
+              "lengths": [65536], "passes": ["fwd"], "causal": [False],
+              "params": {"local": {"window_size": 1024}}}  # fmt: skip
+    bench = tmp_path / "realization.json"
+    bench.write_text(json.dumps({"header": {"config": config}, "cells": cells}))
+    compiles = tmp_path / "compiles.json"
+    compiles.write_text(json.dumps({"header": {"device": "stub"}, "compiles": 1, "measured": 20,
+                                    "compiled_at": [1000]}))  # fmt: skip
+    return bench, compiles
+
+
+def test_all_stops_each_stage_at_its_limit_and_summarises(tmp_path):
+    out = tmp_path / "out"
+    bench, compiles = stub_data(tmp_path)
+    env = environment(
+        out,
+        tests='echo "....F"; echo "1 failed, 4 passed, 2 skipped in 0.10s"',
+        realization=f'mkdir -p "$WORK/bench-realization" && '
+        f'cp {bench} "$WORK/bench-realization/bench.json"',
+        goals="sleep 100",  # past its limit
+        moba="echo boom; exit 3",  # fails
+        compiles=f'cp {compiles} "$OUT/compiles.json"',
+    )
+    start = time.monotonic()
+    done = subprocess.run(["bash", str(SCRIPT), "all", "20"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    wall = time.monotonic() - start
+    assert done.returncode == 0, done.stderr
+    assert wall < 20 + 5, wall
+    rows = stages(out)
+    assert list(rows) == ["env", "tests", "realization", "goals", "moba", "profile", "decode",
+                          "compiles"]  # fmt: skip
+    goal = rows["goals"]
+    assert goal["status"] == "stopped at its limit" and goal["exit"] == "124"
+    assert float(goal["limit_s"]) == pytest.approx(20 * 0.22)  # its share of LIMIT
+    assert float(goal["limit_s"]) <= float(goal["wall_s"]) < float(goal["limit_s"]) + 1.5
+    assert rows["moba"]["status"] == "failed" and rows["moba"]["exit"] == "3"
+    assert rows["profile"]["status"] == "faked" and rows["tests"]["status"] == "ok"
+    assert sum(float(r["limit_s"]) for r in rows.values()) <= 20
+    text, found = first_lines(out)
+    assert "- GPU tests: 1 failed, 4 passed, 2 skipped (stage ok)" in text
+    assert found == {"a": "not measured", "b": "not measured", "c": "not measured",
+                     "d": "held", "e": "not held"}, text  # fmt: skip
+    assert (out / "bench-realization.json").is_file() and (out / "compiles.json").is_file()
+
+
+def test_a_signal_still_writes_the_summary(tmp_path):
+    out = tmp_path / "out"
+    env = environment(out, tests="sleep 100")
+    command = ["bash", str(SCRIPT), "all", "60"]
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 20  # until the stage has started (its log is open)
+        while not (out / "gpu-tests.txt").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.3)
+        start = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+        assert time.monotonic() - start < 10  # not at the stage's limit (10 s) or later
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 143
+    assert stages(out)["tests"]["status"] == "interrupted"
+    _, found = first_lines(out)
+    assert set(found.values()) == {"not measured"} and len(found) == 5
