@@ -9,7 +9,8 @@ bench-decode [CONFIG.yaml] [k=v]  one generation step against a cache, 1K to 64K
 bench-cp [CONFIG.yaml] [k=v]      context parallelism: bytes per rank and time, N processes
 bench-profile CONFIG.yaml [k=v]   kernels, kernel time and host gaps of each cell (torch.profiler)
 bench-compiles [CONFIG] [k=v]     compiles that distinct lengths cost through the flex backend
-goals OUT [OUT ...] [k=v]         which of the GPU campaign's goals hold, from gpu_session.sh all's files
+bench-overhead [CONFIG] [k=v]     the host time a call adds around the kernel (microseconds)
+goals OUT [OUT ...] [k=v]         which goals of the GPU campaign (gpu_session.sh all) hold
 bench-report BENCH.json [...]     one report from a sweep run in pieces (out=DIR), or re-rendered
 attention-map CHECKPOINT          one head's weights in a trained model (save_checkpoints=true)
 auto-table BENCH.json [...]       the table behind backend="auto", from benchmark results
@@ -35,6 +36,7 @@ COMMANDS = {
     "bench-cp": "eval.bench.context_parallel",
     "bench-profile": "eval.bench.profile",
     "bench-compiles": "eval.bench.compiles",
+    "bench-overhead": "eval.bench.overhead",
     "goals": "eval.bench.goals",
     "attention-map": "eval.harness.attention_map",
     "auto-table": "eval.bench.auto_table",

@@ -1,8 +1,9 @@
 """``python -m eval goals OUT [OUT ...] [bandwidth_tbs=X] [summary=PATH] [goals=false]``: which
-of the GPU campaign's goals hold, from the files that the stages of ``bash eval/gpu_session.sh all`` wrote
-in OUT (several OUTs, e.g. two sessions' folders, are read together). Writes ``summary.md`` (its
-first lines: the GPU tests and each goal, held / not held / not measured) and ``summary.json`` in
-the first OUT, or at ``summary=PATH``; ``goals=false`` writes the stage table alone.
+of the GPU campaign's goals hold, from the files that the stages of
+``bash eval/gpu_session.sh all`` wrote in OUT (several OUTs, e.g. two sessions' folders, are read
+together). Writes ``summary.md`` (its first lines: the GPU tests and each goal, held / not held /
+not measured) and ``summary.json`` in the first OUT, or at ``summary=PATH``; ``goals=false``
+writes the stage table alone.
 
 A goal is "held" only where every cell it names was measured and passes; "not held" where a
 measured cell fails (a cut-short stage can already show that); "not measured" otherwise (a stage

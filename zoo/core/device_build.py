@@ -60,6 +60,8 @@ def can_hold_data(device: torch.device) -> bool:
 def has_no_data(t: Tensor) -> bool:
     """Whether ``t`` is a fake or meta tensor: shapes and devices only (never, in a graph that
     torch.compile traces: its run-time tensors are real)."""
+    if type(t) is Tensor:  # a plain tensor (every call's hot path): not fake; meta by device
+        return t.is_meta
     if torch.compiler.is_compiling():
         return False
     from torch._subclasses.fake_tensor import is_fake
@@ -81,14 +83,15 @@ def can_read_values(t: Tensor) -> bool:
 
 def needs_device_build(args: tuple) -> bool:
     """Whether a builder with these arguments must be built here: a device among them holds no
-    data, or an argument is the mirror of such a build."""
+    data, or an argument is the mirror of such a build (checked on every per-shape lookup, so
+    kept to a type test per argument)."""
     if getattr(_STATE, "building", False):  # a builder that calls another: built the same way
         return True
     for arg in args:
-        if id(arg) in _MIRRORS:
-            return True
-        device = arg if isinstance(arg, torch.device) else getattr(arg, "device", None)
-        if isinstance(device, torch.device) and not can_hold_data(device):
+        if type(arg) is torch.device:
+            if not can_hold_data(arg):
+                return True
+        elif _MIRRORS and id(arg) in _MIRRORS:
             return True
     return False
 
