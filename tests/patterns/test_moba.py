@@ -273,3 +273,22 @@ def test_union_with_a_strided_pattern_runs_in_two_token_orders():
         want = torch.autograd.grad(ref.sum(), (q, k, v))
         for a, b in zip(got, want, strict=True):
             assert (a - b).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_choice_made_in_chunks_of_queries_is_the_choice(causal, monkeypatch):
+    """moba_choice scores queries in chunks (bounded memory at long lengths): chunks of a few
+    queries, not multiples of the block, give the one-chunk choice, padded and against a cache."""
+    from zoo.patterns import moba
+
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 4, 300, 16), torch.randn(2, 2, 310, 16)
+    padding = torch.zeros(2, 310, dtype=torch.bool)
+    padding[1, 250:] = True
+    positions = torch.arange(300)[None] + torch.tensor([[0], [5]])
+    for kwargs in ({"key_padding_mask": padding}, {"q_pos": positions}):
+        whole = moba.moba_choice(q, k, block_size=16, top_k=3, causal=causal, **kwargs)
+        monkeypatch.setattr(moba, "CHOICE_ELEMENTS", 2 * 4 * 20 * 7)  # 7 queries a chunk
+        chunked = moba.moba_choice(q, k, block_size=16, top_k=3, causal=causal, **kwargs)
+        monkeypatch.undo()
+        assert torch.equal(chunked, whole)

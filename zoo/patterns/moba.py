@@ -43,6 +43,8 @@ from .base import Pattern
 from .families import register_pattern
 from .routed import ChosenBlocks, RouteInputs, top_blocks
 
+CHOICE_ELEMENTS = 1 << 24  # scores per chunk of queries (64 MiB of float32)
+
 
 @torch.no_grad()
 def moba_choice(
@@ -73,19 +75,25 @@ def moba_choice(
     totals, counts = sums  # (B, H_kv, blocks, D), (B, blocks)
     blocks = counts.shape[1]
     means = totals / counts.clamp(min=1)[:, None, :, None]  # (B, H_kv, blocks, D)
-    means = means.repeat_interleave(H // kv_heads, dim=1)
-    scores = q.float() @ means.transpose(-1, -2)  # (B, H, Lq, blocks)
-
+    means = means.repeat_interleave(H // kv_heads, dim=1).transpose(-1, -2)  # (B, H, D, blocks)
     if q_pos is None:
         q_pos = torch.arange(q_len, device=q.device) + kv_len - q_len  # (Lq,)
     else:
         q_pos = q_pos[:, None]  # (B, 1, Lq): per sequence
     own = q_pos.div(block_size, rounding_mode="floor")[..., None]  # (..., Lq, 1); < 0 before keys
     block = torch.arange(blocks, device=q.device)[None, :]
-    available = (counts > 0)[:, None, None, :]  # (B, 1, 1, blocks)
-    if causal:
-        available = available & (block <= own)
-    return top_blocks(scores, top_k, available, block == own)
+    has_keys = (counts > 0)[:, None, None, :]  # (B, 1, 1, blocks)
+    chosen = torch.empty(B, H, q_len, blocks, dtype=torch.bool, device=q.device)
+    # Queries in chunks: the float32 scores and their sort are (rows, blocks) per head at a time,
+    # not (Lq, blocks) (2 GiB of scores at 128K tokens, 16 heads, blocks of 512).
+    rows = max(1, CHOICE_ELEMENTS // (B * H * blocks))
+    for start in range(0, q_len, rows):
+        part = slice(start, start + rows)
+        scores = q[:, :, part].float() @ means  # (B, H, rows, blocks)
+        mine = own[..., part, :]
+        available = has_keys & (block <= mine) if causal else has_keys
+        chosen[:, :, part] = top_blocks(scores, top_k, available, block == mine)
+    return chosen
 
 
 @register_pattern("moba")
