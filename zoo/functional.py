@@ -202,7 +202,7 @@ def _cached_attention(q, k, v, cache: KVCache, *, variant, backend, causal, key_
         cache.check_signature(signature)
     if q.shape[0] != cache.batch_size:
         raise ValueError(f"cache holds {cache.batch_size} sequences, q has {q.shape[0]}")
-    counts = counts_from_padding(key_padding_mask, q.shape[0], q.shape[2]).to(q.device)
+    counts = counts_from_padding(key_padding_mask, q.shape[0], q.shape[2], q.device).to(q.device)
     cache.check_step(k, v, counts, None)
     new_call()
     if key_padding_mask is not None:
@@ -213,7 +213,7 @@ def _cached_attention(q, k, v, cache: KVCache, *, variant, backend, causal, key_
     chosen = decode_backend(backend, score, dropout_p, cache.keys.dtype)
     return cache_attention(
         q, k, v, cache, counts=counts, encoding=attention_encoding(pos, q, k, causal),
-        score=score, dropout_p=dropout_p, backend=chosen,
+        score=score, dropout_p=dropout_p, backend=chosen, full=key_padding_mask is None,
     )  # fmt: skip
 
 

@@ -82,7 +82,7 @@ def _fill(cache, n: int, generator: torch.Generator) -> None:
         k, v = (torch.randn(b, h, t, d, generator=generator).to(cache.keys) for _ in range(2))
         positions = cache.lengths[:, None] + torch.arange(t, device=k.device)
         cache.write(k, v, positions, torch.ones_like(positions, dtype=torch.bool))
-        cache.lengths += t
+        cache.advance(torch.full_like(cache.lengths, t), t, full=True)  # the host's bound too
 
 
 def measure(config: DecodeConfig, variant: str, n: int, device, dtype) -> list[dict]:
@@ -131,10 +131,14 @@ def measure(config: DecodeConfig, variant: str, n: int, device, dtype) -> list[d
 
 
 def _copy(cache):
+    """A cache with the same keys and lengths and stores of its own (its block sums made anew
+    from its keys on first use: a write adds to the sums of its own cache)."""
     twin = object.__new__(type(cache))
     twin.__dict__.update(cache.__dict__)
     for name in ("keys", "values", "slot_pos", "lengths"):
         setattr(twin, name, getattr(cache, name).clone())
+    twin.longest, twin.even = cache.longest, cache.even  # lengths equal: the host's bound too
+    twin._block_sums = {}
     return twin
 
 

@@ -67,12 +67,15 @@ def test_prefill_and_steps_equal_the_causal_forward(variant, pos):
     assert cache.lengths.tolist() == [x.shape[1]] * 2
 
 
+@pytest.mark.parametrize("pos", ["rope", "sinusoidal", "learned"])
 @pytest.mark.parametrize("backend", ["sdpa", "reference"])
 @pytest.mark.parametrize("variant", ["sliding_window", "longformer", "bigbird", "strided"])
-def test_rows_of_different_lengths_with_grouped_heads(variant, backend):
+def test_rows_of_different_lengths_with_grouped_heads(variant, backend, pos):
+    """Rows of different lengths: each row's positions its own (rotary angles; an absolute
+    table's rows at each row's positions, zoo.decoding.generation.embed_at)."""
     torch.manual_seed(1)
     attn = zoo.create_attention(
-        variant, dim=24, num_heads=6, num_kv_heads=2, causal=True, pos="rope", backend=backend,
+        variant, dim=24, num_heads=6, num_kv_heads=2, causal=True, pos=pos, backend=backend,
         **small(variant),
     ).double().eval()  # fmt: skip
     x = torch.randn(3, 40, 24, dtype=torch.float64)

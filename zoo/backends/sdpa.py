@@ -102,28 +102,29 @@ def _causal_lower_right(call: AttentionCall) -> Tensor:
 
 
 def sdpa_decode(step: DecodeStep) -> Tensor:
-    """One step on SDPA: with one query per row and fewer than half of the slots allowed, the
-    allowed keys gathered first (``gather_allowed``); otherwise the used slots as they are."""
-    q, keys, values, key_pos, q_pos, mask = (
-        step.q,
-        step.keys,
-        step.values,
-        step.key_pos,
-        step.q_pos,
-        step.mask,
-    )
+    """One step on SDPA over the slots in use (``used_prefix``): with one query per row and fewer
+    than half of them allowed, the allowed keys gathered first (``gather_allowed``) to the width
+    the host knows bounds them (``step.most_allowed``, ``zoo.backends.base.DecodeStep``);
+    otherwise the slots as they are, without a mask where the host knows every query attends
+    every slot in use (``every_allowed``). No device value is read on the host (each would be a
+    synchronisation on a GPU)."""
     bias, scale, dropout_p = step.bias, step.score.scale, step.dropout_p
+    q, q_pos = step.q, step.q_pos
+    mask, keys, values, key_pos = used_prefix(
+        step.slots_in_use, step.mask, step.keys, step.values, step.key_pos
+    )
+    most = step.most_allowed
+    every = step.every_allowed
     gathered = None
-    if q.shape[2] == 1:
-        gathered = gather_allowed(mask[:, :, 0], keys, values, key_pos[:, None])
+    if q.shape[2] == 1 and most is not None:
+        gathered = gather_allowed(mask[:, :, 0], keys, values, key_pos[:, None], most)
     if gathered is not None:
         mask, keys, values, key_pos = gathered
-        mask = mask[:, :, None]
+        mask, every = mask[:, :, None], False
     else:
-        mask, keys, values, key_pos = used_prefix(mask, keys, values, key_pos)
         key_pos = key_pos[:, None]  # (B, 1, S)
     groups = q.shape[1] // keys.shape[1]
-    if bias is None and bool(mask.all()):  # every slot in use: no mask at all
+    if bias is None and every:  # every slot in use and allowed: no mask at all
         attn_mask = None
         has_key = None
     else:
@@ -148,31 +149,33 @@ def sdpa_decode(step: DecodeStep) -> Tensor:
 
 
 def gather_allowed(
-    mask: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor
+    mask: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, most: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
-    """For one query per row: each row's allowed slots, in slot order, packed to the front and
-    cut to the widest row's count; per head where the mask is (a pattern chosen by content).
-    ``mask`` (B, L, S) with L = 1 or H query heads; keys and values (B, H_kv, S, D); key_pos
-    (B, 1, S). Returns the packed mask (B, L, K), keys and values (B, H_kv, K, D) where L = 1,
-    else (B, H, K, D) per query head, and key_pos (B, L, K); or None where the copies would be
-    at least half of what the kernel reads in place (a per-head mask copies keys per query head,
-    so it pays only where few are chosen).
+    """For one query per row: each row's allowed slots, in slot order, packed to the front of
+    ``most`` columns (the host's bound of any row's count; the columns after a row's count are
+    masked); per head where the mask is (a pattern chosen by content). ``mask`` (B, L, S) with
+    L = 1 or H query heads; keys and values (B, H_kv, S, D); key_pos (B, 1, S). Returns the
+    packed mask (B, L, K), keys and values (B, H_kv, K, D) where L = 1, else (B, H, K, D) per
+    query head, and key_pos (B, L, K); or None where the copies would be at least half of what
+    the kernel reads in place (a per-head mask copies keys per query head, so it pays only where
+    few are chosen).
 
-    One pass over the mask (nonzero), the rest O(K): with a cumulative sum and a count over the
-    slots instead, their int64 copies of the (B, H, S) mask dominated a MoBA step over a long
-    cache (measured: eval/results/design-notes-cpu.md#decode-gather-allowed)."""
+    Without a host synchronisation: a running count of each row's allowed slots (one pass over
+    the mask, int32), then the j-th allowed slot found by a binary search of j in it, for the
+    ``most`` columns; the rest O(K). (``nonzero`` packed them in one pass but needs its count
+    on the host.)"""
     B, L, S = mask.shape
-    row, slot = mask.flatten(0, 1).nonzero(as_tuple=True)  # row-major: by row, then slot
-    counts = torch.bincount(row, minlength=B * L)  # (B * L,)
-    width = max(int(counts.max()), 1)
+    width = max(min(most, S), 1)
     kv_heads = keys.shape[1]
     if 2 * width * (kv_heads if L == 1 else L) >= S * kv_heads:
         return None
-    starts = counts.cumsum(0) - counts
-    index = torch.zeros(B * L, width, dtype=torch.long, device=mask.device)
-    index[row, torch.arange(row.numel(), device=mask.device) - starts[row]] = slot
-    index = index.view(B, L, width)
-    packed = (torch.arange(width, device=mask.device) < counts[:, None]).view(B, L, width)
+    # The j-th allowed slot of a row is the first where the row's running count reaches j.
+    place = mask.reshape(B * L, S).cumsum(1, dtype=torch.int32)  # (B * L, S), nondecreasing
+    counts = place[:, -1:]  # (B * L, 1)
+    wanted = torch.arange(1, width + 1, dtype=torch.int32, device=mask.device)
+    index = torch.searchsorted(place, wanted.expand(B * L, width).contiguous())  # S: past count
+    index = index.clamp(max=S - 1).view(B, L, width)
+    packed = (wanted <= counts).view(B, L, width)
     if L == 1:
         by_kv_head = index.expand(B, kv_heads, width)
     else:  # query head h reads key/value head h // groups: its groups' rows side by side
@@ -182,19 +185,29 @@ def gather_allowed(
     # (measured: eval/results/design-notes-cpu.md#decode-whole-rows).
 
     def take(t: Tensor) -> Tensor:
-        return index_rows(t, 2, by_kv_head).view(B, -1, width, t.shape[-1])
+        return index_rows(_whole_rows(t), 2, by_kv_head).view(B, -1, width, t.shape[-1])
 
     return packed, take(keys), take(values), key_pos.expand(B, L, S).gather(2, index)
 
 
-def used_prefix(mask: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
-    """The slots up to the last one any query may read (views, no copy): a cache that fills
-    its slots in order (full, causal) is read only as far as it is filled."""
-    used = mask.flatten(0, -2).any(0)  # (S,)
-    width = int(used.nonzero().max()) + 1 if bool(used.any()) else 1
-    if width == mask.shape[-1]:
+def used_prefix(width: int | None, mask: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """The first ``width`` slots (views, no copy; all where None): a cache that fills its slots in
+    order (full, causal) is read only as far as the host knows it is filled."""
+    if width is None or width >= mask.shape[-1]:
         return (mask, *tensors)
+    width = max(width, 1)
     return (
         mask[..., :width],
         *(t[..., :width] if t.dim() == 2 else t[:, :, :width] for t in tensors),
     )
+
+
+def _whole_rows(t: Tensor) -> Tensor:
+    """Keys (B, H_kv, S, D) that are the first S slots of a contiguous store (the slots in use,
+    ``zoo.decoding.decode``) as a view of the whole store, which ``index_rows`` reads without
+    copying it first; any other tensor as it is. Only slots below S are then indexed."""
+    B, H, S, D = t.shape
+    s0, s1, s2, s3 = t.stride()
+    if t.is_contiguous() or s3 != 1 or s2 != D or s1 % D or s0 != H * s1 or s1 // D < S:
+        return t
+    return t.as_strided((B, H, s1 // D, D), (s0, s1, s2, s3))

@@ -317,4 +317,3 @@ def _mirror_fields(obj: Any, memo: dict[int, tuple[Any, Any]]) -> Any:
     for name, value in mirrored.items():
         object.__setattr__(result, name, value)
     return result
-

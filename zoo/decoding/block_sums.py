@@ -27,25 +27,19 @@ def block_sums(k: Tensor, keep: Tensor, block: int) -> tuple[Tensor, Tensor]:
 
 class RunningBlockSums:
     """``block_sums`` of a cache's keys, slot j at position j (a cache without a ring: no slot is
-    ever overwritten), updated with the slots written since the last call."""
-
-    def __init__(self, keys: Tensor, block: int) -> None:
-        B, kv_heads, slots, dim = keys.shape
-        blocks = -(-slots // block)
-        self.block = block
-        self.sums = torch.zeros(B, kv_heads, blocks, dim, dtype=torch.float32, device=keys.device)
-        self.counts = torch.zeros(B, blocks, dtype=torch.long, device=keys.device)
-        self.summed = torch.zeros(B, slots, dtype=torch.bool, device=keys.device)
+    ever overwritten): summed at once when made, then each key added as the cache writes it
+    (``add``), with no read of a device value on the host."""
 
     @torch.no_grad()
-    def update(self, keys: Tensor, slot_pos: Tensor) -> tuple[Tensor, Tensor]:
-        """Add the slots written (``slot_pos`` >= 0) and not yet summed; the sums and counts."""
-        new = (slot_pos >= 0) & ~self.summed
-        rows, slots = new.nonzero(as_tuple=True)
-        if rows.numel():
-            blocks = slots // self.block
-            added = keys[rows, :, slots].float()  # (N, H_kv, D)
-            self.sums.transpose(1, 2).index_put_((rows, blocks), added, accumulate=True)
-            self.counts.index_put_((rows, blocks), torch.ones_like(rows), accumulate=True)
-            self.summed |= new
-        return self.sums, self.counts
+    def __init__(self, keys: Tensor, slot_pos: Tensor, block: int) -> None:
+        self.block = block
+        self.sums, self.counts = block_sums(keys, slot_pos >= 0, block)
+
+    @torch.no_grad()
+    def add(self, rows: Tensor, slots: Tensor, keys: Tensor, kept: Tensor) -> None:
+        """Add the keys (..., H_kv, D) written at (rows, slots) (each of the leading shape) where
+        ``kept``; the others add nothing (zeros, whatever their keys hold)."""
+        blocks = slots // self.block
+        added = torch.where(kept[..., None, None], keys.float(), 0.0)
+        self.sums.transpose(1, 2).index_put_((rows, blocks), added, accumulate=True)
+        self.counts.index_put_((rows, blocks), kept.long(), accumulate=True)

@@ -23,20 +23,33 @@ position, -1 where empty.
 
 A refused call (wrong shape, dtype, device or variant, a step past ``max_len``, positions that do
 not continue the row) raises before anything in the cache changes.
+
+A step reads no device value on the host (no ``.item()``, ``nonzero`` or boolean indexing: on a GPU
+each is a synchronisation). What the host needs it keeps itself: ``longest``, an upper bound of the
+rows' lengths that each call raises by its length (exact, with ``even``, while every call adds all
+its tokens to every row), from which the slots in use and the keys a query may attend follow
+(``zoo.decoding.bounds``); a write puts each new key in its slot with ``plan.slot`` computed on the
+device. The checks that read values (a step past ``max_len``, ``positions``) read them where that
+costs no device synchronisation: tensors on the CPU, or a step that the host bound cannot clear;
+``positions`` on a GPU are checked by a device-side assertion (``torch._assert_async``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from array import array
+from bisect import bisect_left
 
 import torch
 from torch import Tensor
 
 from ..core.device_build import can_read_values
 from ..core.shape_cache import per_shape
+from ..layout.block_layout import with_heads
 from ..patterns import Pattern
 from ..patterns.retention import Retention, retention
 from .block_sums import RunningBlockSums
+from .bounds import host_ints, query_bounds
 
 
 def cache_signature(variant: object, params: dict, num_kv_heads: int) -> dict[str, object]:
@@ -54,8 +67,10 @@ def cache_plan(pattern: Pattern, max_len: int) -> Retention:
 class KVCache:
     """Keys (B, H_kv, slots, D) and values (B, H_kv, slots, Dv) of one layer; see the module
     docstring. ``pattern`` is specialised to ``max_len`` on the cache's device, ``plan`` its
-    retention (``cache_plan``, computed on the CPU). ``signature`` names what the cache was
-    built for (variant, parameters, heads), so that a call for something else is refused."""
+    retention (``cache_plan``, computed on the CPU; its pins also kept on the host), and
+    ``host_pattern`` the pattern on the CPU, the same draw, for the host's bounds
+    (``query_bounds``). ``signature`` names what the cache was built for (variant, parameters,
+    heads), so that a call for anything else is refused."""
 
     def __init__(
         self,
@@ -70,8 +85,11 @@ class KVCache:
         max_len: int,
         dtype: torch.dtype,
         device: torch.device,
+        host_pattern: Pattern | None = None,
     ) -> None:
         self.pattern, self.signature, self.max_len = pattern, dict(signature), max_len
+        self.host_pattern = host_pattern
+        self._pins = host_ints(plan.pinned)  # the pinned positions, increasing, on the host
         self.plan = dataclasses.replace(plan, pinned=plan.pinned.to(device))
         slots = self.plan.slots
         self.keys = torch.zeros(
@@ -81,8 +99,64 @@ class KVCache:
             batch_size, num_kv_heads, slots, value_dim, dtype=dtype, device=device
         )
         self.slot_pos = torch.full((batch_size, slots), -1, dtype=torch.long, device=device)
-        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self._lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        # The host's knowledge: no row holds more than ``longest`` tokens, and while ``even``
+        # every row holds exactly that many. None: lengths were set from outside (read again).
+        self.longest: int | None = 0
+        self.even = True
         self._block_sums: dict[int, RunningBlockSums] = {}  # by block size, made on first use
+        self._bounds: dict[int, tuple[array, array] | None] = {}  # by query heads
+
+    @property
+    def lengths(self) -> Tensor:
+        """(B,) the tokens each row holds (on the cache's device)."""
+        return self._lengths
+
+    @lengths.setter
+    def lengths(self, value: Tensor) -> None:
+        # Set from outside (``cache.lengths += n``): the host's bound is read from it again.
+        self._lengths, self.longest = value, None
+
+    def host_lengths(self) -> tuple[int, bool]:
+        """(an upper bound of the rows' lengths, whether every row holds exactly that many),
+        known on the host: kept by each call (``advance``); read from ``lengths`` once after
+        they were set from outside (max_len and False where their values cannot be read)."""
+        if self.longest is None:
+            if not can_read_values(self._lengths):
+                return self.max_len, False
+            self.longest = int(self._lengths.max()) if self._lengths.numel() else 0
+            self.even = bool((self._lengths == self.longest).all())
+        return self.longest, self.even
+
+    def advance(self, counts: Tensor, t: int, full: bool) -> None:
+        """The rows have taken ``counts`` (B,) new tokens of a call of ``t``; ``full``: every
+        row took all t (then the host's bound stays exact)."""
+        longest, even = self.host_lengths()
+        self._lengths += counts
+        self.longest, self.even = min(longest + t, self.max_len), even and full
+
+    def slots_used(self, length: int) -> int:
+        """How many of the first slots positions 0 .. length - 1 may occupy (pinned slots first,
+        then the ring): a width known on the host."""
+        pinned = bisect_left(self._pins, length)  # pinned positions before ``length``
+        if self.plan.ring and length > pinned:  # some position went to the ring
+            return len(self._pins) + min(self.plan.ring, length)
+        return pinned
+
+    def query_bounds(self, heads: int) -> tuple[array, array] | None:
+        """For a fixed pattern with ``heads`` query heads: (most, least) on the host, entry n
+        the most keys a query at a position up to n may attend and the fewest a query at n
+        attends (over the heads; ``zoo.decoding.bounds.query_bounds``), computed on first use;
+        None without the host's pattern or for a pattern chosen by content."""
+        if heads not in self._bounds:
+            host = self.host_pattern
+            if host is None or host.routed:
+                self._bounds[heads] = None
+            else:
+                host = with_heads(host, heads) if host.per_head else host
+                most, least = query_bounds(host, self.max_len)
+                self._bounds[heads] = host_ints(most), host_ints(least)
+        return self._bounds[heads]
 
     @property
     def batch_size(self) -> int:
@@ -94,7 +168,7 @@ class KVCache:
         the block sums of ``key_block_sums``)."""
         tensors = [self.keys, self.values, self.slot_pos, self.lengths, self.plan.pinned]
         for sums in self._block_sums.values():
-            tensors += [sums.sums, sums.counts, sums.summed]
+            tensors += [sums.sums, sums.counts]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def key_block_sums(self, block: int) -> tuple[Tensor, Tensor] | None:
@@ -104,14 +178,16 @@ class KVCache:
         for a cache with a ring, whose slots do not stay at one position."""
         if self.plan.ring:
             return None
-        if block not in self._block_sums:
-            self._block_sums[block] = RunningBlockSums(self.keys, block)
-        return self._block_sums[block].update(self.keys, self.slot_pos)
+        if block not in self._block_sums:  # then kept up to date by each write
+            self._block_sums[block] = RunningBlockSums(self.keys, self.slot_pos, block)
+        sums = self._block_sums[block]
+        return sums.sums, sums.counts
 
     def reset(self) -> KVCache:
         """Forget every token (lengths back to 0), keeping the memory for the next sequences."""
         self.slot_pos.fill_(-1)
-        self.lengths.zero_()
+        self._lengths.zero_()
+        self.longest, self.even = 0, True
         self._block_sums.clear()
         self.keys, self.values = self.keys.detach(), self.values.detach()  # no graph of old steps
         return self
@@ -135,7 +211,8 @@ class KVCache:
                 )
 
     def check_step(self, k: Tensor, v: Tensor, counts: Tensor, positions: Tensor | None) -> None:
-        """Refuse new keys k (B, H_kv, t, D), v that do not fit, before anything changes."""
+        """Refuse new keys k (B, H_kv, t, D), v that do not fit, before anything changes. Values
+        are read only where that waits for no device (see the module docstring)."""
         for name, t, want in (("k", k, self.keys), ("v", v, self.values)):
             expected = (*want.shape[:2], "t", want.shape[3])
             if t.dim() != 4 or t.shape[:2] != want.shape[:2] or t.shape[3] != want.shape[3]:
@@ -148,56 +225,99 @@ class KVCache:
                     f"cache holds {want.dtype} on {want.device}, got {name} in {t.dtype} on "
                     f"{t.device}; build the cache with the model's dtype and device"
                 )
+        steps = k.shape[2]
+        if positions is not None:
+            want_shape = (self.batch_size, steps)
+            if tuple(positions.shape) != want_shape:
+                raise ValueError(
+                    f"positions must have shape (batch, t) = {want_shape}, got "
+                    f"{tuple(positions.shape)}"
+                )
         if not can_read_values(counts):  # fake tensors (torch.export): shapes checked only
             return
-        after = self.lengths + counts
-        if bool((after > self.max_len).any()):
+        on_host = self._lengths.device.type == "cpu"  # values read without waiting for a device
+        longest, _ = self.host_lengths()
+        after = self._lengths + counts
+        if (on_host or longest + steps > self.max_len) and bool((after > self.max_len).any()):
             row = int(torch.argmax((after > self.max_len).int()))
             raise ValueError(
-                f"step too long: row {row} holds {int(self.lengths[row])} tokens and adds "
+                f"step too long: row {row} holds {int(self._lengths[row])} tokens and adds "
                 f"{int(counts[row])}, past the cache's max_len={self.max_len}; build the cache "
                 f"with a larger max_len"
             )
-        if positions is not None:
-            expected = self.lengths[:, None] + torch.arange(k.shape[2], device=k.device)
-            valid = torch.arange(k.shape[2], device=k.device) < counts[:, None]
-            if tuple(positions.shape) != tuple(expected.shape):
-                raise ValueError(
-                    f"positions must have shape (batch, t) = {tuple(expected.shape)}, got "
-                    f"{tuple(positions.shape)}"
-                )
-            wrong = (positions.to(expected.device) != expected) & valid
-            if bool(wrong.any()):
-                row = int(torch.argmax(wrong.any(1).int()))
-                raise ValueError(
-                    f"positions out of order: row {row} holds {int(self.lengths[row])} tokens, so "
-                    f"its next positions are {expected[row, : int(counts[row])].tolist()}, got "
-                    f"{positions[row, : int(counts[row])].tolist()}"
-                )
+        if positions is None:
+            return
+        expected = self._lengths[:, None] + torch.arange(steps, device=k.device)
+        valid = torch.arange(steps, device=k.device) < counts[:, None]
+        wrong = (positions.to(expected.device) != expected) & valid
+        if not on_host:  # checked on the device, without a synchronisation
+            torch._assert_async(~wrong.any(), "positions out of order (zoo KVCache.check_step)")
+            return
+        if bool(wrong.any()):
+            row = int(torch.argmax(wrong.any(1).int()))
+            raise ValueError(
+                f"positions out of order: row {row} holds {int(self._lengths[row])} tokens, so "
+                f"its next positions are {expected[row, : int(counts[row])].tolist()}, got "
+                f"{positions[row, : int(counts[row])].tolist()}"
+            )
 
     def write(self, k: Tensor, v: Tensor, positions: Tensor, valid: Tensor) -> None:
         """Store the valid new keys k, v (B, H_kv, t, D) at their positions (B, t), as far as the
         plan keeps them: a ring slot takes the last of the positions that map to it. In place,
-        or into new tensors when autograd needs the earlier ones."""
-        after = self.lengths + valid.sum(1)
-        slot = self.plan.slot(positions)
-        in_ring = slot >= self.plan.pinned.numel()
-        keep = valid & (slot >= 0) & (~in_ring | (positions >= after[:, None] - self.plan.ring))
-        rows, cols = keep.nonzero(as_tuple=True)
-        slots = slot[rows, cols]
-        new_k, new_v = k[rows, :, cols], v[rows, :, cols]  # (N, H_kv, D)
+        or into new tensors when autograd needs the earlier ones.
+
+        Without a host synchronisation: every token (b, j) of the call writes its slot (slot 0
+        where the plan keeps it nowhere) with the value that slot ends with, the call's last
+        token kept there or the slot's old key, so tokens sharing a slot write the same value. A
+        token of one step writes its own slot; a longer call finds each slot's last token with a
+        scatter of token indices (O(B * slots) small ints)."""
+        B, t = positions.shape
+        slots = self.plan.slots
+        slot = self.plan.slot(positions)  # (B, t), -1: not kept
+        kept = valid & (slot >= 0)
+        target = slot.clamp(min=0)
+        token = torch.arange(t, device=positions.device).expand(B, t)
+        if t == 1:
+            winner = torch.where(kept, 0, -1)
+        else:  # the call's last kept token in each slot (positions increase with the token)
+            last = torch.full((B, slots + 1), -1, dtype=torch.long, device=positions.device)
+            last.scatter_reduce_(1, torch.where(kept, slot, slots), torch.where(kept, token, -1),
+                                 "amax")  # fmt: skip
+            winner = last[:, :slots].gather(1, target)  # (B, t): -1 where the slot keeps its key
+        new = winner >= 0
+        pick = winner.clamp(min=0)
+        rows = torch.arange(B, device=positions.device)[:, None].expand(B, t)
         tracked = k.requires_grad or v.requires_grad or self.keys.requires_grad
-        if torch.is_grad_enabled() and tracked:
-            self.keys = _put(self.keys, rows, slots, new_k)
-            self.values = _put(self.values, rows, slots, new_v)
+        grad = torch.is_grad_enabled() and tracked
+        canonical = None
+        if grad and t > 1:  # one token per slot carries the gradient (the others write copies)
+            first = torch.full((B, slots), -1, dtype=torch.long, device=positions.device)
+            canonical = first.scatter_reduce_(1, target, token, "amax").gather(1, target) == token
+
+        def ends_with(store: Tensor, x: Tensor) -> Tensor:  # (B, t, H_kv, D): each slot's end
+            end = torch.where(new[:, :, None, None], x.transpose(1, 2)[rows, pick],
+                              store[rows, :, target])  # fmt: skip
+            if canonical is not None:
+                end = torch.where(canonical[:, :, None, None], end, end.detach())
+            return end
+
+        end_k, end_v = ends_with(self.keys, k), ends_with(self.values, v)
+        for sums in self._block_sums.values():  # a cache without a ring: each slot written once
+            sums.add(rows, target, end_k, kept)
+        if grad:
+            self.keys = _put(self.keys, rows, target, end_k)
+            self.values = _put(self.values, rows, target, end_v)
         else:
-            self.keys[rows, :, slots] = new_k
-            self.values[rows, :, slots] = new_v
-        self.slot_pos[rows, slots] = positions[rows, cols]
+            self.keys[rows, :, target] = end_k
+            self.values[rows, :, target] = end_v
+        self.slot_pos[rows, target] = torch.where(
+            new, positions.gather(1, pick), self.slot_pos[rows, target]
+        )
 
 
 def _put(store: Tensor, rows: Tensor, slots: Tensor, new: Tensor) -> Tensor:
-    """``store`` with new[i] at (rows[i], :, slots[i]), out of place (autograd keeps the old)."""
+    """``store`` with new[...] at (rows[...], :, slots[...]), out of place (autograd keeps the
+    old)."""
     out = store.clone()
     out[rows, :, slots] = new
     return out

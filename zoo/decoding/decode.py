@@ -9,16 +9,23 @@ global tokens, gives the pattern's output exactly.
 
 This module makes each step (positions, the cache's slots, the mask: a ``DecodeStep``) and hands
 it to a backend that declares decoding (``Capabilities.decode``, ``Backend.decode_step``;
-``decode_backend`` picks it):
+``decode_backend`` picks it). A step of one token per row reads no device value on the host (no
+``.item()``, ``nonzero``, boolean indexing: each a synchronisation on a GPU, and an error on fake
+tensors): its widths are Python ints the cache keeps (``KVCache.host_lengths``) and tables computed
+once per pattern and length on the CPU (``zoo.decoding.bounds``). The step carries them
+(``DecodeStep.slots_in_use``, ``most_allowed``, ``every_allowed``): the slots the rows' tokens
+may occupy (a cache that fills its slots in order, full or causal, is read only as far as it is
+filled), the most keys a query may attend, and whether it attends every slot in use.
 
 - ``sdpa`` (``zoo.backends.sdpa.sdpa_decode``): ``scaled_dot_product_attention`` over the slots.
   With one query per row and fewer than half of the slots allowed (a BigBird or strided pattern,
   whose cache keeps keys that this query does not read), the allowed keys are gathered first, so the
   kernel sees only them; for a pattern chosen by content (MoBA), each query head's own chosen keys,
   where those copies are fewer than half of what the kernel would read in place. A window cache, all
-  of it allowed, goes in as it is, and full or causal attention with every slot in use runs without
-  a mask. MoBA scores its blocks from sums the cache keeps (``KVCache.key_block_sums``), so a step
-  reads the chosen keys and one mean per block, not every key.
+  of it allowed, goes in as it is, and a step whose query attends every slot in use (full or causal
+  attention, a full window) runs without a mask. MoBA scores its blocks from sums the cache keeps
+  (``KVCache.key_block_sums``), so a step reads the chosen keys and one mean per block, not every
+  key.
 - ``flex``: FlexAttention with a block mask over the step's query rows and the cache's slots, its
   mask_mod reading the slots' absolute positions (``zoo.backends.flex_decode``). Named by
   ``backend="flex"`` or a ``FlexBackend`` (its block size and ``compile`` apply; ``compile=False``
@@ -42,10 +49,12 @@ from torch import Tensor
 
 from ..backends import Backend, get_backend, list_backends
 from ..backends.base import DecodeStep
+from ..core.device_build import can_read_values
 from ..core.scores import AdditiveScore, DotProduct
 from ..layout.block_layout import with_heads
 from ..patterns import Pattern, RouteInputs
 from ..positional import PositionalEncoding
+from .bounds import routed_most
 from .cache import KVCache
 
 CHUNK = 256  # queries per chunk of a long call
@@ -101,10 +110,15 @@ def explain_decode(backend: object, score: DotProduct | AdditiveScore, cache: KV
     )
 
 
-def counts_from_padding(key_padding_mask: Tensor | None, batch: int, length: int) -> Tensor:
-    """(B,) real tokens per row from a (B, t) right-padding mask of a call's new tokens."""
+def counts_from_padding(
+    key_padding_mask: Tensor | None, batch: int, length: int, device: torch.device | None = None
+) -> Tensor:
+    """(B,) real tokens per row from a (B, t) right-padding mask of a call's new tokens, on the
+    mask's device (or ``device`` without one: made there, no copy). Whether the mask is right
+    padding is read from its values on the CPU, asserted on the device elsewhere (no
+    synchronisation); a mask of one column always is."""
     if key_padding_mask is None:
-        return torch.full((batch,), length, dtype=torch.long)
+        return torch.full((batch,), length, dtype=torch.long, device=device)
     mask = key_padding_mask
     if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.shape != (batch, length):
         shown = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
@@ -113,11 +127,18 @@ def counts_from_padding(key_padding_mask: Tensor | None, batch: int, length: int
             f"call's new tokens, got {shown}"
         )
     counts = (~mask).sum(1)
-    if not torch.equal(mask, torch.arange(length, device=mask.device) >= counts[:, None]):
-        raise ValueError(
-            "with a cache, key_padding_mask must be right padding (each row: real tokens, then "
-            "padding), since a row's tokens take consecutive positions"
-        )
+    if length == 1:
+        return counts
+    right = torch.arange(length, device=mask.device) >= counts[:, None]
+    message = (
+        "with a cache, key_padding_mask must be right padding (each row: real tokens, then "
+        "padding), since a row's tokens take consecutive positions"
+    )
+    if can_read_values(mask) and mask.device.type == "cpu":
+        if not torch.equal(mask, right):
+            raise ValueError(message)
+    else:
+        torch._assert_async((mask == right).all(), message)
     return counts
 
 
@@ -132,10 +153,16 @@ def cache_attention(
     score: DotProduct | AdditiveScore,
     dropout_p: float,
     backend: Backend,
+    full: bool | None = None,
 ) -> Tensor:
     """q (B, H, t, D), k and v (B, H_kv, t, D) of the new tokens, ``counts`` (B,) of them real in
-    each row -> output (B, H, t, Dv), zeros at padding columns; the cache takes the new keys."""
+    each row -> output (B, H, t, Dv), zeros at padding columns; the cache takes the new keys.
+    ``full``: the host knows that every row adds all t tokens (no valid_lens, no padding); None
+    reads it from ``counts`` where that waits for no device (on the CPU), else takes it as not
+    known (the rows' lengths are then bounded, not known, on the host)."""
     t = q.shape[2]
+    if full is None:
+        full = can_read_values(counts) and counts.device.type == "cpu" and bool((counts == t).all())
     if t > 1 and t > CHUNK:
         outs = []
         for start in range(0, t, CHUNK):
@@ -152,9 +179,15 @@ def cache_attention(
                     score=score,
                     dropout_p=dropout_p,
                     backend=backend,
+                    full=full,
                 )
             )
         return torch.cat(outs, dim=2)
+    pattern = cache.pattern
+    if pattern.per_head:  # drawn for this call's query heads (refused if the cache's differ)
+        pattern = with_heads(pattern, q.shape[1])
+    longest, even = cache.host_lengths()  # before this call: the host's bound of the rows
+    after = min(longest + t, cache.max_len)
     steps = torch.arange(t, device=q.device)
     positions = cache.lengths[:, None] + steps  # (B, t) absolute positions
     valid = steps < counts[:, None]
@@ -168,13 +201,15 @@ def cache_attention(
         cache.write(k, v, positions, valid)
         keys, values, key_pos = cache.keys, cache.values, cache.slot_pos
         key_ok = key_pos >= 0
+        width = cache.slots_used(after)
     else:
         keys, values = torch.cat((cache.keys, k), dim=2), torch.cat((cache.values, v), dim=2)
         key_pos = torch.cat((cache.slot_pos, positions), dim=1)
         key_ok = torch.cat((cache.slot_pos >= 0, valid), dim=1)
-    pattern = cache.pattern
-    if pattern.per_head:  # drawn for this call's query heads (refused if the cache's differ)
-        pattern = with_heads(pattern, q.shape[1])
+        width = None  # the call's own keys come after the slots
+    most, every = None, False
+    if t == 1:  # what the host knows of this step's one query per row
+        most, every = _host_bounds(cache, pattern, q.shape[1], after, width, even and full)
     if pattern.routed:  # chosen here from the cache's keys, slot j at position j (retention)
         pattern = pattern.bind(  # a cache with a ring has no block sums (key_block_sums)
             RouteInputs(q, keys, ~key_ok, causal=True, q_pos=positions,
@@ -183,13 +218,31 @@ def cache_attention(
     mask = step_mask(pattern, positions, key_pos, key_ok, valid, q.shape[1])
     bias = encoding.bias if encoding is not None and encoding.kind == "bias" else None
     step = DecodeStep(
-        q, keys, values, pattern, positions, key_pos, key_ok, valid, mask, bias, score, dropout_p
-    )
+        q, keys, values, pattern, positions, key_pos, key_ok, valid, mask, bias, score, dropout_p,
+        slots_in_use=width, most_allowed=most, every_allowed=every,
+    )  # fmt: skip
     out = backend.decode_step(step)
     if not write_first:
         cache.write(k, v, positions, valid)
-    cache.lengths += counts
+    cache.advance(counts, t, full)
     return out * valid[:, None, :, None]
+
+
+def _host_bounds(
+    cache: KVCache, pattern: Pattern, heads: int, after: int, width: int, even: bool
+) -> tuple[int | None, bool]:
+    """(the most keys a query of a one-token step may attend, whether each attends every slot in
+    use), for rows of at most ``after`` tokens once the step is written, in the first ``width``
+    slots; ``even``: every row holds exactly ``after`` (its query at position after - 1)."""
+    if pattern.routed:
+        most = routed_most(cache.pattern, after - 1 if even else None)
+        return (None if most is None else min(most, width)), False
+    bounds = cache.query_bounds(heads)
+    if bounds is None or after == 0:
+        return None, False
+    most, least = bounds
+    every = even and least[after - 1] == width  # that many allowed keys fill the slots
+    return min(most[after - 1], width), every
 
 
 def step_mask(

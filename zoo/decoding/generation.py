@@ -12,6 +12,7 @@ from einops import rearrange
 from torch import Tensor
 
 from ..core.arguments import check_int
+from ..core.device_build import can_read_values
 from ..core.scores import DotProduct
 from ..functional import resolve_pattern, resolved_params
 from ..layout.block_layout import specialized, with_heads
@@ -73,6 +74,7 @@ def new_cache(
     plan = keep_all(max_len) if cpu.per_head and num_heads is None else cache_plan(cpu, max_len)
     return KVCache(
         pattern=pattern,
+        host_pattern=cpu,
         plan=plan,
         signature=cache_signature(variant, resolved_params(variant, params), num_kv_heads),
         batch_size=batch_size,
@@ -86,26 +88,46 @@ def new_cache(
 
 
 def step_counts(valid_lens: Tensor | None, batch: int, length: int, device) -> Tensor:
-    """(B,) tokens each row adds: ``valid_lens``, or the whole call."""
+    """(B,) tokens each row adds: ``valid_lens``, or the whole call. Their range is read on the
+    CPU, asserted on the device elsewhere (no synchronisation); pass them on the cache's device."""
     if valid_lens is None:
         return torch.full((batch,), length, dtype=torch.long, device=device)
     if not isinstance(valid_lens, Tensor) or tuple(valid_lens.shape) != (batch,):
         shown = tuple(valid_lens.shape) if isinstance(valid_lens, Tensor) else valid_lens
         raise ValueError(f"valid_lens must be a ({batch},) int tensor, got {shown}")
-    if valid_lens.is_floating_point() or bool(((valid_lens < 0) | (valid_lens > length)).any()):
-        raise ValueError(
-            f"valid_lens must hold ints in [0, {length}] (this call's length), got "
-            f"{valid_lens.tolist()}"
-        )
-    return valid_lens.to(device=device, dtype=torch.long)
+    message = f"valid_lens must hold ints in [0, {length}] (this call's length)"
+    if valid_lens.is_floating_point():
+        raise ValueError(f"{message}, got {valid_lens.tolist()}")
+    counts = valid_lens.to(device=device, dtype=torch.long)
+    out_of_range = (counts < 0) | (counts > length)
+    if can_read_values(counts) and counts.device.type == "cpu":
+        if bool(out_of_range.any()):
+            raise ValueError(f"{message}, got {valid_lens.tolist()}")
+    else:
+        torch._assert_async(~out_of_range.any(), message)
+    return counts
 
 
-def embed_at(encoding, x: Tensor, starts: Tensor) -> Tensor:
-    """An absolute ("embed") encoding added to each row from its own start position."""
-    if bool((starts == starts[0]).all()):
-        return encoding.embed(x, int(starts[0]))
-    rows = [encoding.embed(x[b : b + 1], int(s)) for b, s in enumerate(starts.tolist())]
-    return torch.cat(rows)
+def embed_at(encoding, x: Tensor, cache: KVCache) -> Tensor:
+    """An absolute ("embed") encoding added to each row from its own start position, the row's
+    length in ``cache``. Rows of one length (the host knows when) take ``encoding.embed`` at
+    that offset; rows of different lengths each their own positions' rows of the table (in
+    eval mode: the table is the encoding of zeros), without reading a length on the host;
+    in training mode (dropout), or past a learned table's end on a CPU, one row at a time."""
+    longest, even = cache.host_lengths()
+    if even:
+        return encoding.embed(x, longest)
+    starts, t = cache.lengths, x.shape[1]
+    span = longest + t
+    table_len = getattr(encoding, "max_len", None)  # a learned table holds so many positions
+    short = table_len is not None and span > table_len  # a row may be past it: raise on a CPU
+    if encoding.training or (short and can_read_values(starts) and starts.device.type == "cpu"):
+        rows = [encoding.embed(x[b : b + 1], int(s)) for b, s in enumerate(starts.tolist())]
+        return torch.cat(rows)  # dropout drawn per row, as embed draws it
+    span = min(span, table_len) if short else span
+    table = encoding.embed(x.new_zeros(1, span, x.shape[2]), 0)[0]  # (span, dim)
+    positions = (starts[:, None] + torch.arange(t, device=x.device)).clamp(max=span - 1)
+    return x + table[positions]
 
 
 def module_step(
@@ -122,7 +144,7 @@ def module_step(
     batch, t = x.shape[:2]
     counts = step_counts(valid_lens, batch, t, cache.lengths.device)
     if module.pos.kind == "embed":
-        x = embed_at(module.pos, x, cache.lengths)
+        x = embed_at(module.pos, x, cache)
     q = rearrange(module.q_proj(x), "b l (h d) -> b h l d", h=module.num_heads)
     k = rearrange(module.k_proj(x), "b l (h d) -> b h l d", h=module.num_kv_heads)
     v = rearrange(module.v_proj(x), "b l (h d) -> b h l d", h=module.num_kv_heads)
@@ -141,6 +163,7 @@ def module_step(
         score=score,
         dropout_p=dropout,
         backend=decode_backend(module.backend, score, dropout, cache.keys.dtype),
+        full=valid_lens is None,
     )
     out = module.out_proj(rearrange(out, "b h l d -> b l (h d)"))  # (B, t, dim)
     padding = torch.arange(t, device=out.device) >= counts[:, None].to(out.device)

@@ -60,13 +60,15 @@ class Retention:
         return self.pinned.numel() + self.ring
 
     def slot(self, positions: Tensor) -> Tensor:
-        """The slot of each key position (-1: not kept), in the positions' shape."""
+        """The slot of each key position (-1: not kept), in the positions' shape; elementwise on
+        the positions' device (no value read on the host, no tensor made from host data)."""
         count = self.pinned.numel()
-        # A sentinel past every position keeps the search's index in range when nothing is pinned.
-        pinned = torch.cat((self.pinned, self.pinned.new_tensor([self.max_len]))).to(positions)
-        index = torch.searchsorted(pinned, positions.contiguous())
         in_ring = count + positions % self.ring if self.ring else torch.full_like(positions, -1)
-        return torch.where(pinned[index.clamp(max=count)] == positions, index, in_ring)
+        if count == 0:
+            return in_ring
+        pinned = self.pinned.to(positions)
+        index = torch.searchsorted(pinned, positions.contiguous())
+        return torch.where(pinned[index.clamp(max=count - 1)] == positions, index, in_ring)
 
 
 def last_needed(pattern: Pattern, max_len: int) -> Tensor:

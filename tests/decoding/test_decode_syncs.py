@@ -1,0 +1,242 @@
+"""A decoding step reads no device value on the host (zoo.decoding.decode, zoo.decoding.cache,
+zoo.backends.sdpa.sdpa_decode): no ``.item()``, ``.tolist()``, ``nonzero``, boolean indexing or
+``torch.equal`` on its path, each a synchronisation on a GPU.
+
+On a CPU the step runs on fake CUDA tensors (``zoo.testing.fake_cuda``), which have no values, so
+any such read raises (DataDependentOutputException, DynamicOutputShapeException): every fixed
+variant and moba, on every decoding backend, with and without valid_lens, grouped heads. On a GPU
+the steps run under ``torch.cuda.set_sync_debug_mode("error")``. The widths the host keeps instead
+(``KVCache.host_lengths``, ``zoo.decoding.bounds``) are held to the values they bound on the CPU;
+that the outputs are unchanged is held by the other tests of this folder (against full forwards).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import FIXED_VARIANTS, GRAPH_VARIANTS, gpu
+
+import zoo
+from zoo.backends import FlexBackend
+from zoo.functional import resolve_pattern
+from zoo.layout.block_layout import specialized, with_heads
+from zoo.testing.fake_cuda import FakeCudaUnavailable, fake_cuda
+
+SMALL = {"window_size": 5, "block_size": 8, "stride": 6, "dilation": 3, "global_tokens": 1,
+         "top_k": 2}  # fmt: skip
+VARIANTS = [v for v in FIXED_VARIANTS if v not in GRAPH_VARIANTS] + ["moba"]
+EAGER_FLEX = FlexBackend(block_size=16, compile=False)  # flex's eager path, as on fake tensors
+BACKENDS = {"sdpa": "sdpa", "reference": "reference", "flex": EAGER_FLEX}
+LENGTH = 64  # a 2-D pattern's grid: 8 x 8, decoded whole (max_len = H * W)
+
+
+def _fake_cuda_or_skip():
+    try:
+        with fake_cuda():
+            pass
+    except FakeCudaUnavailable as error:  # no C++ compiler on a CPU-only build
+        pytest.skip(str(error))
+
+
+def small(variant: str) -> dict[str, object]:
+    params = zoo.get_spec(variant).parameters()
+    out = {k: v for k, v in SMALL.items() if k in params}
+    if variant == "dilated":
+        out["window_size"] = 2
+    if "grid" in params:
+        grid = {"grid": (LENGTH // 8, 8), "kernel_size": 3, "dilation": 2, "window_size": 4}
+        out.update({k: v for k, v in grid.items() if k in params})
+    return out
+
+
+def _steps(attn, device, *, valid_lens: bool, prefill: int = 12, steps: int = 4) -> torch.Tensor:
+    """A prefill of ``prefill`` tokens (rows of 12 and 5 with valid_lens), then one-token steps
+    (rows adding 1 and 0 tokens in turn with valid_lens); the last step's output."""
+    x = torch.randn(2, prefill + steps, attn.dim, device=device)
+    cache = attn.new_cache(2, LENGTH)
+    lens = torch.tensor([prefill, 5], device=device) if valid_lens else None
+    attn(x[:, :prefill], cache=cache, valid_lens=lens)
+    for i in range(prefill, prefill + steps):
+        lens = torch.tensor([1, i % 2], device=device) if valid_lens else None
+        out = attn(x[:, i : i + 1], cache=cache, valid_lens=lens)
+    return out
+
+
+@pytest.mark.parametrize("valid_lens", [False, True], ids=["all", "valid_lens"])
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_step_reads_no_device_value(variant, backend, valid_lens):
+    """Prefill and one-token steps on fake CUDA tensors, 4 query heads on 2 key/value heads."""
+    _fake_cuda_or_skip()
+    with fake_cuda(), torch.device("cuda"), torch.no_grad():
+        attn = zoo.create_attention(
+            variant, dim=32, num_heads=4, num_kv_heads=2, pos="rope", causal=True,
+            backend=BACKENDS[backend], **small(variant),
+        ).eval()  # fmt: skip
+        out = _steps(attn, "cuda", valid_lens=valid_lens)
+    assert out.device.type == "cuda" and out.shape == (2, 1, 32)
+
+
+@pytest.mark.parametrize("pos", ["sinusoidal", "learned", "alibi", "t5"])
+@pytest.mark.parametrize("variant", ["sliding_window", "bigbird", "moba"])
+def test_encodings_read_no_device_value(variant, pos):
+    """Absolute encodings at each row's own position (rows of different lengths: the table's rows
+    at their positions) and score biases at the slots' positions, on fake CUDA tensors."""
+    _fake_cuda_or_skip()
+    with fake_cuda(), torch.device("cuda"), torch.no_grad():
+        attn = zoo.create_attention(
+            variant, dim=32, num_heads=4, num_kv_heads=2, pos=pos, causal=True, **small(variant)
+        ).eval()  # fmt: skip
+        for valid_lens in (False, True):
+            assert _steps(attn, "cuda", valid_lens=valid_lens).shape == (2, 1, 32)
+
+
+@pytest.mark.parametrize("variant", ["causal", "bigbird", "moba"])
+def test_the_functional_step_reads_no_device_value(variant):
+    """zoo.attention with a cache (a padding mask of one column, and none)."""
+    _fake_cuda_or_skip()
+    params = small(variant)
+    with fake_cuda(), torch.device("cuda"), torch.no_grad():
+        q, k, v = torch.randn(2, 4, 13, 8), torch.randn(2, 2, 13, 8), torch.randn(2, 2, 13, 8)
+        cache = zoo.new_cache(variant, batch_size=2, max_len=LENGTH, num_kv_heads=2,
+                              head_dim=8, num_heads=4, device="cuda", **params)  # fmt: skip
+        kw = dict(variant=variant, causal=True, cache=cache, pos="alibi", **params)
+        zoo.attention(q[:, :, :12], k[:, :, :12], v[:, :, :12], **kw)
+        one = slice(12, 13)
+        for padding in (None, torch.tensor([[False], [True]])):
+            out = zoo.attention(q[:, :, one], k[:, :, one], v[:, :, one],
+                                key_padding_mask=padding, **kw)  # fmt: skip
+    assert out.shape == (2, 4, 1, 8)
+
+
+@pytest.mark.parametrize("variant", ["causal", "sliding_window", "longformer", "bigbird", "moba"])
+def test_the_hosts_bounds_hold_the_values_they_bound(variant):
+    """On the CPU, with rows of different lengths and steps of 0 or 1 token: the host's bound of
+    the lengths is at least every row's and exact while the rows are even; the slots in use lie
+    within the host's width; no query attends more keys than the host's most."""
+    torch.manual_seed(0)
+    attn = zoo.create_attention(variant, dim=32, num_heads=4, num_kv_heads=2, pos="rope",
+                                causal=True, **small(variant)).double().eval()  # fmt: skip
+    x = torch.randn(3, LENGTH, 32, dtype=torch.float64)
+    cache = attn.new_cache(3, LENGTH)
+    pattern = cache.pattern
+    with torch.no_grad():
+        attn(x[:, :10], cache=cache)
+        for i in range(10, 40):
+            lens = None if i < 20 else torch.tensor([1, i % 2, i % 3 == 0])
+            attn(x[:, i : i + 1], cache=cache, valid_lens=lens)
+            longest, even = cache.host_lengths()
+            assert longest >= int(cache.lengths.max())
+            assert even == (i < 20), "even until the first valid_lens"
+            if even:
+                assert (cache.lengths == longest).all()
+            width = cache.slots_used(longest)
+            assert (cache.slot_pos[:, width:] < 0).all(), "every written slot within the width"
+            if not pattern.routed:
+                q = cache.lengths - 1
+                heads = with_heads(pattern, 4) if pattern.per_head else pattern
+                mask = heads.allowed_at(
+                    torch.arange(3)[:, None, None], torch.arange(4)[None, :, None],
+                    q[:, None, None], cache.slot_pos[:, None, :],
+                ) & (cache.slot_pos >= 0)[:, None, :]  # fmt: skip
+                assert int(mask.sum(-1).max()) <= cache.query_bounds(4)[0][longest - 1]
+
+
+def test_lengths_set_from_outside_are_read_again():
+    """``cache.lengths`` set from outside (a benchmark filling a cache by ``write``): the host's
+    bound is read from the values once, and the steps match a cache filled by calls."""
+    attn = zoo.create_attention("bigbird", dim=32, num_heads=4, num_kv_heads=2, causal=True,
+                                **small("bigbird")).double().eval()  # fmt: skip
+    x = torch.randn(2, 30, 32, dtype=torch.float64)
+    with torch.no_grad():
+        called = attn.new_cache(2, LENGTH)
+        attn(x[:, :20], cache=called)
+        filled = attn.new_cache(2, LENGTH)
+        filled.keys, filled.values = called.keys.clone(), called.values.clone()
+        filled.slot_pos.copy_(called.slot_pos)
+        filled.lengths += 20
+        assert filled.longest is None and filled.host_lengths() == (20, True)
+        for i in range(20, 30):
+            want, got = (attn(x[:, i : i + 1], cache=c) for c in (called, filled))
+            assert torch.equal(got, want)
+
+
+def test_a_full_step_runs_without_a_mask(monkeypatch):
+    """Causal attention with every row at one length, and a full window, hand SDPA no mask (the
+    host knows every slot in use is allowed); rows of different lengths get one; BigBird's keys
+    are gathered to the width the host knows (its most allowed keys), not the slots in use."""
+    seen = []
+    kernel = torch.nn.functional.scaled_dot_product_attention
+
+    def recorded(q, k, v, attn_mask=None, **kwargs):
+        seen.append((q.shape[2], k.shape[2], attn_mask is None))
+        return kernel(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
+    for variant in ("causal", "sliding_window"):
+        attn = zoo.create_attention(variant, dim=32, num_heads=4, num_kv_heads=2, causal=True,
+                                    **small(variant)).eval()  # fmt: skip
+        x = torch.randn(2, 30, 32)
+        with torch.no_grad():
+            cache = attn.new_cache(2, LENGTH)
+            attn(x[:, :10], cache=cache)
+            seen.clear()
+            for i in range(10, 20):
+                attn(x[:, i : i + 1], cache=cache)
+            assert all(no_mask for _, _, no_mask in seen), (variant, seen)
+            seen.clear()
+            attn(x[:, 20:21], cache=cache, valid_lens=torch.tensor([1, 0]))
+            attn(x[:, 21:22], cache=cache)
+            assert not any(no_mask for _, _, no_mask in seen), (variant, seen)
+    params = dict(block_size=4, random_blocks=1, random_per_head=False)  # one mask, all heads
+    attn = zoo.create_attention("bigbird", dim=32, num_heads=4, num_kv_heads=2, causal=True,
+                                **params).eval()  # fmt: skip
+    cache = attn.new_cache(2, LENGTH)
+    with torch.no_grad():
+        attn(torch.randn(2, 60, 32), cache=cache)
+        seen.clear()
+        attn(torch.randn(2, 1, 32), cache=cache)
+    pattern = specialized(resolve_pattern("bigbird", True, params), LENGTH, LENGTH,
+                          torch.device("cpu"))  # fmt: skip
+    most = int(pattern.dense(LENGTH, LENGTH)[:61].sum(-1).max())  # queries up to position 60
+    assert seen == [(1, most, False)] and 2 * most < cache.keys.shape[2]
+
+
+STEP_VARIANTS = ["causal", "sliding_window", "longformer", "bigbird", "strided", "moba"]
+
+
+@gpu
+@pytest.mark.parametrize("valid_lens", [False, True], ids=["all", "valid_lens"])
+@pytest.mark.parametrize("backend", ["sdpa", "reference", "flex"])
+@pytest.mark.parametrize("variant", STEP_VARIANTS)
+def test_steps_on_a_gpu_do_not_synchronise(variant, backend, valid_lens):
+    """One-token steps under torch.cuda.set_sync_debug_mode("error"): a synchronisation raises.
+    The prefill and a first step (which compiles flex and computes the host's tables) run
+    before; the steps' outputs match those of a cache on the CPU."""
+    torch.manual_seed(0)
+    choice = FlexBackend(block_size=16) if backend == "flex" else backend
+    attn = zoo.create_attention(variant, dim=64, num_heads=4, num_kv_heads=2, pos="rope",
+                                causal=True, backend=choice, **small(variant)).eval()  # fmt: skip
+    x = torch.randn(2, 24, 64)
+    outs = {}
+    for device in ("cpu", "cuda"):
+        model = attn.to(device)
+        cache = model.new_cache(2, LENGTH)
+        lens = [torch.tensor(n, device=device) for n in ([12, 5], [1, 1], [1, 0], [0, 1])]
+        rows = x.to(device)
+        got = []
+        with torch.no_grad():
+            got.append(model(rows[:, :12], cache=cache, valid_lens=lens[0] if valid_lens else None))
+            got.append(model(rows[:, 12:13], cache=cache))
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                for i in range(13, 24):
+                    step = lens[1 + i % 3] if valid_lens else None
+                    got.append(model(rows[:, i : i + 1], cache=cache, valid_lens=step))
+            finally:
+                if device == "cuda":
+                    torch.cuda.set_sync_debug_mode("default")
+        outs[device] = torch.cat(got, 1).cpu()
+    assert torch.allclose(outs["cuda"], outs["cpu"], atol=1e-4, rtol=1e-4)

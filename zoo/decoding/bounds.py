@@ -1,0 +1,107 @@
+"""What the host knows of a decoding step without reading a device tensor: how many keys a query
+may attend at most, so that a step packs its allowed keys to a width known in advance.
+
+A step that asks the device (``counts.max()``, ``nonzero``) waits for it: on a GPU each such read
+is a synchronisation, and a one-token step is all host work and small kernels. So the widths of a
+step come from Python ints that the cache keeps (``KVCache.longest``) and from tables computed
+once per pattern and length on the CPU:
+
+- ``query_bounds``: for a fixed pattern, the most keys any query at a position up to n may attend
+  (any head, for a pattern drawn per head), n = 0 .. max_len - 1, and the fewest a query at n
+  attends (over the heads). Counted as ``zoo.layout.block_layout.allowed_pairs`` counts pairs,
+  one query at a time: each disjoint part of the pattern in its own token order, full blocks by
+  size, partial blocks by evaluating the mask on them alone, empty blocks never (at 64K
+  positions, 0.1 s for a window, 1.4 s for BigBird's 16 heads of random blocks). The cache keeps
+  every key a later query may attend (``zoo.patterns.retention``), each in a slot of its own, so
+  these count the cache's allowed slots too: a step packs them to the most (``sdpa``), and a
+  query whose fewest equals the slots in use attends all of them (no mask).
+- ``routed_most``: for a pattern chosen by content, the most keys its choice can hold, from its
+  parameters (MoBA: ``top_k`` blocks of ``block_size``, its own among them, only up to the query
+  where the host knows its position), or None.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import torch
+from torch import Tensor
+
+from ..core.device_build import on_host
+from ..core.shape_cache import per_shape
+from ..layout.block_layout import build_layout
+from ..layout.frames import build_frame
+from ..patterns import FULL, PARTIAL, Pattern
+from ..patterns.compose import Intersection, Union
+
+BLOCK = 64  # positions per block of the counting grid
+CHUNK = 1 << 22  # pairs evaluated at once
+
+
+@per_shape(maxsize=64)
+def query_bounds(pattern: Pattern, length: int) -> tuple[Tensor, Tensor]:
+    """(most, least), each (length,) int64 on the CPU: most[n] the most keys (at positions
+    0 .. length - 1) that a query at a position up to n may attend, over every head of a
+    pattern drawn per head; least[n] the fewest a query at n attends, over the heads.
+    ``pattern`` is fixed (not chosen by content), specialised to ``length``, on the CPU."""
+    device = torch.device("cpu")
+    total = torch.zeros(1, length, dtype=torch.long)
+    for part in pattern.parts():
+        frame = build_frame(part.stride, length, length, BLOCK, BLOCK, device)
+        state = build_layout(part, frame).state
+        q_blocks, k_blocks = state.shape[-2:]
+        state = state.reshape(-1, q_blocks, k_blocks)  # (1 or H, query blocks, key blocks)
+        q_pos, q_ok = frame.q.position.view(-1, BLOCK), frame.q.valid.view(-1, BLOCK)
+        k_pos, k_ok = frame.k.position.view(-1, BLOCK), frame.k.valid.view(-1, BLOCK)
+        # Every query of a block counts the keys of its full blocks...
+        full = (state == FULL).long() @ k_ok.sum(1)  # (1 or H, query blocks)
+        counts = full[:, :, None].expand(-1, -1, BLOCK).clone()  # (1 or H, query blocks, BLOCK)
+        # ... and those its own row allows in each partial block.
+        heads, rows, cols = torch.nonzero(state == PARTIAL, as_tuple=True)
+        step = max(CHUNK // (BLOCK * BLOCK), 1)
+        for start in range(0, heads.numel(), step):
+            h, qb, kb = (t[start : start + step] for t in (heads, rows, cols))
+            hit = part.allowed_at(
+                torch.zeros_like(h)[:, None, None], h[:, None, None], q_pos[qb][:, :, None],
+                k_pos[kb][:, None, :],
+            )  # fmt: skip
+            per_query = (hit & k_ok[kb][:, None, :]).sum(2)  # (N, BLOCK)
+            counts.index_put_((h, qb), per_query, accumulate=True)
+        counts = counts.flatten(1)[:, q_ok.flatten()]  # (1 or H, length): valid slots only
+        order = frame.q.position.view(-1)[q_ok.flatten()]
+        placed = torch.zeros_like(counts)
+        placed[:, order] = counts  # back in position order
+        total = total + placed
+    return total.amax(0).cummax(0).values, total.amin(0)
+
+
+def host_ints(t: Tensor) -> array:
+    """A real CPU tensor's values as a compact array of Python ints, read outside the caller's
+    modes (a fake mode would make the tensor fake, its values unreadable)."""
+    with on_host():
+        return array("q", t.tolist())
+
+
+def routed_most(pattern: Pattern, position: int | None = None) -> int | None:
+    """The most keys a pattern chosen by content lets one query attend, from its parameters:
+    ``top_k`` blocks of ``block_size`` (MoBA), or, for a query at ``position`` where the host
+    knows it, ``top_k - 1`` whole blocks and its own block up to it; causal attention
+    ``position + 1``; an intersection the least of its members' bounds, a union their sum;
+    None where no bound is known."""
+    children = getattr(pattern, "children", None)
+    if children is not None:
+        bounds = [routed_most(c, position) for c in children]
+        if isinstance(pattern, Intersection):
+            known = [b for b in bounds if b is not None]
+            return min(known) if known else None
+        if isinstance(pattern, Union) and all(b is not None for b in bounds):
+            return sum(bounds)  # type: ignore[arg-type]
+        return None
+    if pattern.kind == "causal":
+        return None if position is None else position + 1
+    top_k, block = getattr(pattern, "top_k", None), getattr(pattern, "block_size", None)
+    if pattern.routed and isinstance(top_k, int) and isinstance(block, int):
+        if position is None:
+            return top_k * block
+        return (top_k - 1) * block + position % block + 1  # its own block is chosen, causally
+    return None
