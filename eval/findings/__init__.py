@@ -7,7 +7,16 @@ presets' committed results; run a preset first with ``python -m eval run <its co
 
 from __future__ import annotations
 
-from .base import AGREES, DISAGREES, NOT_CONVERGED, NOT_RUN, Claim, Finding, Judgement
+from .base import (
+    AGREES,
+    DISAGREES,
+    NOT_CONVERGED,
+    NOT_LEARNED,
+    NOT_RUN,
+    Claim,
+    Finding,
+    Judgement,
+)
 from .extrapolation import FINDING as EXTRAPOLATION
 from .listops import FINDING as LISTOPS
 from .mqar_gap import FINDING as MQAR_GAP
@@ -15,5 +24,6 @@ from .mqar_gap import FINDING as MQAR_GAP
 FINDINGS: dict[str, Finding] = {f.name: f for f in (MQAR_GAP, EXTRAPOLATION, LISTOPS)}
 
 __all__ = [
-    "AGREES", "DISAGREES", "FINDINGS", "NOT_CONVERGED", "NOT_RUN", "Claim", "Finding", "Judgement",
+    "AGREES", "DISAGREES", "FINDINGS", "NOT_CONVERGED", "NOT_LEARNED", "NOT_RUN", "Claim",
+    "Finding", "Judgement",
 ]  # fmt: skip

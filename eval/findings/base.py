@@ -2,11 +2,15 @@
 parts, judged from the presets' results by the published protocol (each cell at the best of its
 learning-rate sweep, eval/harness/selection.py).
 
-A claim's verdict is ``agrees`` when the measured values meet it; when they do not, it is ``not
-converged`` if a cell it reads did not converge (eval/harness/convergence.py: a model that did
-not learn says nothing about what the variant can do) and ``disagrees`` otherwise; ``not run``
-when a preset has no results yet. The thresholds that turn a paper's words into a test ("about
-1.0", "near chance") are written once, here, and shown with every verdict.
+A claim's verdict is ``not learned`` when a cell it reads did not learn a slice within its
+pattern's reach (eval/harness/verdict.py: whatever its loss does, and whether or not the numbers
+meet the claim: a model that did not learn what it can reach says nothing about what the variant
+can do); otherwise ``agrees`` when the measured values meet it, and when they do not, ``not
+converged`` if a cell it reads did not converge (eval/harness/convergence.py) and ``disagrees``
+if every one did; ``not run`` when a preset has no results yet. A cell that fails only where its
+pattern cannot reach (``cannot``) is a measurement, and its claims are judged on their numbers.
+The thresholds that turn a paper's words into a test ("about 1.0", "near chance") are written
+once, here, and shown with every verdict.
 """
 
 from __future__ import annotations
@@ -18,11 +22,14 @@ from typing import Any
 
 from ..harness.config import load_config
 from ..harness.convergence import CONVERGED, training_state
+from ..harness.learned import record_verdict
 from ..harness.report import mean, read_results
 from ..harness.run import RunConfig, results_file
 from ..harness.selection import choose
+from ..harness.verdict import NOT_LEARNED as CELL_NOT_LEARNED
 
 AGREES, DISAGREES, NOT_CONVERGED, NOT_RUN = "agrees", "disagrees", "not converged", "not run"
+NOT_LEARNED = "not learned"
 # "about 1.0" in a paper's words: at least this accuracy.
 NEAR_ONE = 0.9
 # "near chance": within this of the accuracy of always answering the most frequent target.
@@ -49,11 +56,13 @@ class Judgement:
     tables: list[str] = field(default_factory=list)
     figures: list[tuple[Any, str, str]] = field(default_factory=list)
     measured_on: str = ""  # the machines, versions and commits of the records judged
+    # role -> the chosen records not learned at their train length (to train further)
+    not_learned: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     @property
     def verdict(self) -> str:
         verdicts = {c.verdict for c in self.claims}
-        for verdict in (NOT_RUN, DISAGREES, NOT_CONVERGED):
+        for verdict in (NOT_RUN, DISAGREES, NOT_LEARNED, NOT_CONVERGED):
             if verdict in verdicts:
                 return verdict
         return AGREES
@@ -91,6 +100,9 @@ class Finding:
             chosen[role] = [r for s in choose(records) for r in s.chosen]
         judgement = self.judge(chosen, self.presets(gpu))
         judgement.measured_on = provenance([r for rs in chosen.values() for r in rs])
+        judgement.not_learned = {
+            role: [r for r in records if not_learned([r])] for role, records in chosen.items()
+        }
         return judgement
 
 
@@ -113,25 +125,42 @@ def not_run(what: str, missing: list[str], config: str) -> Claim:
     return Claim(what, f"no results for {', '.join(missing)}: python -m eval run {config}", NOT_RUN)
 
 
-def verdict(holds: bool, records: list[dict[str, Any]]) -> str:
-    """AGREES when the claim holds; otherwise NOT_CONVERGED if one of the records it reads did
-    not converge, else DISAGREES."""
-    if holds:
-        return AGREES
-    if any(training_state(r) != CONVERGED for r in records):
-        return NOT_CONVERGED
-    return DISAGREES
+def not_learned(
+    records: list[dict[str, Any]], at: int | None = None, keep: Callable[[str], bool] | None = None
+) -> bool:
+    """Whether a record is "not learned" (eval/harness/verdict.py) at test length ``at`` (its
+    train length by default), on the slice values ``keep`` accepts (all by default)."""
+    return any(
+        r.get("status") == "ok" and record_verdict(r, at, keep).verdict == CELL_NOT_LEARNED
+        for r in records
+    )
 
 
-def verdict_all(parts: list[tuple[bool, list[dict[str, Any]]]]) -> str:
+def verdict(
+    holds: bool,
+    records: list[dict[str, Any]],
+    at: int | None = None,
+    keep: Callable[[str], bool] | None = None,
+) -> str:
+    """NOT_LEARNED when a record it reads is not learned (at test length ``at``, on the slice
+    values ``keep`` accepts); else AGREES when the claim holds; otherwise NOT_CONVERGED if one
+    of the records did not converge, else DISAGREES."""
+    return verdict_all([(holds, records, at, keep)])
+
+
+def verdict_all(parts: list[tuple]) -> str:
     """The verdict on a claim about several cells, each part (whether it holds, the records it
-    reads): DISAGREES when a part fails on cells that converged, NOT_CONVERGED when the parts
-    that fail have a cell that did not, AGREES when every part holds."""
-    failing = [records for holds, records in parts if not holds]
+    reads[, the test length, the slice values judged]): NOT_LEARNED when a part reads a record
+    that is not learned; else AGREES when every part holds, DISAGREES when a part fails on
+    cells that converged, NOT_CONVERGED when the parts that fail have a cell that did not."""
+    if any(not_learned(*part[1:]) for part in parts):
+        return NOT_LEARNED
+    failing = [records for holds, records, *_ in parts if not holds]
     if not failing:
         return AGREES
-    verdicts = {verdict(False, records) for records in failing}
-    return DISAGREES if DISAGREES in verdicts else NOT_CONVERGED
+    if any(all(training_state(r) == CONVERGED for r in records) for records in failing):
+        return DISAGREES
+    return NOT_CONVERGED
 
 
 def by_variant(records: list[dict[str, Any]], key: str = "variant") -> dict[str, list[dict]]:
@@ -149,5 +178,8 @@ def chance(records: list[dict[str, Any]]) -> float:
 
 
 def training_of(records: list[dict[str, Any]]) -> str:
-    """The training states of the records, with the chosen learning rates."""
-    return ", ".join(f"lr {r['cell']['train']['lr']:g}: {training_state(r)}" for r in records)
+    """The training states and verdicts of the records, with the chosen learning rates."""
+    return ", ".join(
+        f"lr {r['cell']['train']['lr']:g}: {training_state(r)}, {record_verdict(r).verdict}"
+        for r in records
+    )

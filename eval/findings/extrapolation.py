@@ -3,12 +3,22 @@
 
 The verdicts read each encoding's accuracy at the train length and at every test length ("2x" is
 the first test length at least twice the train length, and so on).
+
+And what each cell learned (eval/harness/verdict.py), where its pattern (full causal attention)
+reaches every distance at every length. The claims that accuracy *falls* at longer lengths read
+the cells at the train length, where they must have learned for a fall to mean anything; the
+fall itself is what they predict. The claim that distance biases *keep* their accuracy reads the
+cells at 8x on the distances seen in training (buckets wholly below the train length): a miss
+there is "not learned" at that length (more keys to spread attention over, positions never
+seen), which says nothing of the bias's reach; only misses at distances never trained on, with
+the trained ones learned, would make it disagree.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ..harness.learned import record_verdict
 from ..harness.plots import new_figure
 from ..harness.report import fmt, mean
 from .base import (
@@ -18,6 +28,7 @@ from .base import (
     Judgement,
     by_variant,
     chance,
+    not_learned,
     not_run,
     verdict,
     verdict_all,
@@ -37,8 +48,19 @@ def curve(records: list[dict[str, Any]]) -> dict[int, float]:
 
 def at(points: dict[int, float], train_len: int, factor: int) -> float | None:
     """Accuracy at the first tested length at least ``factor`` times the train length."""
+    length = length_at(points, train_len, factor)
+    return None if length is None else points[length]
+
+
+def length_at(points: dict[int, float], train_len: int, factor: int) -> int | None:
+    """The first tested length at least ``factor`` times the train length."""
     longer = [n for n in points if n >= factor * train_len]
-    return points[min(longer)] if longer else None
+    return min(longer) if longer else None
+
+
+def trained(train_len: int):
+    """The distance buckets wholly below the train length: distances seen in training."""
+    return lambda bucket: 2 * int(bucket) - 1 < train_len
 
 
 def ordered(at: dict[str, float | None]) -> bool:
@@ -58,6 +80,8 @@ def judge(chosen: dict[str, list[dict[str, Any]]], presets: dict[str, str]) -> J
     curves = {e: curve(cells[e]) for e in cells}
     one = {e: curves[e][train_len] for e in curves}
     x2, x4, x8 = ({e: at(curves[e], train_len, f) for e in curves} for f in (2, 4, 8))
+    eighth = length_at(curves[ROTARY], train_len, 8)
+    seen = trained(train_len)
     every = [r for e in cells for r in cells[e]]
     absolute = [r for e in ABSOLUTE for r in cells[e]]
     claims = [
@@ -88,8 +112,23 @@ def judge(chosen: dict[str, list[dict[str, Any]]], presets: dict[str, str]) -> J
             "distance biases extrapolate: ALiBi and T5 keep their accuracy at 8x (within 0.1; "
             "ALiBi's perplexity at 512 / 1012 / 2512 / 15512 tokens trained at 512: 19.73 / "
             "18.73 / 18.41 / 18.31, T5 19.65 / 18.79 / 20.41)",
-            ", ".join(f"{e} {fmt(one[e])} -> {fmt(x8[e])}" for e in BIASES),
-            verdict_all([(x8[e] is not None and x8[e] >= one[e] - 0.1, cells[e]) for e in BIASES]),
+            ", ".join(f"{e} {fmt(one[e])} -> {fmt(x8[e])}" for e in BIASES)
+            + (
+                f"; at {eighth}, distances seen in training (< {train_len}): "
+                + ", ".join(
+                    f"{e} {fmt(by_distance(cells[e], eighth, train_len)[0])} "
+                    f"({record_verdict(cells[e][0], eighth, seen).verdict})"
+                    for e in BIASES
+                )
+                if eighth is not None
+                else ""
+            ),
+            verdict_all(
+                [
+                    (x8[e] is not None and x8[e] >= one[e] - 0.1, cells[e], eighth, seen)
+                    for e in BIASES
+                ]
+            ),
         ),
         Claim(
             "at 2x the order is: distance biases above rotary above absolute positions (ALiBi, "
@@ -110,16 +149,25 @@ def judge(chosen: dict[str, list[dict[str, Any]]], presets: dict[str, str]) -> J
     ]  # fmt: skip
     table = markdown_table(["encoding", "chosen lr", *(f"test {n}" for n in lengths)], rows)
     longest = lengths[-1]
-    seen = [[e, *(fmt(v) for v in by_distance(cells[e], longest, train_len))] for e in curves]
+    split = [
+        [e, *(fmt(v) for v in by_distance(cells[e], longest, train_len)),
+         record_verdict(cells[e][0], longest, seen).verdict]
+        for e in curves
+    ]  # fmt: skip
     why = markdown_table(
         [
             "encoding",
             f"at {longest}: distances < {train_len} (trained)",
             f"distances >= {train_len} (never trained)",
+            "verdict on the trained distances",
         ],
-        seen,
+        split,
     )
-    fig = figure(curves, train_len, chance(records))
+    unlearned = {
+        e: [n for n in lengths if not_learned(cells[e], n, seen if n != train_len else None)]
+        for e in curves
+    }
+    fig = figure(curves, train_len, chance(records), unlearned)
     return Judgement(
         claims, [table, WHY + why], [(fig, "extrapolation.png", "accuracy against test length")]
     )
@@ -127,9 +175,9 @@ def judge(chosen: dict[str, list[dict[str, Any]]], presets: dict[str, str]) -> J
 
 WHY = (
     "Where an encoding fails at a longer length, the distance from the first special token to "
-    "the query says why: failures at distances the model was trained on point at the length "
-    "itself (more keys to attend among, positions never seen), failures only beyond them at the "
-    "encoding's extrapolation of distance.\n\n"
+    "the query says why: failures at distances the model was trained on are *not learned* at "
+    "that length (more keys to attend among, positions never seen; eval/harness/verdict.py), "
+    "failures only beyond them point at the encoding's extrapolation of distance.\n\n"
 )
 
 
@@ -149,12 +197,24 @@ def by_distance(
     return mean(near), mean(far)
 
 
-def figure(curves: dict[str, dict[int, float]], train_len: int, level: float) -> Any:
+def figure(
+    curves: dict[str, dict[int, float]],
+    train_len: int,
+    level: float,
+    unlearned: dict[str, list[int]],
+) -> Any:
+    """Accuracy against test length per encoding; a black cross where the cell is "not learned"
+    at that length on the distances seen in training."""
     fig, (ax,) = new_figure(1, width=6.5, height=4)
     markers = iter("osD^v<>")
+    crossed = []
     for encoding, points in curves.items():
         xs = sorted(points)
         ax.plot(xs, [points[x] for x in xs], marker=next(markers), label=encoding)
+        crossed += [(x, points[x]) for x in unlearned.get(encoding, []) if x in points]
+    if crossed:
+        ax.scatter(*zip(*crossed, strict=True), marker="x", color="black", s=45, zorder=5,
+                   label="not learned at that length (trained distances)")  # fmt: skip
     ax.axvline(train_len, color="grey", linestyle="--", label=f"train length ({train_len})")
     ax.axhline(level, color="black", linewidth=0.8, label=f"chance ({level:.3f})")
     lengths = sorted({n for c in curves.values() for n in c})

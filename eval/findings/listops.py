@@ -3,19 +3,27 @@ local attention, which scores about what a constant guess does.
 
 ListOps is hard for small models: LRA's Transformer reaches 36% after 5K steps at 2K tokens. A
 CPU trains shorter sequences for fewer steps, so the judgement shows each variant's learning
-curve beside its verdict: a model whose loss is still falling, or no better than the marginal,
-makes a claim *not converged*, never *disagrees*.
+curve and verdict (eval/harness/verdict.py) beside the claims. The label needs every token of the
+expression, and the pooled output can only read it from a position that reaches them all: full
+attention, Longformer's global token and BigBird's global blocks do within two layers; local
+attention's blocks never do (it *cannot*). A variant that reaches the expression and scores short
+of learned is *not learned*, whatever its loss did, and so is every claim that reads it, never
+*disagrees*. "Local scores about a constant guess" is LRA's contrast with variants that learned
+the task; it reads them too, since where none did, local's level is the level of the token
+statistics every variant shares.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ..harness.learned import record_verdict
 from ..harness.plots import new_figure
 from ..harness.report import fmt, mean
 from .base import (
     MARGIN,
     NEAR_CHANCE,
+    NOT_LEARNED,
     Claim,
     Finding,
     Judgement,
@@ -51,9 +59,12 @@ def judge(chosen: dict[str, list[dict[str, Any]]], presets: dict[str, str]) -> J
         ),
         Claim(
             f"local scores about a constant guess (within {NEAR_CHANCE} of {level:.3f}; LRA: "
-            "15.82, the constant guess about 17)",
+            "15.82, the constant guess about 17), where full, Longformer and BigBird learn",
             f"local {fmt(accuracy[LOCAL])}",
-            verdict(abs(accuracy[LOCAL] - level) <= NEAR_CHANCE, cells[LOCAL]),
+            verdict(
+                abs(accuracy[LOCAL] - level) <= NEAR_CHANCE,
+                cells[LOCAL] + [r for v in strong for r in cells[v]],
+            ),
         ),
         Claim(
             f"full, Longformer and BigBird score alike (within {MARGIN}; LRA: 35.63-36.37)",
@@ -66,8 +77,12 @@ def judge(chosen: dict[str, list[dict[str, Any]]], presets: dict[str, str]) -> J
     ]
     from zoo.views.tables import markdown_table
 
-    rows = [[v, fmt(accuracy[v]), training_of(cells[v])] for v in (*strong, LOCAL)]
-    table = markdown_table(["variant", "accuracy", "chosen lr: training"], rows)
+    rows = [[v, fmt(accuracy[v]), reach_of(cells[v]), training_of(cells[v])]
+            for v in (*strong, LOCAL)]  # fmt: skip
+    table = markdown_table(
+        ["variant", "accuracy", "whole expression within reach", "chosen lr: training, verdict"],
+        rows,
+    )
     depths = {v: by_depth(cells[v]) for v in (*strong, LOCAL)}
     levels = sorted({d for by in depths.values() for d in by})
     per_depth = markdown_table(
@@ -80,6 +95,17 @@ def judge(chosen: dict[str, list[dict[str, Any]]], presets: dict[str, str]) -> J
         [table, DEPTH + per_depth],
         [(fig, "listops_curves.png", "ListOps training loss")],
     )
+
+
+def reach_of(records: list[dict[str, Any]]) -> str:
+    """Whether some position reaches every token of the expression, over the depth slices of the
+    records (eval/harness/needs.py): "every one", "none", or the reaches found."""
+    found = sorted({s.reach for r in records for s in record_verdict(r).slices})
+    if found == ["reachable"]:
+        return "every one"
+    if found == ["out of reach"]:
+        return "none"
+    return ", ".join(found) or "-"
 
 
 DEPTH = (
@@ -101,14 +127,17 @@ def by_depth(records: list[dict[str, Any]]) -> dict[int, float]:
 
 def figure(cells: dict[str, list[dict[str, Any]]]) -> Any:
     """The training loss of each variant's chosen cell against the fraction of steps, with the
-    marginal loss (a model that ignores its input) as a line."""
+    marginal loss (a model that ignores its input) as a line; each legend entry names the
+    cell's verdict, a "not learned" one dotted."""
     fig, (ax,) = new_figure(1, width=6.5, height=4)
     marginal = []
     for variant, records in cells.items():
         for r in records:
             curve = r.get("loss_curve") or []
             xs = [(i + 0.5) / len(curve) for i in range(len(curve))]
-            ax.plot(xs, curve, label=f"{variant} (lr {r['cell']['train']['lr']:g})")
+            said = record_verdict(r).verdict
+            ax.plot(xs, curve, linestyle=":" if said == NOT_LEARNED else "-",
+                    label=f"{variant} (lr {r['cell']['train']['lr']:g}): {said}")  # fmt: skip
             marginal.append(r.get("marginal_loss"))
     level = mean(marginal)
     if level is not None:

@@ -1,24 +1,31 @@
 """MQAR recall per gap (Zoology): full attention recalls at every distance, a sliding window only
 within its reach, a routed pattern with the window's key budget beyond it.
 
-The window's reach is read from its cell: a causal window of the query and the ``w`` keys before
-it (``window_size: [w, 0]``) sees the value of a key up to ``w + 1`` tokens back (the value
-follows its key), and ``depth`` stacked layers relay information from up to ``depth * w + 1``
-back. A gap bucket (distances ``b`` to ``2b - 1``) is *within reach* when all of it is within the
-stack's reach, *beyond* when none of it is; the bucket the stack's reach cuts is judged in
-neither.
+The window's reach is computed from its pattern (eval/harness/reach.py, eval/harness/needs.py):
+a query needs its key's first occurrence and the value after it, and ``depth`` stacked layers of
+a causal window of the query and the ``w`` keys before it (``window_size: [w, 0]``) relay
+information from up to ``depth * w`` positions back. A gap bucket (distances ``b`` to
+``2b - 1``) is *within reach* when every evaluated query's key and value are within its reach,
+*beyond* when none is; a bucket the reach cuts is judged in neither. Every claim also reads the
+cells' verdicts (eval/harness/verdict.py): a window that has not learned the buckets within its
+reach makes its claims "not learned", whatever its loss did; failing beyond its reach is what
+it cannot do, the claim's point.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ..harness.learned import record_verdict
 from ..harness.plots import new_figure
+from ..harness.reach import pattern_reach
 from ..harness.report import fmt, mean
+from ..harness.verdict import OUT_OF_REACH, REACHABLE
 from .base import (
     MARGIN,
     NEAR_CHANCE,
     NEAR_ONE,
+    NOT_LEARNED,
     Claim,
     Finding,
     Judgement,
@@ -42,11 +49,27 @@ def gap_accuracy(records: list[dict[str, Any]]) -> dict[int, float]:
     return {b: mean(v) for b, v in sorted(buckets.items())}
 
 
-def reach(record: dict[str, Any]) -> tuple[int, int]:
-    """(one layer's, the stack's) reach in tokens of a causal window cell."""
-    window = record["cell"]["variant_params"]["window_size"]
-    left = window[0] if isinstance(window, list) else window
-    return left + 1, record["cell"]["model"]["depth"] * left + 1
+def buckets(record: dict[str, Any]) -> tuple[list[int], list[int]]:
+    """(within, beyond): the gap buckets whose every answer, and whose none, the cell's pattern
+    reaches through its depth (a bucket the reach cuts is in neither)."""
+    slices = record_verdict(record).slices
+    within = sorted(int(s.value) for s in slices if s.reach == REACHABLE)
+    beyond = sorted(int(s.value) for s in slices if s.reach == OUT_OF_REACH)
+    return within, beyond
+
+
+def span(record: dict[str, Any], depth: int) -> int | None:
+    """How far back the last query of a cell's sequence reaches through ``depth`` layers of its
+    pattern (None where the reach is not known from positions)."""
+    cell = record["cell"]
+    n = cell["train_len"]
+    reach = pattern_reach(
+        cell["variant"], cell["variant_params"], n, cell.get("causal", False), depth,
+        cell["model"].get("heads", 1),
+    )  # fmt: skip
+    if reach.basis != "exact":
+        return None
+    return n - 1 - int(reach.matrix()[n - 1].nonzero().min())
 
 
 def judge(chosen: dict[str, list[dict[str, Any]]], presets: dict[str, str]) -> Judgement:
@@ -58,9 +81,10 @@ def judge(chosen: dict[str, list[dict[str, Any]]], presets: dict[str, str]) -> J
             claims.append(not_run(f"{law}: the preset's cells", missing, presets[role]))
             continue
         gaps = {v: gap_accuracy(cells[v]) for v in (FULL, WINDOW, ROUTED)}
-        one_layer, stack = reach(cells[WINDOW][0])
-        within = [b for b in gaps[WINDOW] if 2 * b - 1 <= stack]
-        beyond = [b for b in gaps[WINDOW] if b > stack]
+        window = cells[WINDOW][0]
+        depth = window["cell"]["model"]["depth"]
+        one_layer, stack = span(window, 1), span(window, depth)
+        within, beyond = buckets(window)
         level = chance(chosen[role])
         full_low = min(gaps[FULL].values())
         window_in = mean([gaps[WINDOW][b] for b in within])
@@ -73,8 +97,8 @@ def judge(chosen: dict[str, list[dict[str, Any]]], presets: dict[str, str]) -> J
                 verdict(full_low >= NEAR_ONE, cells[FULL]),
             ),
             Claim(
-                f"{law}: a sliding window recalls within its reach (gaps < {stack + 1}: "
-                f">= {NEAR_ONE})",
+                f"{law}: a sliding window recalls within its reach (the buckets its pattern "
+                f"reaches through {depth} layers: >= {NEAR_ONE})",
                 f"buckets {within}: {fmt(window_in)}",
                 verdict(window_in is not None and window_in >= NEAR_ONE, cells[WINDOW]),
             ),
@@ -95,31 +119,42 @@ def judge(chosen: dict[str, list[dict[str, Any]]], presets: dict[str, str]) -> J
                 ),
             ),
         ]  # fmt: skip
-        buckets = sorted(gaps[FULL])
+        values = sorted(gaps[FULL])
+        said = {v: ", ".join(record_verdict(r).verdict for r in cells[v]) for v in gaps}
         for v in (FULL, WINDOW, ROUTED):
             lr = ", ".join(f"{r['cell']['train']['lr']:g}" for r in cells[v])
-            rows.append([law, v, lr, *(fmt(gaps[v].get(b)) for b in buckets)])
-        panels.append((law, gaps, one_layer, stack, level))
+            rows.append([law, v, lr, said[v], *(fmt(gaps[v].get(b)) for b in values)])
+        panels.append((law, gaps, one_layer, stack, level, said))
     tables = []
     if rows:
         from zoo.views.tables import markdown_table
 
-        buckets = sorted({b for _, gaps, *_ in panels for b in gaps[FULL]})
-        headers = ["gap law", "variant", "chosen lr", *(f"gap {b}" for b in buckets)]
+        values = sorted({b for _, gaps, *_ in panels for b in gaps[FULL]})
+        headers = ["gap law", "variant", "chosen lr", "verdict", *(f"gap {b}" for b in values)]
         tables.append(markdown_table(headers, [r + [""] * (len(headers) - len(r)) for r in rows]))
     figures = [(figure(panels), "mqar_gap.png", "MQAR accuracy per gap")] if panels else []
     return Judgement(claims, tables, figures)
 
 
 def figure(panels: list[tuple]) -> Any:
-    """Accuracy per gap bucket, one panel per gap law, the window's reach and chance marked."""
+    """Accuracy per gap bucket, one panel per gap law, the window's reach and chance marked, and
+    each variant's verdict in its legend entry (a "not learned" one dotted, with crosses)."""
     fig, axes = new_figure(len(panels), width=5.5, height=4)
-    for ax, (law, gaps, one_layer, stack, level) in zip(axes, panels, strict=True):
+    for ax, (law, gaps, one_layer, stack, level, said) in zip(axes, panels, strict=True):
         for variant, marker in ((FULL, "o"), (WINDOW, "s"), (ROUTED, "^")):
             xs = sorted(gaps[variant])
-            ax.plot(xs, [gaps[variant][x] for x in xs], marker=marker, label=variant)
-        ax.axvline(one_layer, color="grey", linestyle=":", label=f"window, one layer ({one_layer})")
-        ax.axvline(stack, color="grey", linestyle="--", label=f"window, stacked ({stack})")
+            unlearned = NOT_LEARNED in said[variant]
+            ax.plot(
+                xs,
+                [gaps[variant][x] for x in xs],
+                marker="x" if unlearned else marker,
+                linestyle=":" if unlearned else "-",
+                label=f"{variant}: {said[variant]}",
+            )
+        for where, style, what in ((one_layer, ":", "one layer"), (stack, "--", "stacked")):
+            if where is not None:
+                ax.axvline(where, color="grey", linestyle=style,
+                           label=f"window's reach, {what} ({where} back)")  # fmt: skip
         ax.axhline(level, color="black", linewidth=0.8, label=f"chance ({level:.3f})")
         ax.set(xscale="log", xlabel="gap from key to query (bucket's lower bound)",
                ylabel="accuracy", title=law, ylim=(-0.02, 1.02))  # fmt: skip

@@ -1,5 +1,6 @@
 """``python -m eval findings [NAME ...] [--out DIR]``: each published finding beside what the
-harness measured, with a verdict per claim (agrees / disagrees / not converged / not run).
+harness measured, with a verdict per claim (agrees / disagrees / not learned / not converged /
+not run).
 
 Reads the results of each finding's presets (eval/configs/findings/*.yaml, run with
 ``python -m eval run``) and writes ``report.md`` and the plots to ``--out``
@@ -33,11 +34,34 @@ def section(finding: Finding, judgement: Judgement, out: Path, gpu: bool = False
         + (f"Measured on {judgement.measured_on}.\n\n" if judgement.measured_on else "")
         + f"{claims}\n"
     )
+    text += further(finding, judgement, gpu)
     for table in judgement.tables:
         text += f"\n{table}\n"
     for fig, name, caption in judgement.figures:
         fig.savefig(out / name, dpi=100)
         text += f"\n![{caption}]({name})\n"
+    return text
+
+
+def further(finding: Finding, judgement: Judgement, gpu: bool = False) -> str:
+    """The chosen cells that are not learned at their train length, each preset's with the
+    command that trains them further (``train.until=learned``, four times the steps as budget)."""
+    text = ""
+    for role, records in judgement.not_learned.items():
+        if not records:
+            continue
+        steps = max(r["cell"]["train"].get("steps", 0) for r in records)
+        cells = ", ".join(
+            f"{r['cell']['variant']}+{r['cell']['encoding']} (lr {r['cell']['train']['lr']:g}, "
+            f"{r.get('steps_taken', r['cell']['train'].get('steps'))} steps)"
+            for r in records
+        )
+        text += (
+            f"\nNot learned at the train length ({finding.presets(gpu)[role]}): {cells}. "
+            "Not a result; train further with\n\n"
+            f"    python -m eval run {finding.presets(gpu)[role]} train.until=learned "
+            f"train.max_steps={4 * steps}\n"
+        )
     return text
 
 
@@ -47,9 +71,13 @@ def write_findings(names: list[str], out: Path, root: Path = ROOT, gpu: bool = F
     out.mkdir(parents=True, exist_ok=True)
     parts = ["# Findings: published results beside the harness's\n"]
     parts.append(
-        "Each cell at the best of its learning-rate sweep; a claim that fails where a cell did "
-        "not converge reads *not converged*, never *disagrees*. Thresholds: eval/findings/base.py."
-        "\n"
+        "Each cell at the best of its learning-rate sweep, judged against what its pattern "
+        "reaches through the model's depth (eval/harness/verdict.py): *learned* (every slice well "
+        "above chance), *cannot* (what it fails lies out of its reach) or *not learned* (a slice "
+        "within reach short of learned, whatever the loss does). A claim that reads a cell not "
+        "learned reads *not learned*: not a finding, with the command that trains it further; "
+        "one that fails where a cell did not converge reads *not converged*; never *disagrees*. "
+        "Thresholds: eval/findings/base.py, eval/harness/verdict.py.\n"
     )
     for name in names:
         finding = FINDINGS[name]

@@ -34,6 +34,10 @@ def training_state(record: dict[str, Any]) -> str:
     tenth = max(1, len(curve) // 10)
     late = statistics.fmean(curve[-tenth:])
     before = statistics.fmean(curve[-2 * tenth : -tenth])
-    if before - late > 0.05 * before and before - late > 0.01 * marginal:
-        return STILL_FALLING
-    return CONVERGED
+    return STILL_FALLING if still_falling(before, late, marginal) else CONVERGED
+
+
+def still_falling(before: float, late: float, marginal: float) -> bool:
+    """Whether a loss that went from ``before`` to ``late`` (over equal spans of steps) still
+    falls: by more than 5% of itself and by more than 1% of the marginal loss."""
+    return before - late > 0.05 * before and before - late > 0.01 * marginal

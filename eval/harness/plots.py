@@ -5,7 +5,10 @@ shared by every plot:
 * accuracy against cost: on top, attention (query, key) pairs per sequence at the train length
   (``eval.harness.cost``: machine-independent); below, training seconds per 1000 steps on the
   machine that ran the sweep (which depends on its load);
-* greedy generation accuracy beside teacher-forced accuracy, where the rows carry it.
+* greedy generation accuracy beside teacher-forced accuracy, where the rows carry it;
+* the loss and the accuracy per slice during training, for records with checks.
+
+A point whose row's ``verdict`` is "not learned" (eval/harness/verdict.py) carries a black cross.
 
 Rows are those of ``eval.harness.report.rows``; the keys ``variant_params``, ``causal``,
 ``chance_accuracy``, ``generation_accuracy``, ``device`` and ``head_dim`` are read where present
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .cost import EXACT, pair_count
+from .verdict import NOT_LEARNED
 
 COINCIDE = 0.004  # accuracies this close at every x are drawn on top of each other
 OFFSET = 0.01  # how far apart coinciding series are drawn (accuracy units)
@@ -222,10 +226,13 @@ def accuracy_vs_length_figure(flat: list[dict[str, Any]]):
     columns = 1
     for ax, task in zip(axes, tasks, strict=True):
         points: dict[tuple, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+        unlearned = set()  # (key, test length) where a seed is "not learned"
         for r in flat:
             if r["task"] == task and r["status"] == "ok" and r["accuracy"] is not None:
                 key = (r["variant"], r["encoding"], r["train_len"])
                 points[key][r["test_len"]].append(r["accuracy"])
+                if r.get("verdict") == NOT_LEARNED:
+                    unlearned.add((key, r["test_len"]))
         curves = {k: {x: statistics.fmean(v[x]) for x in v} for k, v in points.items()}
         groups = coinciding(curves, lambda a, b: a == b)
         offsets = spread(curves, groups)
@@ -243,6 +250,9 @@ def accuracy_vs_length_figure(flat: list[dict[str, Any]]):
                 markeredgewidth=1.5,
                 **styles[key],
             )
+        _mark_not_learned(
+            ax, [(x, curves[k][x] + offsets[k]) for k, x in sorted(unlearned) if k in curves]
+        )
         chance = chance_of([r for r in flat if r["task"] == task])
         _draw_chance(ax, chance)
         notes = [
@@ -268,6 +278,15 @@ def accuracy_vs_length_figure(flat: list[dict[str, Any]]):
     _fit_width(fig, len(tasks), columns, panel=7.7)
     _fit_height(fig, axes)
     return fig
+
+
+def _mark_not_learned(ax, points: list[tuple[float, float]]) -> None:
+    """A black cross on each point whose cell is "not learned" there (eval/harness/verdict.py:
+    a slice within the pattern's reach short of learned), one legend entry for all."""
+    if points:
+        xs, ys = zip(*points, strict=True)
+        ax.scatter(xs, ys, marker="x", color="black", s=45, zorder=5, gid="not learned",
+                   label="not learned (within reach)")  # fmt: skip
 
 
 def plot_accuracy_vs_length(flat: list[dict[str, Any]], path: Path) -> Path:
@@ -554,6 +573,68 @@ def plot_generation(flat: list[dict[str, Any]], path: Path) -> Path | None:
     """Write the generation figure to ``path``; None (and no file) where no row carries
     ``generation_accuracy``."""
     fig = generation_figure(flat)
+    if fig is None:
+        return None
+    fig.savefig(path, dpi=100)
+    return path
+
+
+# --- training checks ------------------------------------------------------------------------
+
+
+def checks_figure(records: list[dict[str, Any]]):
+    """Per record with checks (``train.check_every``, ``train.until: learned``), one panel: the
+    training loss against steps (left axis, the marginal loss dotted) and the accuracy of each
+    value of the task's verdict slice (right axis), so that a plateau and the transition out of
+    it show where they came; the last check's verdict in the title. None without checks."""
+    from .needs import VERDICT_SLICE
+
+    cells = [r for r in records if r.get("status") == "ok" and r.get("checks")]
+    if not cells:
+        return None
+    columns = min(3, len(cells))
+    rows = -(-len(cells) // columns)
+    fig, axes = new_figure(columns, width=5.5, rows=rows, height=3.8)
+    grid = [ax for row in (axes if rows > 1 else [axes]) for ax in row]
+    for ax in grid[len(cells) :]:
+        ax.set_visible(False)
+    for ax, record in zip(grid, cells, strict=False):
+        cell, checks = record["cell"], record["checks"]
+        steps = [c["step"] for c in checks]
+        ax.plot(steps, [c["loss"] for c in checks], color="black", label="training loss")
+        ax.axhline(checks[-1]["marginal_loss"], color="0.4", linestyle=":", label="marginal")
+        ax.set(xlabel="step", ylabel="training loss (nats)")
+        name = VERDICT_SLICE.get(cell["task"])
+        right = ax.twinx()
+        values = sorted({v for c in checks for v in c["slices"].get(name, {})}, key=float)
+        reach = (record.get("slice_reach") or {}).get(str(cell["train_len"])) or {}
+        counts = (reach.get("slices") or {}).get(name, {})
+        for value in values:
+            inside, count = counts.get(value, [None, None])
+            out = inside == 0 and bool(count)
+            right.plot(
+                steps,
+                [c["slices"].get(name, {}).get(value) for c in checks],
+                marker=".",
+                linewidth=1,
+                linestyle="--" if out else "-",
+                label=f"{name} {value}" + (" (out of reach)" if out else ""),
+            )
+        right.set(ylabel="accuracy", ylim=(-0.02, 1.02))
+        right.legend(fontsize="x-small", loc="center right")
+        ax.legend(fontsize="x-small", loc="upper right")
+        lr = cell.get("train", {}).get("lr")
+        ax.set_title(
+            f"{cell['task']} L={cell['train_len']} {cell['variant']}+{cell['encoding']} "
+            f"lr {lr:g}: {checks[-1]['verdict']} at {steps[-1]}",
+            fontsize="small",
+        )
+        ax.grid(True, alpha=0.3)
+    return fig
+
+
+def plot_checks(records: list[dict[str, Any]], path: Path) -> Path | None:
+    fig = checks_figure(records)
     if fig is None:
         return None
     fig.savefig(path, dpi=100)

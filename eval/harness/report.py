@@ -1,7 +1,9 @@
 """``python -m eval report RESULTS.jsonl [--out DIR]``: tables and plots from a sweep's results.
 
 Writes ``report.md``: per cell of the protocol, the best of its learning-rate sweep
-(eval/harness/selection.py) and whether its training converged (eval/harness/convergence.py);
+(eval/harness/selection.py), whether its training converged (eval/harness/convergence.py) and its
+verdict, what it learned of what its pattern reaches (eval/harness/verdict.py: learned, cannot,
+not learned, with the command that trains a "not learned" cell further);
 accuracy per task, variant, encoding and test length, averaged over seeds, with time and memory;
 the sweep's every learning rate; accuracy per gap bucket where the task records gaps, as MQAR
 does. Also ``results.csv`` (one row per cell and test length, every learning rate, the chosen
@@ -24,14 +26,18 @@ from typing import Any
 from zoo.views.tables import markdown_table
 
 from .convergence import CONVERGED, UNKNOWN, training_state
-from .plots import plot_accuracy_vs_cost, plot_accuracy_vs_length, plot_generation
+from .learned import record_verdict
+from .needs import VERDICT_SLICE
+from .plots import plot_accuracy_vs_cost, plot_accuracy_vs_length, plot_checks, plot_generation
 from .selection import IDENTITY, Sweep, choose, latest, setting_of
 from .slices import slice_table
+from .verdict import MIN_EXAMPLES, NOT_LEARNED, REACHABLE
 
 CSV_FIELDS = [
     "task", "train_len", "test_len", "variant", "encoding", "setting", "seed", "lr", "key",
-    "status", "chosen", "training", "accuracy", "generation_accuracy", "chance_accuracy",
-    "train_seconds", "steps_per_second", "peak_memory_mb", "eval_ms_per_sequence", "reason",
+    "status", "chosen", "training", "verdict", "steps_taken", "accuracy", "generation_accuracy",
+    "chance_accuracy", "train_seconds", "steps_per_second", "peak_memory_mb",
+    "eval_ms_per_sequence", "reason",
 ]  # fmt: skip
 
 
@@ -69,6 +75,9 @@ def rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         )
         for key in ("train_seconds", "steps_per_second", "peak_memory_mb"):
             base[key] = r.get(key)
+        base["steps"] = c.get("train", {}).get("steps")
+        if r["status"] == "ok":  # records from before until: learned trained the fixed budget
+            base["steps_taken"] = r.get("steps_taken", base["steps"])
         lengths = r.get("accuracy", {}) or {str(n): None for n in c["test_lengths"]}
         for length, accuracy in lengths.items():
             ms = r.get("eval_ms_per_sequence", {}).get(length)
@@ -79,6 +88,7 @@ def rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "accuracy": accuracy,
                 "generation_accuracy": generated,
                 "eval_ms_per_sequence": ms,
+                "verdict": record_verdict(r, length).verdict if r["status"] == "ok" else None,
             })  # fmt: skip
     return out
 
@@ -111,6 +121,8 @@ def summary_table(flat: list[dict[str, Any]]) -> str:
         groups[key].append(row)
     several = len({(k[:4], k[4]) for k in groups}) > len({k[:4] for k in groups})
     generated = any(row.get("generation_accuracy") is not None for row in flat)
+    # a steps column where a cell trained other than its steps (train.until: learned)
+    stepped = any(row.get("steps_taken") not in (None, row.get("steps")) for row in flat)
     table = []
     for (task, train_len, variant, encoding, setting, test_len), members in sorted(groups.items()):
         ok = [m for m in members if m["status"] == "ok"]
@@ -125,6 +137,9 @@ def summary_table(flat: list[dict[str, Any]]) -> str:
             fmt(mean([m["accuracy"] for m in ok])),
             *([fmt(mean([m.get("generation_accuracy") for m in ok]))] if generated else []),
             _training(ok),
+            _verdict(ok),
+            *([", ".join(str(s) for s in sorted({m["steps_taken"] for m in ok}))]
+              if stepped else []),
             fmt(mean([m["train_seconds"] for m in ok]), 1),
             fmt(mean([m["steps_per_second"] for m in ok]), 1),
             fmt(mean([m["peak_memory_mb"] for m in ok]), 0),
@@ -141,6 +156,8 @@ def summary_table(flat: list[dict[str, Any]]) -> str:
         "accuracy",
         *(["greedy generation"] if generated else []),
         "training",
+        "verdict",
+        *(["steps"] if stepped else []),
         "train s",
         "steps/s",
         "peak MB",
@@ -160,6 +177,103 @@ def _training(ok: list[dict[str, Any]]) -> str:
         return "not recorded"
     reasons = sorted(states - {CONVERGED, UNKNOWN})
     return "not converged: " + ", ".join(reasons)
+
+
+def _verdict(ok: list[dict[str, Any]]) -> str:
+    """The seeds' verdict (eval/harness/verdict.py), or each where they differ."""
+    verdicts = sorted({m["verdict"] for m in ok if m.get("verdict")})
+    if not verdicts:
+        return "-"
+    return verdicts[0] if len(verdicts) == 1 else "mixed: " + ", ".join(verdicts)
+
+
+def reach_table(records: list[dict[str, Any]]) -> str | None:
+    """Per chosen cell and test length, its verdict and, on the task's verdict slice, each
+    value's accuracy with its reach where the pattern does not reach every answer (out, partly,
+    content: chosen by content; eval/harness/verdict.py); None when no record has such a slice."""
+    rows_: list[list[Any]] = []
+    names: dict[str, set[str]] = defaultdict(set)
+    entries = []
+    for r in records:
+        if r.get("status") != "ok":
+            continue
+        cell = r["cell"]
+        name = VERDICT_SLICE.get(cell["task"])
+        for length, slices in (r.get("slices") or {}).items():
+            if name is None or name not in slices:
+                continue
+            said = record_verdict(r, length)
+            names[cell["task"]].update(slices[name])
+            entries.append((cell, int(length), name, slices[name], said))
+    if not entries:
+        return None
+    tables = []
+    for task in sorted(names):
+        values = sorted(names[task], key=float)
+        name = VERDICT_SLICE[task]
+        rows_ = []
+        for cell, length, _, accuracies, said in sorted(
+            (e for e in entries if e[0]["task"] == task),
+            key=lambda e: (e[1], e[0]["variant"], e[0]["encoding"], e[0]["seed"]),
+        ):
+            marks = {s.value: s.reach for s in said.slices}
+            counts = {s.value: s.count for s in said.slices}
+            cells = []
+            for v in values:
+                if v not in accuracies:
+                    cells.append("")
+                    continue
+                mark = _REACH_MARK.get(marks.get(v, ""), "")
+                count = counts.get(v)
+                few = f" (n={count})" if count is not None and count < MIN_EXAMPLES else ""
+                cells.append(f"{accuracies[v]:.3f}{mark}{few}")
+            rows_.append([
+                task, length, cell["variant"], cell["encoding"], cell["seed"], said.verdict, *cells
+            ])  # fmt: skip
+        headers = ["task", "test len", "variant", "encoding", "seed", "verdict",
+                   *(f"{name} {v}" for v in values)]  # fmt: skip
+        tables.append(markdown_table(headers, rows_))
+    return "\n\n".join(tables)
+
+
+VERDICTS = (
+    "Verdicts (eval/harness/verdict.py): *learned*, every slice well above chance; *cannot*, what "
+    "it fails lies out of the pattern's reach through the model's depth; *not learned*, a slice "
+    "within reach short of learned, whatever the loss does. Each value of the task's slice: its "
+    "accuracy, marked where its answers are out of reach (out), some of them (partly), or chosen "
+    "by content (content), and with its answers where too few to judge (n=).\n\n"
+)
+
+# How the reach table marks a slice value whose answers are not all known to be reachable.
+_REACH_MARK = {"out of reach": " out", "partly": " partly", "content-dependent": " content",
+               "unknown": " ?", REACHABLE: ""}  # fmt: skip
+
+
+def not_learned_lines(records: list[dict[str, Any]], command: str = "<its config>") -> str:
+    """A line per chosen cell that is "not learned" at its train length, and the command that
+    trains such cells further (``train.until=learned``, four times their steps as the budget)."""
+    lines, budget = [], 0
+    for r in records:
+        said = record_verdict(r)
+        if r.get("status") != "ok" or said.verdict != NOT_LEARNED:
+            continue
+        cell = r["cell"]
+        train = cell.get("train", {})
+        budget = max(budget, 4 * max(train.get("steps", 0), train.get("max_steps", 0)))
+        lines.append(
+            f"- {cell['task']} L={cell['train_len']} {cell['variant']}+{cell['encoding']} seed "
+            f"{cell['seed']} (lr {train.get('lr')}), {r.get('steps_taken', train.get('steps'))} "
+            f"steps: {said.reason}"
+        )
+    if not lines:
+        return ""
+    return (
+        "**Not learned** (a slice within the pattern's reach short of learned, whatever the loss "
+        "does: not a result). Train further with "
+        f"`python -m eval run {command} train.until=learned train.max_steps={budget}`:\n\n"
+        + "\n".join(lines)
+        + "\n"
+    )
 
 
 def sweep_table(sweeps: list[Sweep]) -> str | None:
@@ -216,6 +330,9 @@ def write_report(results: str | Path, out: str | Path | None = None) -> str:
     about = next((r["about"] for r in reversed(records) if r.get("about")), "")
     about = f"{about.strip()}\n\n" if about else ""
     text = f"# Results: {results}\n\n{about}{chance_line(chosen)}{summary_table(flat)}\n"
+    unlearned = not_learned_lines(chosen)
+    if unlearned:
+        text += f"\n{unlearned}"
     swept = sweep_table(sweeps)
     if swept is not None:
         text += (
@@ -225,6 +342,9 @@ def write_report(results: str | Path, out: str | Path | None = None) -> str:
     gaps = slice_table(chosen, "gap")
     if gaps is not None:  # MQAR: recall by distance from key to query
         text += f"\n## Accuracy per gap bucket (key to query distance)\n\n{gaps}\n"
+    reached = reach_table(chosen)
+    if reached is not None:
+        text += f"\n## What each cell learned, by what its pattern reaches\n\n{VERDICTS}{reached}\n"
     if any(r["status"] == "ok" for r in flat):
         plot_accuracy_vs_length(flat, out / "accuracy_vs_length.png")
         plot_accuracy_vs_cost(flat, out / "accuracy_vs_cost.png")
@@ -234,6 +354,8 @@ def write_report(results: str | Path, out: str | Path | None = None) -> str:
         )
         if plot_generation(flat, out / "generation.png") is not None:
             text += "![greedy generation beside teacher-forced accuracy](generation.png)\n"
+    if plot_checks(chosen, out / "training.png") is not None:
+        text += "![loss and accuracy per slice during training](training.png)\n"
     (out / "report.md").write_text(text)
     return text
 

@@ -76,6 +76,16 @@ class TrainConfig:
     # Context parallelism: one sequence split over this many processes (torchrun
     # --nproc-per-node N), each rank its shard (eval/harness/context_parallel.py); 1: off.
     context_parallel: int = 1
+    # "steps": train ``steps`` (the published fixed-budget protocol). "learned": a budget of
+    # ``max_steps`` (the learning-rate schedule spans it), stopping at the first check from
+    # ``steps`` on where every slice within the pattern's reach is learned and the loss no longer
+    # falls (eval/harness/verdict.py); the record says the steps taken and why it stopped.
+    until: str = "steps"
+    max_steps: int = 0
+    # Steps between checks during training (the loss and the accuracy per slice at the train
+    # length on sequences of their own, in the record's ``checks``: where a transition came);
+    # 0: none, or with until: learned a tenth of ``steps``.
+    check_every: int = 0
 
 
 @dataclass
@@ -203,6 +213,15 @@ def check_names(config: RunConfig, source: str) -> None:
             raise ConfigError(f"{source}: best_of[{i}] must be 'lr' or 'seed', got {name!r}")
     if config.train.batch_size < 1 or config.train.steps < 1:
         raise ConfigError(f"{source}: train.steps and train.batch_size must be positive")
+    for where, train in (
+        ("train", asdict(config.train)),
+        *(
+            (f"task_settings: {task}: train", {**asdict(config.train), **settings["train"]})
+            for task, settings in config.task_settings.items()
+            if "train" in settings
+        ),
+    ):
+        check_until(train, f"{source}: {where}")
     if config.workers != "auto" and not (isinstance(config.workers, int) and config.workers >= 1):
         raise ConfigError(
             f"{source}: workers must be an int >= 1 or 'auto', got {config.workers!r}"
@@ -221,6 +240,25 @@ def check_names(config: RunConfig, source: str) -> None:
         raise ConfigError(
             f"{source}: threads must be >= 0 (0: torch's default, one per core), "
             f"got {config.threads}"
+        )
+
+
+def check_until(train: dict[str, Any], where: str) -> None:
+    """``until``, ``max_steps`` and ``check_every`` of a train section make sense together."""
+    if train["until"] not in ("steps", "learned"):
+        raise ConfigError(f"{where}.until must be 'steps' or 'learned', got {train['until']!r}")
+    if train["until"] == "learned" and train["max_steps"] < train["steps"]:
+        raise ConfigError(
+            f"{where}.until: learned needs max_steps >= steps (the budget), got max_steps "
+            f"{train['max_steps']} with steps {train['steps']}"
+        )
+    if train["check_every"] < 0:
+        raise ConfigError(f"{where}.check_every must be >= 0, got {train['check_every']}")
+    checks = train["until"] == "learned" or train["check_every"] > 0
+    if checks and train["context_parallel"] > 1:
+        raise ConfigError(
+            f"{where}: checks during training (until: learned, check_every) do not run with "
+            "context_parallel > 1"
         )
 
 
@@ -249,6 +287,11 @@ def cells(config: RunConfig) -> list[dict[str, Any]]:
 def learning_rates(lr: float | list[float]) -> list[float]:
     """The learning rates of a sweep: ``train.lr`` as a list, or the one value."""
     return [float(v) for v in lr] if isinstance(lr, list | tuple) else [float(lr)]
+
+
+# The training-length settings a cell records only where they differ from these (so that the
+# keys of results trained before them are unchanged).
+UNTIL_DEFAULTS = {"until": "steps", "max_steps": 0, "check_every": 0}
 
 
 def make_cell(
@@ -281,6 +324,11 @@ def make_cell(
     }
     if cell["train"]["context_parallel"] == 1:  # off: the keys of earlier results unchanged
         del cell["train"]["context_parallel"]
+    for name, default in UNTIL_DEFAULTS.items():  # likewise for a fixed budget without checks
+        if cell["train"].get(name) == default:
+            del cell["train"][name]
+    if "until" not in cell["train"]:
+        cell["train"].pop("max_steps", None)
     cell["key"] = hashlib.sha1(json.dumps(cell, sort_keys=True).encode()).hexdigest()[:16]
     return cell
 
@@ -405,7 +453,7 @@ def _run(
             f"{source}: {waiting} cells to run{mine}, {len(sweep) - waiting} done in {results}",
             flush=True,
         )
-    total_steps = sum(c["train"]["steps"] for c in todo)
+    total_steps = sum(c["train"].get("max_steps") or c["train"]["steps"] for c in todo)
     bar = progress_bar(total_steps, show_progress and context.main)
     for i, cell in enumerate(todo):
         label = (

@@ -10,6 +10,10 @@ in the results and in the report's sweep table, the chosen one marked.
 
 Accuracy is measured on the evaluation sequences the report also shows, as Zoology selects on
 its validation accuracy: the chosen score is the best of a handful, slightly optimistic.
+
+How long a cell trained (``train.until``, ``max_steps``, ``check_every``) is not part of its
+setting: a cell trained again with ``train.until=learned`` (to train a "not learned" cell further)
+is the same candidate, and its latest record in the file replaces the earlier one.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 IDENTITY = ("task", "train_len", "variant", "encoding", "seed")
+# Training settings that say how long a cell trained, not what it is (see the module docstring).
+TRAINING_LENGTH = ("until", "max_steps", "check_every")
 
 
 def setting_of(cell: dict[str, Any], leave_out: tuple[str, ...] = ()) -> str:
@@ -29,7 +35,8 @@ def setting_of(cell: dict[str, Any], leave_out: tuple[str, ...] = ()) -> str:
     cells of different configs in one results file are never averaged together as seeds.
     ``leave_out`` names training settings the name ignores ("lr": the cells of one sweep)."""
     rest = {k: v for k, v in cell.items() if k not in (*IDENTITY, "key", "test_lengths")}
-    rest["train"] = {k: v for k, v in rest.get("train", {}).items() if k not in leave_out}
+    left_out = (*leave_out, *TRAINING_LENGTH)
+    rest["train"] = {k: v for k, v in rest.get("train", {}).items() if k not in left_out}
     return hashlib.sha1(json.dumps(rest, sort_keys=True).encode()).hexdigest()[:6]
 
 
@@ -55,6 +62,22 @@ def latest(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list({r["cell"]["key"]: r for r in records}.values())
 
 
+def latest_runs(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each candidate's latest record: as ``latest``, and of the records of one cell trained for
+    different lengths (``TRAINING_LENGTH``), the one written last."""
+    last: dict[tuple, tuple[int, dict[str, Any]]] = {}
+    for position, record in enumerate(records):
+        cell = record["cell"]
+        candidate = (
+            *(cell.get(k) for k in IDENTITY),
+            setting_of(cell),
+            json.dumps(cell.get("train", {}).get("lr")),
+            json.dumps(record.get("best_of", ["lr"]), sort_keys=True),
+        )
+        last[candidate] = (position, record)
+    return [record for _, record in sorted(last.values(), key=lambda item: item[0])]
+
+
 def accuracy_at_train_length(record: dict[str, Any]) -> float | None:
     if record.get("status") != "ok":
         return None
@@ -64,7 +87,7 @@ def accuracy_at_train_length(record: dict[str, Any]) -> float | None:
 def choose(records: list[dict[str, Any]]) -> list[Sweep]:
     """The sweeps in ``records`` (each cell's latest record), each with its chosen records."""
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
-    for record in latest(records):
+    for record in latest_runs(records):
         cell = record["cell"]
         best_of = tuple(sorted(record.get("best_of", ["lr"])))
         key = (

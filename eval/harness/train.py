@@ -4,6 +4,13 @@ Training data is drawn fresh every step from the task's generator (seeds that ne
 never meet the evaluation seeds), so there is nothing to overfit but the task itself. AdamW with
 linear warm-up and cosine decay to zero, gradient clipping, bf16 autocast on GPU and float32 on
 CPU, fixed seeds.
+
+``train.until: learned`` trains within a budget of ``train.max_steps`` (the schedule spans it)
+and stops at the first check from ``train.steps`` on where every slice within the pattern's reach
+is learned and the loss no longer falls (``Checker``, eval/harness/verdict.py); the checks score
+sequences of their own, drawn from the evaluation stream far from the evaluation's, so training
+never stops on what the record is scored on. Every record says what each test length's slices
+reach (``slice_reach``) and its ``verdict``.
 """
 
 from __future__ import annotations
@@ -22,8 +29,11 @@ import zoo
 
 from ..tasks import IGNORE, Batch, Task, get_task
 from . import context_parallel
+from .convergence import still_falling
 from .distributed import Context, wrap
 from .model import SequenceModel
+from .slices import slice_reach, slice_verdict
+from .verdict import CANNOT, LEARNED
 
 
 def sample_seed(cell_seed: int, stream: str, index: int) -> int:
@@ -168,20 +178,27 @@ def train(
         fused=context.device.type in ("cpu", "cuda"),
     )
     steps = settings["steps"]
-    warmup = max(1, round(settings["warmup"] * steps))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: schedule(s, steps, warmup))
+    until = settings.get("until", "steps")
+    budget = settings["max_steps"] if until == "learned" else steps  # the schedule's length
+    warmup = max(1, round(settings["warmup"] * budget))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: schedule(s, budget, warmup))
     data = Context(0, 1, context.device) if sharded else context  # sharded: the same batch
     per_rank = settings["batch_size"] // data.world
     if context.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(context.device)
     losses = []
     targets_seen = torch.zeros(task.num_classes, dtype=torch.long)
+    every = check_interval(settings)
+    checker = Checker(model, cell, context) if every else None
+    checks: list[dict[str, Any]] = []
+    stopped = "max_steps" if until == "learned" else None
     start = time.perf_counter()
     draw = batches(task, cell["seed"], settings["pool"], per_rank, data)
-    halfway = start
-    for step in range(steps):
+    halfway, checking, checked_before = start, 0.0, 0.0
+    step = 0
+    while step < budget:
         if step == steps // 2:
-            halfway = time.perf_counter()
+            halfway, checked_before = time.perf_counter(), checking
         batch = draw(step)
         inputs, targets, mask = to_device(batch, context.device)
         if sharded:
@@ -201,16 +218,24 @@ def train(
         scheduler.step()
         losses.append(loss.detach())  # read once at the end: .item() would wait for a GPU
         targets_seen += count_targets(batch.targets, task.num_classes)
+        step += 1
         if progress is not None:
             progress.update(1)
-            if step % 25 == 0 or step == steps - 1:
+            if step % 25 == 1 or step == budget:
                 progress.set_postfix(loss=f"{losses[-1].item():.3f}", refresh=False)
+        if checker is not None and (step % every == 0 or step == budget):
+            began = time.perf_counter()
+            checks.append(checker.check(step, losses[len(losses) - every :], targets_seen))
+            checking += time.perf_counter() - began
+            if until == "learned" and step >= steps and agreed(learned(checks), context):
+                stopped = "learned"
+                break
     if sharded:  # each rank's loss is its share: the batch's, and whole sequences from here on
         losses = context_parallel.whole_losses(losses, context.world)
         context_parallel.enable(model, False)
     losses = torch.stack(losses).tolist()
     end = time.perf_counter()
-    seconds = end - start
+    seconds = end - start - checking
     peak = (
         torch.cuda.max_memory_allocated(context.device) / 2**20
         if context.device.type == "cuda"
@@ -219,13 +244,21 @@ def train(
     if checkpoint is not None and context.main:
         checkpoint.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"cell": cell, "model": model.state_dict()}, checkpoint)
-    evaluation = {str(n): evaluate(model, cell, n, context) for n in cell["test_lengths"]}
+    evaluation = {
+        str(n): evaluate(model, cell, n, context, reach=True) for n in cell["test_lengths"]
+    }
+    chance = marginal(targets_seen)["chance_accuracy"]
     return {
         "parameters": sum(p.numel() for p in model.parameters()),
         "train_seconds": round(seconds, 3),
-        "steps_per_second": round(steps / seconds, 3),
+        "steps_per_second": round(step / seconds, 3),
         # The second half of training: without a compiled model's compilation or warm-up.
-        "steady_steps_per_second": round((steps - steps // 2) / (end - halfway), 3),
+        "steady_steps_per_second": round(
+            (step - steps // 2) / (end - halfway - (checking - checked_before)), 3
+        ),
+        "steps_taken": step,
+        **({"stopped": stopped} if stopped else {}),
+        **({"check_seconds": round(checking, 3), "checks": checks} if checks else {}),
         "peak_memory_mb": None if peak is None else round(peak, 1),
         "final_loss": round(sum(losses[-10:]) / len(losses[-10:]), 5),
         "loss_curve": loss_curve(losses),
@@ -240,6 +273,13 @@ def train(
             else {}
         ),
         "slices": {n: e["slices"] for n, e in evaluation.items()},
+        # answers in reach and answers, per slice value (eval/harness/slices.py), and from them
+        # and the accuracies what each length says (eval/harness/verdict.py)
+        "slice_reach": {n: e["reach"] for n, e in evaluation.items()},
+        "verdict": {
+            n: slice_verdict(cell["task"], e["slices"], e["reach"], chance).verdict
+            for n, e in evaluation.items()
+        },
         "eval_ms_per_sequence": {n: e["ms_per_sequence"] for n, e in evaluation.items()},
     }
 
@@ -278,21 +318,45 @@ def greedy(task: Task) -> bool:
     return bool(getattr(task, "feed_answers", False))
 
 
-@torch.no_grad()
-def evaluate(
-    model: SequenceModel, cell: dict[str, Any], length: int, context: Context
-) -> dict[str, Any]:
-    """Accuracy on ``eval_samples`` fresh sequences of ``length``, overall and per slice key."""
+# The evaluation stream's batch indices from which the checks during training draw theirs: far
+# from the evaluation's own (0, 1, ...), so that training never stops on the sequences the record
+# is scored on.
+CHECK_OFFSET = 2**31
+
+
+def eval_batches(cell: dict[str, Any], length: int, offset: int = 0):
+    """(task, batch) of the cell's ``eval_samples`` evaluation sequences at ``length``, in
+    batches of ``eval_batch_size``, drawn from the evaluation stream from index ``offset``:
+    what ``evaluate`` scores, drawn again where the report needs them."""
     settings = cell["train"]
     task = get_task(cell["task"], seq_len=length, **cell["task_params"])
+    remaining, index = settings["eval_samples"], 0
+    while remaining > 0:
+        n = min(settings["eval_batch_size"], remaining)
+        yield task, task.sample(n, sample_seed(cell["seed"], "eval", offset + index))
+        remaining, index = remaining - n, index + 1
+
+
+@torch.no_grad()
+def evaluate(
+    model: SequenceModel,
+    cell: dict[str, Any],
+    length: int,
+    context: Context,
+    drawn: list[tuple[Task, Batch]] | None = None,
+    reach: bool = False,
+) -> dict[str, Any]:
+    """Accuracy on ``eval_samples`` fresh sequences of ``length`` (or on the ``drawn`` batches),
+    overall and per slice key; with ``reach``, also how many of each slice's answers lie within
+    the pattern's reach (``slices.slice_reach``)."""
+    settings = cell["train"]
     model.eval()
     hits: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
     correct = total = generated = 0
     start = time.perf_counter()
-    remaining, index = settings["eval_samples"], 0
-    while remaining > 0:
-        n = min(settings["eval_batch_size"], remaining)
-        batch = task.sample(n, sample_seed(cell["seed"], "eval", index))
+    used = []
+    for task, batch in drawn if drawn is not None else eval_batches(cell, length):
+        used.append((task, batch))
         inputs, targets, mask = to_device(batch, context.device)
         with autocast(context.device):
             predictions = model(inputs, mask, **attention_inputs(batch, context.device)).argmax(-1)
@@ -311,16 +375,83 @@ def evaluate(
                 chosen = scored & (keys == key)
                 hits[name][key][0] += int(right[chosen].sum())
                 hits[name][key][1] += int(chosen.sum())
-        remaining, index = remaining - n, index + 1
     seconds = time.perf_counter() - start
     model.train()
     slices = {
         name: {str(k): round(c / t, 4) for k, (c, t) in sorted(keys.items())}
         for name, keys in hits.items()
     }
+    sequences = sum(batch.inputs.shape[0] for _, batch in used)
     return {
         "accuracy": round(correct / max(total, 1), 4),
         "generation_accuracy": round(generated / max(total, 1), 4),
         "slices": slices,
-        "ms_per_sequence": round(1e3 * seconds / settings["eval_samples"], 3),
+        "ms_per_sequence": round(1e3 * seconds / max(sequences, 1), 3),
+        **(
+            {"reach": slice_reach(cell, length, used, variant_params(cell, used[0][0]))}
+            if reach
+            else {}
+        ),
     }
+
+
+def check_interval(settings: dict[str, Any]) -> int:
+    """Steps between the checks during training: ``check_every``, or with ``until: learned`` and
+    none set, a tenth of ``steps``; 0: no checks."""
+    every = settings.get("check_every", 0)
+    if not every and settings.get("until", "steps") == "learned":
+        every = max(1, settings["steps"] // 10)
+    return every
+
+
+class Checker:
+    """The checks during training: the model scored on sequences of the train length drawn once
+    from their own part of the evaluation stream (``CHECK_OFFSET``), with the slices' reach on
+    them; each check records the step, the loss since the last one, the accuracy per slice and
+    the verdict it gives (eval/harness/verdict.py)."""
+
+    def __init__(self, model: SequenceModel, cell: dict[str, Any], context: Context) -> None:
+        self.model, self.cell, self.context = model, cell, context
+        length = cell["train_len"]
+        self.drawn = list(eval_batches(cell, length, offset=CHECK_OFFSET))
+        params = variant_params(cell, self.drawn[0][0])
+        self.reach = slice_reach(cell, length, self.drawn, params)
+
+    def check(self, step: int, losses: list[torch.Tensor], seen: torch.Tensor) -> dict[str, Any]:
+        found = evaluate(self.model, self.cell, self.cell["train_len"], self.context, self.drawn)
+        level = marginal(seen)
+        said = slice_verdict(
+            self.cell["task"], found["slices"], self.reach, level["chance_accuracy"]
+        )
+        return {
+            "step": step,
+            "loss": round(float(torch.stack(losses).mean()), 5),
+            "marginal_loss": level["marginal_loss"],
+            "accuracy": found["accuracy"],
+            "slices": found["slices"],
+            "verdict": said.verdict,
+        }
+
+
+def learned(checks: list[dict[str, Any]]) -> bool:
+    """Whether training may stop (``until: learned``): the last check found every reachable
+    slice learned (its verdict learned, or cannot: what it fails is out of reach) and the loss no
+    longer falls from the check before (``convergence.still_falling``)."""
+    last = checks[-1]
+    if last["verdict"] not in (LEARNED, CANNOT):
+        return False
+    if len(checks) < 2:
+        return True
+    return not still_falling(checks[-2]["loss"], last["loss"], last["marginal_loss"])
+
+
+def agreed(stop: bool, context: Context) -> bool:
+    """``stop`` where every process of a data-parallel cell says so (each decides on its own
+    batches' losses; they must leave the loop together)."""
+    if context.world == 1:
+        return stop
+    import torch.distributed as dist
+
+    flag = torch.tensor([1.0 if stop else 0.0], device=context.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())

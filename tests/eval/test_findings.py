@@ -1,6 +1,7 @@
 """The findings' verdicts, on tiny synthetic result records: a claim met agrees, one missed
-disagrees when training converged and reads "not converged" when it did not, a preset without
-results is "not run"; and ``python -m eval findings`` writes the report and its plots."""
+disagrees when training converged and reads "not converged" when it did not, one that reads a
+cell which did not learn what its pattern reaches is "not learned" (never "disagrees"), a preset
+without results is "not run"; and ``python -m eval findings`` writes the report and its plots."""
 
 from __future__ import annotations
 
@@ -13,25 +14,35 @@ from eval.findings import (
     DISAGREES,
     FINDINGS,
     NOT_CONVERGED,
+    NOT_LEARNED,
     NOT_RUN,
     mqar_gap,
 )
 from eval.findings.report import ROOT, write_findings
+from eval.harness.config import load_config
+from eval.harness.run import RunConfig, make_cell
 
 CONVERGED_CURVE = [3.4, 2.0, 1.0, 0.5, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3]
 FALLING_CURVE = [3.4, 3.0, 2.6, 2.2, 1.9, 1.6, 1.4, 1.2, 1.0, 0.8]
+# the preset each task's synthetic cells are made by, as its sweep makes them: the verdicts
+# compute what the cell's pattern reaches from the cell
+PRESETS = {
+    "mqar": "eval/configs/findings/mqar_gap_zoology.yaml",
+    "induction": "eval/configs/findings/extrapolation.yaml",
+    "listops": "eval/configs/findings/listops.yaml",
+}
 
 
 def record(task, variant, encoding="learned", accuracy=None, gaps=None, train_len=64,
-           params=None, curve=CONVERGED_CURVE, lr=1e-3):  # fmt: skip
-    cell = {
-        "task": task, "train_len": train_len, "variant": variant, "encoding": encoding,
-        "seed": 0, "key": f"{task}-{variant}-{encoding}-{lr}", "test_lengths": [train_len],
-        "variant_params": params or {}, "causal": True, "model": {"depth": 2},
-        "train": {"lr": lr},
-    }  # fmt: skip
+           params=None, curve=CONVERGED_CURVE, lr=1e-3, slices=None):  # fmt: skip
+    config = load_config(RunConfig, ROOT / PRESETS[task])
+    cell = make_cell(config, task, {}, train_len, config.test_lengths or [train_len], variant,
+                     encoding, 0, lr)  # fmt: skip
+    if params is not None:
+        cell["variant_params"] = params
+    cell["key"] = f"{task}-{variant}-{encoding}-{lr}"
     accuracy = accuracy or {str(train_len): 0.5}
-    slices = {str(train_len): {"gap": {str(b): a for b, a in (gaps or {}).items()}}}
+    slices = slices or {str(train_len): {"gap": {str(b): a for b, a in (gaps or {}).items()}}}
     return {
         "cell": cell, "status": "ok", "accuracy": accuracy, "slices": slices,
         "loss_curve": curve, "marginal_loss": 3.4, "chance_accuracy": 0.03,
@@ -76,14 +87,24 @@ def test_mqar_gap_agrees_when_the_window_recalls_only_within_its_reach():
     assert judged.figures and "gap 32" in judged.tables[0]
 
 
-def test_mqar_gap_disagrees_or_is_not_converged_when_the_window_fails_near():
+def test_mqar_gap_is_not_learned_when_the_window_fails_within_its_reach():
     failing = {2: 0.0, 4: 0.06, 8: 0.07, 16: 0.15, 32: 0.03}
     full = {b: 1.0 for b in failing}
-    converged = judge(mqar(full, failing, full))
-    assert verdicts(converged)[:4] == [AGREES, DISAGREES, AGREES, AGREES]
+    # at chance within its reach: not learned, whether its loss is flat or still falls
+    for curve in (CONVERGED_CURVE, FALLING_CURVE):
+        judged = judge(mqar(full, failing, full, window_curve=curve))
+        assert verdicts(judged)[:4] == [AGREES, NOT_LEARNED, NOT_LEARNED, NOT_LEARNED]
+        assert judged.verdict == NOT_LEARNED
+        assert judged.not_learned == {}  # judge() alone; evaluate() lists them per preset
+
+
+def test_mqar_gap_disagrees_or_is_not_converged_when_the_window_recalls_beyond_its_reach():
+    learned = {2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0, 32: 0.9}
+    converged = judge(mqar(learned, learned, learned))
+    assert verdicts(converged)[:4] == [AGREES, AGREES, DISAGREES, DISAGREES]
     assert converged.verdict == DISAGREES
-    unlearned = judge(mqar(full, failing, full, window_curve=FALLING_CURVE))
-    assert verdicts(unlearned)[1] == NOT_CONVERGED and unlearned.verdict == NOT_CONVERGED
+    still = judge(mqar(learned, learned, learned, window_curve=FALLING_CURVE))
+    assert verdicts(still)[2] == NOT_CONVERGED
 
 
 def test_mqar_gap_without_results_is_not_run():
@@ -128,6 +149,48 @@ def test_listops_ordering():
     same = run(0.2, 0.2, 0.2, 0.2)
     assert verdicts(same) == [DISAGREES, DISAGREES, AGREES]
     assert same.figures[0][1] == "listops_curves.png"
+
+
+def test_listops_where_no_variant_learned_the_expression_is_not_learned_never_disagrees():
+    """The committed CPU run: every variant 0.36-0.38 at every nesting depth, the constant
+    guess 0.155. Full attention, Longformer and BigBird reach the whole expression and did not
+    learn it; local's blocks cannot reach it."""
+    depths = {str(d): 0.37 for d in range(3, 10)}
+    judged = judge({"listops": [
+        record("listops", v, accuracy={"128": 0.37}, train_len=128,
+               slices={"128": {"depth": depths}})
+        for v in ("full", "block_local", "longformer", "bigbird")
+    ]})  # fmt: skip
+    assert verdicts(judged) == [NOT_LEARNED] * 3 and judged.verdict == NOT_LEARNED
+    assert "every one" in judged.tables[0] and "none" in judged.tables[0]
+    assert "not learned" in judged.tables[0] and "cannot" in judged.tables[0]
+
+
+def test_extrapolation_misses_at_trained_distances_are_not_learned_at_that_length():
+    """ALiBi and T5 at 8x: missing answers at distances seen in training is not learning that
+    length, not the bias failing to extrapolate; missing only the distances never trained on,
+    with the trained ones learned, disagrees."""
+    lengths = ("64", "128", "256", "512")
+
+    def encodings(at_512):
+        out = []
+        for e, acc in dict(sinusoidal=(1.0, 0.59, 0.27, 0.19), learned=(1.0, 0.3, 0.1, 0.1),
+                           rope=(1.0, 0.84, 0.31, 0.18), alibi=(1.0, 0.9, 0.5, 0.3),
+                           t5=(1.0, 0.9, 0.5, 0.3)).items():  # fmt: skip
+            r = record(
+                "induction", "full", encoding=e, accuracy=dict(zip(lengths, acc, strict=True))
+            )
+            r["slices"] = {"64": {"distance": {b: 1.0 for b in ("2", "4", "8", "16", "32")}},
+                           "512": {"distance": at_512}}  # fmt: skip
+            out.append(r)
+        return {"extrapolation": out}
+
+    missed_near = {"8": 0.05, "16": 0.07, "32": 0.06, "64": 0.1, "128": 0.3, "256": 0.4}
+    judged = judge(encodings(missed_near))
+    assert verdicts(judged) == [AGREES, AGREES, AGREES, NOT_LEARNED, AGREES]
+    assert "distances seen in training (< 64)" in judged.claims[3].measured
+    missed_far = {"8": 1.0, "16": 1.0, "32": 0.98, "64": 0.1, "128": 0.05, "256": 0.04}
+    assert verdicts(judge(encodings(missed_far)))[3] == DISAGREES
 
 
 def test_the_findings_report_is_written_with_its_plots(tmp_path):
