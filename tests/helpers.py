@@ -74,6 +74,24 @@ def small_params(variant: str) -> dict[str, object]:
     return small
 
 
+# Small parameters for the decoding tests (a cache of a few dozen slots).
+CACHE_SMALL = {"window_size": 5, "block_size": 8, "stride": 6, "dilation": 3, "global_tokens": 1}
+
+
+def cache_params(variant: str, length: int = 64, **more: object) -> dict[str, object]:
+    """Small parameters for decoding (``more`` added where the variant takes them); a 2-D
+    pattern gets a grid of ``length`` tokens, 8 per row: its pattern depends on the whole grid,
+    so a cache for it decodes that grid (max_len = H·W)."""
+    params = zoo.get_spec(variant).parameters()
+    out = {k: v for k, v in {**CACHE_SMALL, **more}.items() if k in params}
+    if variant == "dilated":
+        out["window_size"] = 2
+    if "grid" in params:
+        grid = {"grid": (length // 8, 8), "kernel_size": 3, "dilation": 2, "window_size": 4}
+        out.update({k: v for k, v in grid.items() if k in params})
+    return out
+
+
 def random_qkv(
     batch,
     heads,
@@ -250,3 +268,15 @@ class LargestTensor(TorchDispatchMode):
             if isinstance(leaf, torch.Tensor):
                 self.largest = max(self.largest, leaf.numel())
         return out
+
+
+# A harness sweep of seconds a cell (tests/eval): MQAR at 32 tokens, a tiny model.
+TINY_SWEEP = [
+    "tasks=[mqar]",
+    "task_params={mqar: {vocab_size: 32, num_kv_pairs: 4}}",
+    "train_lengths=[32]",
+    "test_lengths=[32, 64]",
+    "encodings=[rope]",
+    "model={dim: 32, depth: 2, heads: 2, mlp_dim: 0}",
+    "train={steps: 20, batch_size: 8, eval_samples: 16, eval_batch_size: 8}",
+]

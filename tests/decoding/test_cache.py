@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import FIXED_VARIANTS
+from helpers import FIXED_VARIANTS, cache_params
 
 import zoo
 from zoo.functional import resolve_pattern
@@ -16,22 +16,12 @@ from zoo.layout.block_layout import specialized
 from zoo.patterns.random_blocks import draw_causal_blocks
 from zoo.patterns.retention import last_needed
 
-SMALL = {"window_size": 5, "block_size": 8, "stride": 6, "dilation": 3, "global_tokens": 1}
 ENCODINGS = ["none", "sinusoidal", "learned", "rope", "alibi", "t5"]
 CPU = torch.device("cpu")
 
 
 def small(variant, length=64):
-    """Small parameters; a 2-D pattern gets a grid of ``length`` tokens, 8 per row: its
-    pattern depends on the whole grid, so a cache for it decodes that grid (max_len = H·W)."""
-    params = zoo.get_spec(variant).parameters()
-    out = {k: v for k, v in SMALL.items() if k in params}
-    if variant == "dilated":
-        out["window_size"] = 2
-    if "grid" in params:
-        grid = {"grid": (length // 8, 8), "kernel_size": 3, "dilation": 2, "window_size": 4}
-        out.update({k: v for k, v in grid.items() if k in params})
-    return out
+    return cache_params(variant, length)
 
 
 def grid_variant(variant):

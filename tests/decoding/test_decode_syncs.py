@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import FIXED_VARIANTS, GRAPH_VARIANTS, gpu
+from helpers import FIXED_VARIANTS, GRAPH_VARIANTS, cache_params, gpu
 
 import zoo
 from zoo.backends import FlexBackend
@@ -22,8 +22,6 @@ from zoo.functional import resolve_pattern
 from zoo.layout.block_layout import specialized, with_heads
 from zoo.testing.fake_cuda import FakeCudaUnavailable, fake_cuda
 
-SMALL = {"window_size": 5, "block_size": 8, "stride": 6, "dilation": 3, "global_tokens": 1,
-         "top_k": 2}  # fmt: skip
 VARIANTS = [v for v in FIXED_VARIANTS if v not in GRAPH_VARIANTS] + ["moba"]
 EAGER_FLEX = FlexBackend(block_size=16, compile=False)  # flex's eager path, as on fake tensors
 BACKENDS = {"sdpa": "sdpa", "reference": "reference", "flex": EAGER_FLEX}
@@ -39,14 +37,7 @@ def _fake_cuda_or_skip():
 
 
 def small(variant: str) -> dict[str, object]:
-    params = zoo.get_spec(variant).parameters()
-    out = {k: v for k, v in SMALL.items() if k in params}
-    if variant == "dilated":
-        out["window_size"] = 2
-    if "grid" in params:
-        grid = {"grid": (LENGTH // 8, 8), "kernel_size": 3, "dilation": 2, "window_size": 4}
-        out.update({k: v for k, v in grid.items() if k in params})
-    return out
+    return cache_params(variant, LENGTH, top_k=2)
 
 
 def _steps(attn, device, *, valid_lens: bool, prefill: int = 12, steps: int = 4) -> torch.Tensor:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import subprocess_timeout
+from helpers import TINY_SWEEP, subprocess_timeout
 
 import eval.harness.train
 from eval.harness import distributed
@@ -23,15 +23,7 @@ from eval.harness.run import RunConfig, cells, check_cells, check_names, run
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = "eval/configs/quick.yaml"
 CPU = distributed.Context(0, 1, torch.device("cpu"))
-TINY = [
-    "tasks=[mqar]",
-    "task_params={mqar: {vocab_size: 32, num_kv_pairs: 4}}",
-    "train_lengths=[32]",
-    "test_lengths=[32, 64]",
-    "encodings=[rope]",
-    "model={dim: 32, depth: 2, heads: 2, mlp_dim: 0}",
-    "train={steps: 20, batch_size: 8, eval_samples: 16, eval_batch_size: 8}",
-]
+TINY = TINY_SWEEP
 
 
 def tiny(tmp_path: Path, *extra: str) -> RunConfig:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import subprocess_timeout
+from helpers import TINY_SWEEP, subprocess_timeout
 
 from eval.harness import ray_launcher
 from eval.harness.config import ConfigError
@@ -29,15 +29,9 @@ pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = str(ROOT / "eval/configs/quick.yaml")
 TINY = [
-    "tasks=[mqar]",
-    "task_params={mqar: {vocab_size: 32, num_kv_pairs: 4}}",
-    "train_lengths=[32]",
-    "test_lengths=[32, 64]",
-    "encodings=[rope]",
+    *TINY_SWEEP,
     "variants=[local, full, bigbird]",
     "variant_params={local: {window_size: 4}, bigbird: {block_size: 8}}",
-    "model={dim: 32, depth: 2, heads: 2, mlp_dim: 0}",
-    "train={steps: 20, batch_size: 8, eval_samples: 16, eval_batch_size: 8}",
 ]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
