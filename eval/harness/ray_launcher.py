@@ -88,15 +88,25 @@ def run_on_ray(config, source: str, overrides: list[str], show_progress: bool = 
                 _show(bar, record, cell)
             _status(bar, ray, progress, running, failed, started)
     except KeyboardInterrupt:
-        for ref in running:
-            ray.cancel(ref, force=True)
         print(f"interrupted: {len(running)} cells cancelled; {results} holds whole records only",
-              file=sys.stderr)  # fmt: skip
+              file=sys.stderr, flush=True)  # fmt: skip
+        _cancel(ray, list(running), local=not address)
         return 130
     finally:
         if bar is not None:
             bar.close()
     return 0
+
+
+def _cancel(ray, refs: list, local: bool) -> None:
+    """Stop the sweep's tasks: a local cluster goes down with them; on a cluster each task is
+    asked to stop (a forced cancel raced with replies of tasks just done and crashed Ray 2.60's
+    driver: "Tried to complete task that was not pending")."""
+    if local:
+        ray.shutdown()
+        return
+    for ref in refs:
+        ray.cancel(ref)
 
 
 def _import_ray():

@@ -86,7 +86,7 @@ def moba_choice(
     chosen = torch.empty(B, H, q_len, blocks, dtype=torch.bool, device=q.device)
     # Queries in chunks: the float32 scores and their sort are (rows, blocks) per head at a time,
     # not (Lq, blocks) (2 GiB of scores at 128K tokens, 16 heads, blocks of 512).
-    rows = max(1, CHOICE_ELEMENTS // (B * H * blocks))
+    rows = max(1, CHOICE_ELEMENTS // max(B * H * blocks, 1))
     for start in range(0, q_len, rows):
         part = slice(start, start + rows)
         scores = q[:, :, part].float() @ means  # (B, H, rows, blocks)
