@@ -33,11 +33,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from . import distributed
-from .config import ConfigError, as_dict
+from .config import ConfigError
 from .workers import append_record
 
 # A task reports its cell's step to the driver at most this often (seconds).
@@ -47,19 +48,19 @@ REPORT_EVERY = 1.0
 KILL_ONCE = "ZOO_RAY_KILL_ONCE"
 
 
-def run_on_ray(config, source: str, overrides: list[str], show_progress: bool = True) -> int:
-    """Run the sweep's cells not yet recorded as Ray tasks; 0 when every cell got a record,
-    130 on Ctrl-C."""
-    from .run import cells, finished_keys, results_file
-
+def run_on_ray(
+    config, source: str, overrides: list[str], sweep: list[dict[str, Any]], done: set[str],
+    results: Path, run_cell: Callable, show_progress: bool = True,
+) -> int:  # fmt: skip
+    """Run the cells of ``sweep`` not in ``done`` as Ray tasks, each record appended to
+    ``results``; 0 when every cell got a record, 130 on Ctrl-C. ``run_cell(cell, config,
+    context, progress)`` trains one cell (``eval.harness.run.run_cell``, handed over so that this
+    module does not import the one that calls it)."""
     ray = _import_ray()
     address = config.ray_address or os.environ.get("RAY_ADDRESS", "")
     _check_reachable(address)
     _init(ray, address)
-    results = results_file(config)
     results.parent.mkdir(parents=True, exist_ok=True)
-    done = finished_keys(results)
-    sweep = cells(config)
     todo = [c for c in sweep if c["key"] not in done]
     print(f"{source}: {len(todo)} cells to run on Ray, {len(sweep) - len(todo)} done in {results}",
           flush=True)  # fmt: skip
@@ -69,12 +70,9 @@ def run_on_ray(config, source: str, overrides: list[str], show_progress: bool = 
         num_cpus=needs["cpus"], num_gpus=needs["gpus"], max_retries=config.max_retries,
         retry_exceptions=False,
     )  # fmt: skip
-    setting = as_dict(config)
     kill_once = os.environ.get(KILL_ONCE, "").split(",")
-    running = {
-        task.remote(cell, setting, source, overrides, needs["processes"], progress, kill_once): cell
-        for cell in todo
-    }
+    trainer = (run_cell, source, overrides, needs["processes"], progress, kill_once, results.parent)
+    running = {task.remote(cell, config, *trainer): cell for cell in todo}
     bar = _bar(len(todo), show_progress)
     failed, started = 0, time.time()
     try:
@@ -162,16 +160,12 @@ def _resources(config, cluster: dict[str, float]) -> dict[str, float]:
 
 
 def _train_cell(
-    cell: dict[str, Any], setting: dict, source: str, overrides: list[str], processes: int,
-    progress, kill_once: list[str],
+    cell: dict[str, Any], config, run_cell: Callable, source: str, overrides: list[str],
+    processes: int, progress, kill_once: list[str], out: Path,
 ) -> dict[str, Any]:  # fmt: skip
     """A Ray task: one cell's record (in a worker process Ray chose, with the devices it gave)."""
-    from .config import build
-    from .run import RunConfig, run_cell
-
-    config = build(RunConfig, setting, source)
     if cell["key"] in kill_once:
-        _die_once(cell, config)
+        _die_once(out / f".killed-{cell['key']}")
     if processes > 1:
         return _under_torchrun(cell, source, overrides, processes)
     context = distributed.Context(0, 1, distributed.pick_device(config.device))
@@ -179,10 +173,7 @@ def _train_cell(
         return run_cell(cell, config, context, _Steps(progress, cell["key"]))
 
 
-def _die_once(cell: dict[str, Any], config) -> None:
-    from .run import results_file
-
-    marker = results_file(config).parent / f".killed-{cell['key']}"
+def _die_once(marker: Path) -> None:
     if not marker.exists():
         marker.touch()
         os.kill(os.getpid(), signal.SIGKILL)

@@ -551,8 +551,12 @@ def main(argv: list[str] | None = None) -> int:
     if config.launcher == "ray" and not inner:
         from .ray_launcher import run_on_ray
 
+        results = results_file(config)
         try:
-            status = run_on_ray(config, args.config, args.overrides, not args.no_progress)
+            status = run_on_ray(
+                config, args.config, args.overrides, cells(config), finished_keys(results),
+                results, run_cell, not args.no_progress,
+            )  # fmt: skip
         except ConfigError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2

@@ -13,13 +13,20 @@ stay exact, PARTIAL may be said of an EMPTY block.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from .base import Pattern, Spans
+from .spans import Spans, state_from
+
+
+class Pattern(Protocol):
+    """What the derivation reads of a pattern (``zoo.patterns.base.Pattern`` has it): its
+    elementwise view."""
+
+    def allowed(self, q_pos: Tensor, kv_pos: Tensor) -> Tensor: ...
+
 
 CHUNK = 1 << 22  # pairs evaluated at once (a few tens of MB of bool and int64 temporaries)
 
@@ -27,8 +34,6 @@ CHUNK = 1 << 22  # pairs evaluated at once (a few tens of MB of bool and int64 t
 def derived_block_state(pattern: Pattern, q: Spans, k: Spans) -> Tensor:
     """EMPTY / PARTIAL / FULL of each block pair (q and k spans broadcast against each other),
     from ``pattern.allowed`` on every pair of positions in it."""
-    from .base import state_from
-
     shape = torch.broadcast_shapes(q.lo.shape, k.lo.shape)
     q_lo, q_count, q_step = _progression(q, shape)
     k_lo, k_count, k_step = _progression(k, shape)

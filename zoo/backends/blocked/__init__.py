@@ -49,8 +49,8 @@ from ...core.call import AttentionCall
 from ...layout.block_layout import head_layout
 from ...layout.frames import Frame, build_frame
 from ...patterns import Pattern
-from .. import lse_merge
 from ..base import FLOATS, Backend, Capabilities, head_index, repeat_kv
+from ..lse_merge import merge as lse_merge_rows
 from ..reference import exp_and_mass
 from .block_plan import GroupPlan, part_block, plan
 from .by_key import attention_by_key, scored_by_key, usable
@@ -116,7 +116,7 @@ def merge(partials: list[Partial]) -> Tensor:
     zero."""
     if len(partials) == 1:
         return partials[0].output
-    return lse_merge.merge([p.output for p in partials], [p.lse() for p in partials])[0]
+    return lse_merge_rows([p.output for p in partials], [p.lse() for p in partials])[0]
 
 
 def by_kv_head(x: Tensor, kv_heads: int) -> Tensor:
