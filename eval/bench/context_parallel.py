@@ -121,7 +121,10 @@ def _spawned(rank: int, world: int, port: int, config: CPConfig, queue) -> None:
     finally:
         dist.destroy_process_group()
     if rank == 0:
-        queue.put(rows)
+        queue.put(rows)  # a SimpleQueue: in the pipe when put returns
+    # Out without the interpreter's teardown, in which gloo's threads aborted a rank whose work
+    # was done ("terminate called without an active exception"; as tests/parallel's ranks do).
+    os._exit(0)
 
 
 def _measure_in_rank(config: CPConfig) -> list[dict]:
