@@ -8,7 +8,7 @@ from typing import Any
 
 from zoo.views.tables import markdown_table
 
-from .report import Cell, backend_label, series
+from .report import Cell, backend_label, series, series_name
 
 SHORT_STATUS = {
     "unsupported": "unsup.",
@@ -116,7 +116,7 @@ def not_run_table(cells: Sequence[Cell]) -> str:
     groups: dict[tuple, list[int]] = defaultdict(list)
     for c in cells:
         if c["status"] != "ok":
-            key = (c["variant"], c["backend"], c["pass"], c["causal"], c["status"], c["reason"])
+            key = (c["variant"], series_name(c), c["pass"], c["causal"], c["status"], c["reason"])
             groups[key].append(c["n"])
     rows = [
         [v, b, point_label(p, causal), s, ", ".join(map(str, ns)), (r or "")[:300]]

@@ -5,13 +5,14 @@ bench.json files of a sweep run in pieces (one command each, e.g. ``lengths=[...
 Pieces must agree on what makes their times comparable side by side (COMPARABLE: the device, the
 torch version, the dtype, the shape of q, k and v, warm-up, repeats and min_time_s); a piece
 interrupted before its end (complete=false) counts with the cells it wrote. A cell is keyed by
-(variant, backend, pass, causal, n, params): a key in two files is an error unless both records are
-the same. The dense peer's time at each (n, causal, pass) is looked up across all the pieces, so a
-piece run without ``sdpa_dense`` gets its sparsity realization from another; a cell whose dense peer
-is in no piece has none. The merged header keeps the fields all pieces share; ``pieces`` lists each
-one's file, command, wall time and the fields it differs in; exponents are fitted over the shared
-fit_points (3 where the pieces differ). A merged bench.json can be an input again: its pieces are
-carried over. One file is re-rendered with its header as it is; ``out`` defaults to its folder.
+(variant, backend, kind: zoo or peer, pass, causal, n, params): a key in two files is an error
+unless both records are the same. The dense peer's time at each (n, causal, pass) is looked up
+across all the pieces, so a piece run without ``sdpa_dense`` gets its sparsity realization from
+another; a cell whose dense peer is in no piece has none. The merged header keeps the fields
+all pieces share; ``pieces`` lists each one's file, command, wall time and the fields it differs
+in; exponents are fitted over the shared fit_points (3 where the pieces differ). A merged
+bench.json can be an input again: its pieces are carried over. One file is re-rendered with its
+header as it is; ``out`` defaults to its folder.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ COMPARABLE = (
     "config.batch", "config.heads", "config.kv_heads", "config.head_dim", "config.warmup",
     "config.repeats", "config.min_time_s",
 )  # fmt: skip
-KEY = ("variant", "backend", "pass", "causal", "n", "params")
+KEY = ("variant", "backend", "kind", "pass", "causal", "n", "params")
 DERIVED = ("dense_time_ms", "sparsity_realization")  # recomputed from the merged cells
 PIECE_FIELDS = (
     "command", "argv", "config_file", "started", "finished", "wall_seconds",
@@ -85,7 +86,7 @@ def check_comparable(paths: list[Path], datas: list[dict[str, Any]]) -> None:
 
 
 def cell_key(cell: dict[str, Any]) -> tuple:
-    return tuple(json.dumps(cell[k], sort_keys=True) for k in KEY)
+    return tuple(json.dumps(cell.get(k), sort_keys=True) for k in KEY)
 
 
 def merge_cells(paths: list[Path], datas: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -66,17 +66,27 @@ def fit_exponent(
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
 
 
+def series_name(cell: Cell) -> str:
+    """The cell's backend, or its peer's name; "xformers (peer)" for a peer named as a zoo
+    backend is (xFormers run bare beside the zoo's xformers backend), so that the two never
+    share a series, a table row or a merge key."""
+    name = cell["backend"]
+    if cell.get("kind") == "peer" and name in (*zoo.list_backends(), "auto"):
+        return f"{name} (peer)"
+    return name
+
+
 def series(cells: Sequence[Cell]) -> dict[SeriesKey, list[Cell]]:
-    """Cells by (variant, backend, pass, causal), each list sorted by n."""
+    """Cells by (variant, backend or peer, pass, causal), each list sorted by n."""
     out: dict[SeriesKey, list[Cell]] = defaultdict(list)
     for c in cells:
-        out[(c["variant"], c["backend"], c["pass"], c["causal"])].append(c)
+        out[(c["variant"], series_name(c), c["pass"], c["causal"])].append(c)
     return {k: sorted(v, key=lambda c: c["n"]) for k, v in out.items()}
 
 
 def backend_label(cells: Sequence[Cell]) -> str:
     """The backend's name, with the backends it chose for "auto": "auto (flex)"."""
-    name = cells[0]["backend"]
+    name = series_name(cells[0])
     chosen = sorted({c["resolved"] for c in cells if c["resolved"] and c["resolved"] != name})
     return f"{name} ({', '.join(chosen)})" if chosen else name
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -392,3 +393,19 @@ def test_realization_tables_hold_one_row_per_variant_and_backend_per_length():
     assert [r.split("|")[2].strip() for r in rows] == ["blocked", "flex"]
     assert [c.strip() for c in rows[0].split("|")[3:5]] == ["0.5", "0.25"]
     assert [c.strip() for c in rows[1].split("|")[3:5]] == ["0.125", "-"]
+
+
+def test_a_peer_named_as_a_zoo_backend_is_its_own_series():
+    """The H100's 16K run timed xformers as a zoo backend and bare as a peer at the same points:
+    bench-report merges it (the key holds the kind) and the report keeps the two apart."""
+    from eval.bench.merge import merge_cells
+    from eval.bench.report import series
+
+    path = Path(__file__).resolve().parents[2] / "eval/results/bench-gpu-h100/16k/bench.json"
+    data = json.loads(path.read_text())
+    cells = merge_cells([path], [data])
+    assert len(cells) == len(data["cells"])
+    names = {key[1] for key in series(cells) if key[0] == "local"}
+    assert {"xformers", "xformers (peer)"} <= names
+    zoo_times = [c["time_ms"] for c in series(cells)[("local", "xformers", "fwd+bwd", False)]]
+    assert zoo_times and all(t is not None for t in zoo_times)
