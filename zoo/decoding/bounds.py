@@ -15,9 +15,9 @@ once per pattern and length on the CPU:
   every key a later query may attend (``zoo.patterns.retention``), each in a slot of its own, so
   these count the cache's allowed slots too: a step packs them to the most (``sdpa``), and a
   query whose fewest equals the slots in use attends all of them (no mask).
-- ``routed_most``: for a pattern chosen by content, the most keys its choice can hold, from its
-  parameters (MoBA: ``top_k`` blocks of ``block_size``, its own among them, only up to the query
-  where the host knows its position), or None.
+- ``routed_most``: for a pattern chosen by content, the most keys its choice can hold, from the
+  family's ``most_keys`` (MoBA: ``top_k`` blocks of ``block_size``, its own among them, only up
+  to the query where the host knows its position), or None.
 """
 
 from __future__ import annotations
@@ -83,11 +83,10 @@ def host_ints(t: Tensor) -> array:
 
 
 def routed_most(pattern: Pattern, position: int | None = None) -> int | None:
-    """The most keys a pattern chosen by content lets one query attend, from its parameters:
-    ``top_k`` blocks of ``block_size`` (MoBA), or, for a query at ``position`` where the host
-    knows it, ``top_k - 1`` whole blocks and its own block up to it; causal attention
-    ``position + 1``; an intersection the least of its members' bounds, a union their sum;
-    None where no bound is known."""
+    """The most keys a pattern chosen by content lets one query (at ``position``, where the host
+    knows it) attend: a routed family's ``most_keys`` (MoBA's), causal attention ``position + 1``,
+    an intersection the least of its members' bounds, a union their sum; None where no bound is
+    known."""
     children = getattr(pattern, "children", None)
     if children is not None:
         bounds = [routed_most(c, position) for c in children]
@@ -99,9 +98,5 @@ def routed_most(pattern: Pattern, position: int | None = None) -> int | None:
         return None
     if pattern.kind == "causal":
         return None if position is None else position + 1
-    top_k, block = getattr(pattern, "top_k", None), getattr(pattern, "block_size", None)
-    if pattern.routed and isinstance(top_k, int) and isinstance(block, int):
-        if position is None:
-            return top_k * block
-        return (top_k - 1) * block + position % block + 1  # its own block is chosen, causally
-    return None
+    most_keys = getattr(pattern, "most_keys", None)  # a routed family's own bound (Moba)
+    return most_keys(position) if pattern.routed and most_keys is not None else None

@@ -112,6 +112,13 @@ class Moba(Pattern):
     def routed(self) -> bool:
         return True
 
+    def most_keys(self, position: int | None = None) -> int:
+        """The most keys one query's choice holds: ``top_k`` blocks; for a query at
+        ``position`` (decoding, causal), ``top_k - 1`` whole blocks and its own up to it."""
+        if position is None:
+            return self.top_k * self.block_size
+        return (self.top_k - 1) * self.block_size + position % self.block_size + 1
+
     def bind(self, inputs: object) -> Pattern:
         if not isinstance(inputs, RouteInputs):
             raise TypeError(f"moba binds to RouteInputs, got {type(inputs).__name__}")
