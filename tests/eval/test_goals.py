@@ -89,20 +89,24 @@ def test_goal_a_counts_a_failed_twin_for_auto_and_a_failed_auto_against_it(tmp_p
     assert verdicts(tmp_path)["a"] == "not held"
 
 
-def moba_run(folder, moba_ms, twin_pairs=1536 * 16384, lengths=(16384,)):
+def moba_run(folder, moba_ms, twin_pairs=1536 * 16384, lengths=(16384,), blocked_ms=None):
     cells = []
     for n in lengths:
         cells += [
             cell("moba", "auto", n, moba_ms, params=MOBA, pairs=1536 * n),
             cell("block_local", "auto", n, 1.0, params=TWIN, pairs=twin_pairs * n // 16384),
         ]
+        if blocked_ms is not None:
+            cells.append(cell("moba", "blocked", n, blocked_ms, params=MOBA, pairs=1536 * n))
     bench(folder, "moba", cells, variants=["moba", "block_local"], peers=["sdpa_dense"],
           lengths=list(lengths), params={"moba": MOBA, "block_local": TWIN})  # fmt: skip
 
 
 def test_goal_b_compares_time_per_pair_with_the_nearest_fixed_pattern(tmp_path):
-    moba_run(tmp_path, 1.5, lengths=(16384, 65536))
+    moba_run(tmp_path, 1.5, lengths=(16384, 65536), blocked_ms=0.75)
     assert verdicts(tmp_path)["b"] == "held"
+    goal = goals.goal_b(goals.load_runs([tmp_path], []))
+    assert "MoBA on blocked 0.75 ms" in "\n".join(goal.details)  # beside auto's, for its table
     moba_run(tmp_path, 1.5, twin_pairs=1536 * 16384 * 2, lengths=(16384, 65536))
     goal = goals.goal_b(goals.load_runs([tmp_path], []))  # twice the pairs in 1 ms: 3x per pair
     assert goal.verdict == "not held" and "per pair / the fixed pattern's: 3 at" in goal.summary

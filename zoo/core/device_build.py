@@ -100,12 +100,12 @@ def device_build(builder: Callable[..., Any], args: tuple) -> Any:
     """``builder(*args)`` for the device among ``args`` that holds no data: run for real on the
     CPU with its tensors tagged with that device, the result mirrored under the caller's mode."""
     args = tuple(_MIRRORS[id(a)][1] if id(a) in _MIRRORS else a for a in args)
-    if getattr(_STATE, "building", False):  # a builder that calls another: stay tagged
+    if getattr(_STATE, "building", False) or getattr(_STATE, "tagging", 0):
+        # a builder that calls another, or a caller on tagged tensors: stay tagged, values kept
         return builder(*args)
     _STATE.building = True
     try:
-        with _disable_current_modes(), _no_function_modes(), torch.no_grad(), _Tagging(),\
-                _DeviceArguments():  # fmt: skip
+        with _disable_current_modes(), _no_function_modes(), torch.no_grad(), tagging():
             built = builder(*args)
     finally:
         _STATE.building = False
@@ -117,6 +117,19 @@ def device_build(builder: Callable[..., Any], args: tuple) -> Any:
     while len(_MIRRORS) > MIRRORS_KEPT:
         _MIRRORS.popitem(last=False)
     return mirror
+
+
+@contextlib.contextmanager
+def tagging() -> Iterator[None]:
+    """Operations on ``Tagged`` tensors run on their CPU values, their results tagged, a mix
+    with a plain CPU tensor refused; factories asked for a device without data make tagged
+    tensors (what a builder runs under, and a test that runs a device's path on a CPU)."""
+    _STATE.tagging = getattr(_STATE, "tagging", 0) + 1
+    try:
+        with _Tagging(), _DeviceArguments():
+            yield
+    finally:
+        _STATE.tagging -= 1
 
 
 @contextlib.contextmanager
@@ -226,8 +239,8 @@ class _Tagging(TorchDispatchMode):
             found = sorted({str(d) for d in devices} | {str(t.device) for t in plain})
             raise RuntimeError(
                 f"Expected all tensors to be on the same device, but found at least two "
-                f"devices, {' and '.join(found)}! ({func} while building a per-shape structure "
-                f"for {' and '.join(str(d) for d in devices)})"
+                f"devices, {' and '.join(found)}! ({func} on CPU values tagged "
+                f"{' and '.join(str(d) for d in devices)}: a per-shape structure or a test's)"
             )
         out = func(*args, **kwargs)
         if not devices or (name == "_to_copy" and asked is not None and

@@ -19,6 +19,12 @@ answers "device -1" for CUDA, which nothing else in a CPU-only process asks.
 
 Limits, torch's own: a fake CUDA forward may record autograd (inputs that require grad), but its
 backward cannot run on a CPU-only build; compiled kernels (Inductor) are not generated.
+
+Where a CUDA path needs values (a plan read from the data, as MoBA's runs by key block are),
+``tagged_cuda`` runs it for real: CUDA tensors that hold CPU values
+(``zoo.core.device_build.Tagged``), on which a cpu/cuda mix raises as on a GPU. A CUDA kernel
+has to be stood in for there (the tests emulate it), and autograd's engine cannot run their
+backward (it asks for a CUDA stream): a test calls a backward function itself.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -59,6 +65,16 @@ def fake_cuda() -> contextlib.AbstractContextManager[torch._subclasses.FakeTenso
     """A ``FakeTensorMode`` in which ``device="cuda"`` tensors work on any machine."""
     ensure_cuda_guard()
     return _fake_mode()
+
+
+@contextlib.contextmanager
+def tagged_cuda() -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+    """Tagged CUDA tensors (see the module docstring); yields what tags a CPU tensor as CUDA."""
+    from ..core.device_build import Tagged, tagging
+
+    ensure_cuda_guard()
+    with tagging():
+        yield lambda values: Tagged(values, torch.device("cuda"))
 
 
 @contextlib.contextmanager

@@ -14,9 +14,10 @@ read as a strided view, other blocks are gathered (``block_plan``). Two paths:
 
 Memory is O(B * H * computed pairs) in both: a query block against its keys, never n x n.
 
-Layouts chosen by content (MoBA) run key block by key block (``by_key``): the queries
-that chose a key block attend it in one kernel call and merge by log-sum-exp, so the cost is the
-chosen pairs; where that path does not apply, the union per query block (``chosen_union``).
+Layouts chosen by content (MoBA) run key block by key block (``by_key``, CPU and CUDA): the
+queries that chose a key block attend it in one kernel call and merge by log-sum-exp, so the cost
+is the chosen pairs; where that path does not apply, the union per query block
+(``chosen_union``).
 A fixed layout that differs per query head (``Pattern.per_head``: BigBird's random blocks drawn
 per head) runs head by head (``by_head``): each query head's layout is a fixed pattern
 (``Pattern.head``) with its own plan, built once per shape, against its key/value head, so its

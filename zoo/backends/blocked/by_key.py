@@ -4,7 +4,7 @@ the (query, key) pairs that the queries chose, not of their union per query bloc
 MoBA's own kernel works this way. Each query's layout is read at one query per row
 (``block_state`` on single-query spans). The (query, key block) pairs are grouped by key block;
 each key block is a *run*: the queries that need it, gathered, attend its keys (a view, no copy)
-in one call of PyTorch's CPU flash kernel, which also returns each row's log-sum-exp; a query's
+in one kernel call that also returns each row's log-sum-exp (``lse_kernel``); a query's
 runs merge by log-sum-exp, as FlashAttention merges key blocks::
 
     q0 chose blocks {0, 2}, q1 {2, 3}, q2 {0, 2}
@@ -43,9 +43,11 @@ and far faster than the union (``eval/results/bench-routed-cpu``). Unions with a
 take this path too: ``moba | local`` (a 1280-key window) runs far faster by key block than as
 the union per query block. (Measured: eval/results/design-notes-cpu.md#by-key-against-union.)
 
-Eager and CPU only, dot-product scores without score bias or dropout (``usable``): the run
-count is data (a host synchronisation per call) and the kernel is the CPU one; elsewhere the
-caller takes the union path. Head sizes of q and v may differ (zeros widen the narrower).
+Eager, dot-product scores without score bias or dropout, on a device and dtype that a kernel
+with log-sum-exp serves (``lse_kernel``: PyTorch's flash kernel on a CPU, its memory-efficient
+kernel on CUDA, which take a mask per run) (``usable``): the run count is data (a host
+synchronisation per call), so fake tensors and traced graphs take the union path. Head sizes of
+q and v may differ (zeros widen the narrower, on CUDA to a multiple of 8).
 Memory: the gathered queries, a PARTIAL run's (n, bk) mask, no scores.
 """
 
@@ -58,20 +60,21 @@ import torch
 from torch import Tensor
 
 from ...core.call import AttentionCall
+from ...core.device_build import has_no_data
 from ...layout.frames import Frame, build_frame
 from ...patterns import EMPTY, FULL, PARTIAL, Pattern
+from ..lse_kernel import LseKernel, kernel_for, runs_on
 from ..lse_merge import explicit_backward
 from .chosen_union import routed_state, with_padding
 
 COARSE = 8  # kernel blocks per key block of a run (512 keys at the default 64)
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def usable(call: AttentionCall) -> bool:
     """Whether this path runs the call (see the module docstring)."""
     return (
-        call.device.type == "cpu"
+        runs_on(call.device, call.q.dtype)
+        and not has_no_data(call.q)
         and call.score.kind == "dot"
         and call.bias is None
         and not call.dropout_p
@@ -334,25 +337,29 @@ class _Attention(torch.autograd.Function):
     (B, H_kv, Sk, D) on the runs; a query in no run gets zeros and -inf."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, r: Runs) -> tuple[Tensor, Tensor]:
+    def forward(
+        ctx, q: Tensor, k: Tensor, v: Tensor, r: Runs, kernel: LseKernel
+    ) -> tuple[Tensor, Tensor]:
         outs, lses = [], []
         for _, queries, keys, values, mask, _ in _each(r, q, k, v):
-            out, lse = _flash(queries, keys, values, attn_mask=mask, scale=1.0)
+            out, lse = kernel.forward(queries, keys, values, mask, 1.0)
             outs.append(out.reshape(-1, out.shape[-1]))  # in the order of the run's rows
             lses.append(lse.flatten())
         rows = torch.cat(r.rows)
-        # The kernel gives a keyless row lse 0 and output 0: its weight must be 0.
-        lse = torch.cat(lses).masked_fill(~r.has_key, float("-inf"))
+        # A kernel gives a keyless row lse 0 or -inf and output 0 or NaN: its weight must be 0,
+        # and it is kept out by torch.where (NaN * 0 is NaN).
+        keyed = r.has_key
+        lse = torch.cat(lses).masked_fill(~keyed, float("-inf"))
         top = lse.new_full((r.queries,), float("-inf")).scatter_reduce(0, rows, lse, "amax")
         top = torch.where(torch.isfinite(top), top, 0)
         weight = torch.exp(lse - top[rows])  # 0 for keyless rows
         total = weight.new_zeros(r.queries).index_add_(0, rows, weight)
         share = (weight / torch.where(total > 0, total, 1)[rows]).to(q.dtype)
-        out = torch.cat(outs) * share[:, None]
+        out = torch.where(keyed[:, None], torch.cat(outs) * share[:, None], 0)
         out = out.new_zeros(r.queries, out.shape[-1]).index_add_(0, rows, out)
         lse = top + torch.log(total)  # -inf where no key
         ctx.set_materialize_grads(False)
-        ctx.runs = r
+        ctx.runs, ctx.kernel = r, kernel
         ctx.save_for_backward(q, k, v, out, lse)
         return out, lse
 
@@ -369,9 +376,7 @@ class _Attention(torch.autograd.Function):
             o, d_o = out[rows].view(queries.shape), grad_out[rows].view(queries.shape)
             m = lse[rows].view(queries.shape[:-1])
             if grad_lse is None:
-                dq_r, dk_r, dv_r = _flash_backward(
-                    d_o, queries, keys, values, o, m, 0.0, False, attn_mask=mask, scale=1.0
-                )
+                dq_r, dk_r, dv_r = ctx.kernel.backward(d_o, queries, keys, values, o, m, mask, 1.0)
             else:  # the mass's gradient enters: d lse / d score = probability, explicitly
                 dq_r, dk_r, dv_r = explicit_backward(
                     d_o, queries, keys, values, o, m, mask, 1.0, grad_lse[rows].view(m.shape)
@@ -379,7 +384,7 @@ class _Attention(torch.autograd.Function):
             dq.index_add_(0, rows, dq_r.reshape(-1, dq_r.shape[-1]))
             dk_blocks[block].add_(dk_r)
             dv_blocks[block].add_(dv_r)
-        return dq.view(q.shape), dk, dv, None
+        return dq.view(q.shape), dk, dv, None, None
 
 
 def attention_by_key(
@@ -393,14 +398,15 @@ def attention_by_key(
     B, H, Sq, _ = p.shape
     q, k = call.score.prepare(call.q.to(dtype), call.k.to(dtype))
     v = call.v.to(dtype)
-    # The kernel wants one head size: zeros appended to q and k leave the scores, to v the
-    # output's first Dv columns.
-    width = max(q.shape[-1], v.shape[-1])
+    # The kernel wants one head size (on CUDA a multiple of 8): zeros appended to q and k
+    # leave the scores, to v the output's first Dv columns.
+    kernel = kernel_for(call.device)
+    width = kernel.widened(max(q.shape[-1], v.shape[-1]))
     q, k, v = (
         axis.gather(torch.nn.functional.pad(x, (0, width - x.shape[-1]))).contiguous()
         for axis, x in ((p.frame.q, q), (p.frame.k, k), (p.frame.k, v))
     )
-    out, lse = _Attention.apply(q, k, v, p)
+    out, lse = _Attention.apply(q, k, v, p, kernel)
     out = out[:, : call.v.shape[-1]]
 
     def in_order(x: Tensor) -> Tensor:  # (B * H * Sq, ...) -> (B, H, Lq, ...)

@@ -1,9 +1,10 @@
 """The ``blocked`` backend on a layout chosen by content (``zoo.patterns.routed``): the union
 per query block, the fallback path.
 
-``blocked`` runs a routed part key block by key block where it can (``by_key``: eager,
-CPU, dot-product scores without a score bias or dropout), at the cost of the chosen pairs. This
-path serves the rest: ``torch.compile``, CUDA, additive scores, score biases, dropout.
+``blocked`` runs a routed part key block by key block where it can (``by_key``: eager, CPU
+or CUDA, dot-product scores without a score bias or dropout), at the cost of the chosen pairs.
+This path serves the rest: ``torch.compile``, fake tensors, additive scores, score biases,
+dropout, float64 on CUDA.
 
 A routed layout is a [B, H, query blocks, key blocks] state, made for one call's q and k. Each
 (sequence, head, query block) is a row; its key blocks (the union of the blocks its queries

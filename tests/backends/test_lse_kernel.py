@@ -1,0 +1,211 @@
+"""The kernels with log-sum-exp that ``blocked`` runs key block by key block (``lse_kernel``):
+the CUDA wrapping (the memory-efficient kernel) checked on a CPU, on an emulation of its ops
+that raises where the CUDA kernel refuses (tests/efficient_attention_emulation.py), against the
+float64 reference forward and backward; and on fake CUDA tensors through the real ops' shapes.
+A GPU test runs the real kernel (tests/backends/test_gpu.py covers MoBA on blocked)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from efficient_attention_emulation import EmulatedEfficientOps
+from helpers import check_against_reference, random_qkv
+
+import zoo
+from zoo.backends import lse_kernel
+from zoo.backends.blocked import BlockedBackend
+from zoo.patterns import Local, Moba
+
+
+def _no_union(*args, **kwargs):
+    raise AssertionError("the union per query block ran, not the runs by key block")
+
+
+@pytest.fixture
+def cuda_wrapping_on_cpu(monkeypatch):
+    """CPU calls run through the CUDA kernel pair, on the emulated ops; the union path is
+    forbidden, so each call runs by key block."""
+    ops = EmulatedEfficientOps()
+    monkeypatch.setitem(lse_kernel.KERNELS, "cpu", lse_kernel.cuda_kernel(ops))
+    monkeypatch.setattr(zoo.backends.blocked, "routed_attention", _no_union)
+    return ops
+
+
+CASES = [  # (q_len, kv_len, block_size, top_k, head_dim, v_dim) on kernel blocks of 4 keys
+    (70, 70, 32, 2, 16, 16),  # whole chosen blocks: runs of 32 keys, no mask but padding's
+    (45, 70, 8, 3, 12, 8),  # per-row masks of 32 keys; q/k heads of 12 widened to 16
+    (70, 37, 16, 9, 16, 20),  # top_k above the blocks there are; runs of 16 keys
+    (37, 37, 6, 3, 8, 4),  # 6-key blocks on runs of 16 keys: rows 16 apart, not 6 or 24
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("q_len,kv_len,block_size,top_k,head_dim,v_dim", CASES)
+def test_moba_by_key_on_the_cuda_kernel_matches_the_reference(
+    q_len, kv_len, block_size, top_k, head_dim, v_dim, causal, padded, cuda_wrapping_on_cpu
+):
+    """Forward and backward with grouped heads, ragged lengths, head sizes that are not a
+    multiple of 8, and masks whose rows are no multiple of 16 apart, as the CUDA kernel takes
+    them (the emulation raises otherwise)."""
+    check_against_reference(
+        "moba", BlockedBackend(block_size=4), q_len=q_len, kv_len=kv_len, causal=causal,
+        padded=padded, params={"block_size": block_size, "top_k": top_k}, heads=4, kv_heads=2,
+        head_dim=head_dim, v_dim=v_dim,
+    )  # fmt: skip
+    assert cuda_wrapping_on_cpu.calls["forward"] > 0 and cuda_wrapping_on_cpu.calls["backward"] > 0
+
+
+def test_keyless_rows_give_zeros_not_the_kernels_nan(cuda_wrapping_on_cpu):
+    """A kernel may give NaN for a row whose keys in a run are all masked (the emulation does):
+    such a row weighs nothing, and a query with no key at all gets zeros."""
+    q, k, v = random_qkv(2, 2, 30, 30, dtype=torch.float32)
+    key_padding = torch.zeros(2, 30, dtype=torch.bool)
+    key_padding[0, :12] = True  # queries 0..11: no key at all
+    key_padding[1, 16:28] = True  # queries 16..27: nothing in their own block, block 0 chosen
+    params = {"block_size": 16, "top_k": 2, "causal": True, "key_padding_mask": key_padding}
+    got = zoo.attention(q, k, v, variant="moba", backend=BlockedBackend(block_size=4), **params)
+    want = zoo.attention(q, k, v, variant="moba", backend="reference", **params)
+    assert not got.isnan().any()
+    assert (got[0, :, :12] == 0).all()
+    assert (got - want).abs().max() < 1e-5
+    grads = [torch.autograd.grad(out.sum(), (q, k, v)) for out in (got, want)]
+    for mine, theirs in zip(*grads, strict=True):
+        assert not mine.isnan().any()
+        assert (mine - theirs).abs().max() < 1e-4
+
+
+def test_union_with_a_window_on_the_cuda_kernel(cuda_wrapping_on_cpu):
+    """``moba | local``: the window's PARTIAL runs carry per-row masks."""
+    pattern = Moba(block_size=8, top_k=2) | Local((5, 0))
+    check_against_reference(
+        pattern, BlockedBackend(block_size=4), q_len=40, kv_len=40, causal=True, params={},
+        heads=2,
+    )  # fmt: skip
+
+
+def test_shared_runs_hand_the_kernel_outputs_stored_as_it_writes_them(cuda_wrapping_on_cpu):
+    """A graph shared by the batch runs once for every sequence and head (``Runs.shared``): the
+    kernel's q is (B, H_kv, rows, D) with several heads, whose backward reads the output with a
+    row stride of H * Dv (the emulation raises on any other layout)."""
+    edges = torch.tensor([[0, 1, 2, 3, 5, 7, 9, 11], [4, 6, 9, 10, 1, 2, 3, 0]])
+    q, k, v = random_qkv(2, 4, 12, 12, v_dim=8, kv_heads=2)
+    backend = BlockedBackend(block_size=4)
+    outs = [
+        zoo.attention(q, k, v, variant="graph", edge_index=edges, backend=b)
+        for b in (backend, "reference")
+    ]
+    assert (outs[0] - outs[1]).abs().max() < 1e-5
+    grads = [torch.autograd.grad(out.sum(), (q, k, v)) for out in outs]
+    for mine, theirs in zip(*grads, strict=True):
+        assert (mine - theirs).abs().max() < 1e-4
+    assert cuda_wrapping_on_cpu.calls["backward"] > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mask_rows", [0, 1, 48], ids=["no-mask", "one-row", "per-row"])
+def test_cuda_kernel_pair_on_fake_cuda_tensors(dtype, mask_rows):
+    """The real ops' shapes, dtypes and devices on fake CUDA tensors: the log-sum-exp cropped to
+    the queries, float32; gradients shaped as their inputs; masks of 100 keys (rows padded)."""
+    from zoo.testing.fake_cuda import FakeCudaUnavailable, fake_cuda
+
+    kernel = lse_kernel.cuda_kernel()
+    try:
+        with fake_cuda():
+            q = torch.randn(1, 2, 48, 16, device="cuda", dtype=dtype)
+            k = torch.randn(1, 2, 100, 16, device="cuda", dtype=dtype)
+            v = torch.randn(1, 2, 100, 8 * 2, device="cuda", dtype=dtype)
+            mask = None if not mask_rows else torch.zeros(1, 1, mask_rows, 100, device="cuda")
+            out, lse = kernel.forward(q, k, v, mask, 0.25)
+            grads = kernel.backward(torch.randn_like(out), q, k, v, out, lse, mask, 0.25)
+    except FakeCudaUnavailable as error:
+        pytest.skip(str(error))
+    assert out.shape == (1, 2, 48, 16) and out.device.type == "cuda" and out.dtype == dtype
+    assert lse.shape == (1, 2, 48) and lse.dtype == torch.float32
+    for grad, like in zip(grads, (q, k, v), strict=True):
+        assert grad.shape == like.shape and grad.device.type == "cuda"
+
+
+def test_blocked_takes_the_runs_by_key_block_on_cuda_for_its_dtypes():
+    """The path's test of a call: CUDA in float16, bfloat16 and float32 (the memory-efficient
+    kernel's dtypes); float64 on CUDA takes the union path."""
+    cuda = torch.device("cuda")
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        assert lse_kernel.runs_on(cuda, dtype)
+    assert not lse_kernel.runs_on(cuda, torch.float64)
+    assert lse_kernel.runs_on(torch.device("cpu"), torch.float64)
+    assert lse_kernel.kernel_for(cuda).widened(12) == 16
+    assert lse_kernel.kernel_for(torch.device("cpu")).widened(12) == 12
+
+
+def test_moba_on_the_cuda_kernel_allocates_linearly_in_n(cuda_wrapping_on_cpu):
+    """The CUDA path of MoBA on ``blocked`` (the union per query block before: n^2 * H elements,
+    the H100's out-of-memory at 16K) allocates at most one block of keys per query and head (the
+    own block's mask under causal rules), forward and backward: linear in n."""
+    from helpers import LargestTensor
+
+    n, heads, block = 8192, 2, 512
+    q, k, v = (torch.randn(1, heads, n, 16, requires_grad=True) for _ in range(3))
+    watch = LargestTensor()
+    with watch:
+        out = zoo.attention(q, k, v, variant="moba", backend="blocked", causal=True)
+        out.sum().backward()
+    assert torch.isfinite(q.grad).all()
+    assert watch.largest <= heads * n * block, f"largest tensor {watch.largest} elements"
+
+
+def _runs_node(out: torch.Tensor):
+    """The autograd node of the runs by key block behind ``out``."""
+    seen, todo = set(), [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "_AttentionBackward":
+            return node
+        todo += [parent for parent, _ in node.next_functions]
+    raise AssertionError("no runs by key block behind the output")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_moba_by_key_runs_on_cuda_tensors_without_a_device_mix(causal, monkeypatch):
+    """The whole CUDA path of MoBA on ``blocked``, the choice, the runs, their masks, the kernel
+    wrapping and the merge, on CUDA tensors that hold CPU values (``tagged_cuda``: a cpu/cuda mix
+    raises as on a GPU), the kernel's ops emulated; its backward function called on them too.
+    Values against the same path run on the CPU."""
+    from zoo.backends.blocked.by_key import _Attention
+    from zoo.testing.fake_cuda import FakeCudaUnavailable, tagged_cuda
+
+    ops = EmulatedEfficientOps()
+    monkeypatch.setitem(lse_kernel.KERNELS, "cuda", lse_kernel.cuda_kernel(ops))
+    monkeypatch.setitem(lse_kernel.KERNELS, "cpu", lse_kernel.cuda_kernel(ops))
+    monkeypatch.setattr(zoo.backends.blocked, "routed_attention", _no_union)
+    g = torch.Generator().manual_seed(0)
+    values = [torch.randn(2, 4, 45, 12, generator=g), torch.randn(2, 2, 70, 12, generator=g),
+              torch.randn(2, 2, 70, 8, generator=g)]  # fmt: skip
+    padding = torch.zeros(2, 70, dtype=torch.bool)
+    padding[1, 50:] = True
+    grad = torch.randn(2, 4, 45, 8, generator=g)
+    kwargs = dict(variant="moba", backend=BlockedBackend(block_size=4), causal=causal,
+                  block_size=8, top_k=3)  # fmt: skip
+
+    def run(tag):
+        q, k, v = (tag(x).requires_grad_() for x in values)
+        out = zoo.attention(q, k, v, key_padding_mask=tag(padding), **kwargs)
+        node = _runs_node(out)
+        g_rows = tag(torch.randn(node.saved_tensors[3].shape, generator=torch.Generator()))
+        grads = _Attention.backward(node, g_rows, None)[:3]
+        return out, grads
+
+    try:
+        with tagged_cuda() as tag:
+            out, grads = run(tag)
+    except FakeCudaUnavailable as error:
+        pytest.skip(str(error))
+    assert out.device.type == "cuda" and all(g.device.type == "cuda" for g in grads)
+    want, want_grads = run(lambda x: x)
+    assert torch.equal(out.values, want.detach())
+    for got, expected in zip(grads, want_grads, strict=True):
+        assert torch.equal(got.values, expected)
+    assert grad.shape == out.shape

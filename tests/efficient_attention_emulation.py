@@ -1,0 +1,91 @@
+"""PyTorch's memory-efficient CUDA attention ops (``_scaled_dot_product_efficient_attention`` and
+its backward) emulated in plain PyTorch on a CPU, with the requirements the CUDA kernel checks
+(attention_backward.cu, kernel_forward.h's ``check_supported``) raised as errors and its output
+layouts reproduced: a log-sum-exp padded to a multiple of 32 queries (padding NaN here, so that a
+reader that does not crop it shows), an output stored (B, M, H, Dv), and a row whose keys are all
+masked given NaN (the worst a kernel may give). The ``blocked`` backend's CUDA wrapping
+(``zoo.backends.lse_kernel.cuda_kernel``) runs on these in tests/backends/test_lse_kernel.py."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+ALIGN = 8  # elements: the strictest of the kernels' minimum alignments that the wrapping meets
+BIAS_ROWS = 16  # elements between mask rows (SDPA pads its own masks to this)
+
+
+def _check_inputs(q, k, v, bias) -> None:
+    B, H, M, _ = q.shape
+    N = k.shape[2]
+    for name, x in (("query", q), ("key", k), ("value", v)):
+        if x.stride(-1) != 1:
+            raise RuntimeError(f"{name}: last dimension must be contiguous")
+        if x.shape[-1] % ALIGN or x.stride(2) % ALIGN:
+            raise RuntimeError(f"{name} is not correctly aligned (strideM)")
+    if bias is None:
+        return
+    if bias.dim() != 4 or tuple(bias.shape) != (B, H, M, N):
+        raise RuntimeError(f"attn_bias: wrong shape {tuple(bias.shape)}, not {(B, H, M, N)}")
+    if bias.dtype != q.dtype:
+        raise RuntimeError("invalid dtype for bias - should match query's dtype")
+    if bias.stride(3) != 1:
+        raise RuntimeError("attn_bias: wrong alignment (last dimension must be contiguous)")
+    for dim, size in ((0, B), (1, H), (2, M)):
+        if size > 1 and bias.stride(dim) % BIAS_ROWS:
+            raise RuntimeError(f"attn_bias is not correctly aligned (stride {dim})")
+
+
+def _scores(q, k, bias, scale):
+    scores = (q.double() @ k.double().transpose(-1, -2)) * scale
+    return scores if bias is None else scores + bias.double()
+
+
+def _padded_rows(M: int) -> int:
+    return math.ceil(M / 32) * 32
+
+
+@dataclass
+class EmulatedEfficientOps:
+    """The two ops, counting their calls; ``nan_for_keyless``: a row with no key gets NaN."""
+
+    calls: dict = field(default_factory=lambda: {"forward": 0, "backward": 0})
+
+    def forward(self, q, k, v, bias, compute_log_sumexp, dropout_p, is_causal, *, scale):
+        assert compute_log_sumexp and dropout_p == 0.0 and not is_causal
+        _check_inputs(q, k, v, bias)
+        self.calls["forward"] += 1
+        B, H, M, _ = q.shape
+        scores = _scores(q, k, bias, scale)
+        lse = torch.logsumexp(scores, dim=-1)  # -inf for a row with no key
+        out = torch.exp(scores - lse[..., None]) @ v.double()  # NaN for such a row
+        stored = out.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)  # (B, M, H, Dv)
+        padded = torch.full(
+            (B, H, _padded_rows(M)), float("nan"), dtype=torch.float32, device=q.device
+        )
+        padded[..., :M] = lse
+        none = torch.empty((), dtype=torch.long)
+        return stored, padded, none, none
+
+    def backward(
+        self, grad_out, q, k, v, bias, out, logsumexp, seed, offset, dropout_p, grad_input_mask,
+        is_causal, *, scale,
+    ):  # fmt: skip
+        assert dropout_p == 0.0 and not is_causal and list(grad_input_mask[:3]) == [True] * 3
+        _check_inputs(q, k, v, bias)
+        B, H, M, _ = q.shape
+        if logsumexp.dtype != torch.float32 or tuple(logsumexp.shape) != (B, H, _padded_rows(M)):
+            raise RuntimeError(f"logsumexp {tuple(logsumexp.shape)} is not the forward's")
+        if not out.transpose(1, 2).is_contiguous():
+            raise RuntimeError("out must be stored (B, M, H, Dv): its row stride is H * Dv")
+        self.calls["backward"] += 1
+        g = grad_out.double()
+        probs = torch.exp(_scores(q, k, bias, scale) - logsumexp[..., :M, None].double())
+        dv = probs.transpose(-1, -2) @ g
+        row = (g * out.double()).sum(-1, keepdim=True)
+        d_scores = probs * (g @ v.double().transpose(-1, -2) - row)
+        dq = (d_scores @ k.double()) * scale
+        dk = (d_scores.transpose(-1, -2) @ q.double()) * scale
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
