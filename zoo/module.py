@@ -63,9 +63,12 @@ def padding_from_lengths(valid_lens: Tensor, kv_len: int) -> Tensor:
     """(B,) numbers of valid keys -> (B, kv_len) key padding mask (True = padding)."""
     valid_lens = check_valid_lens(valid_lens)
     # A data-dependent check: checked in eager mode, skipped inside a compiled graph (where it
-    # would be a graph break) and on fake tensors (which have no values).
+    # would be a graph break) and on fake tensors (which have no values). On a GPU it is a
+    # device-side assertion: reading the values would stall the host on every call.
     out_of_range = (valid_lens < 0) | (valid_lens > kv_len)
-    if can_read_values(valid_lens) and bool(out_of_range.any()):
+    if can_read_values(valid_lens) and valid_lens.device.type != "cpu":
+        torch._assert_async(~out_of_range.any(), f"valid_lens must lie in [0, {kv_len}]")
+    elif can_read_values(valid_lens) and bool(out_of_range.any()):
         raise ValueError(
             f"valid_lens must lie in [0, {kv_len}] (the key length), got {valid_lens.tolist()}"
         )

@@ -85,8 +85,8 @@ def needs_device_build(args: tuple) -> bool:
     """Whether a builder with these arguments must be built here: a device among them holds no
     data, or an argument is the mirror of such a build (checked on every per-shape lookup, so
     kept to a type test per argument)."""
-    if getattr(_STATE, "building", False):  # a builder that calls another: built the same way
-        return True
+    if getattr(_STATE, "building", False) or getattr(_STATE, "tagging", 0):
+        return True  # a builder that calls another, or a call on tagged tensors: built so too
     for arg in args:
         if type(arg) is torch.device:
             if not can_hold_data(arg):
@@ -100,11 +100,13 @@ def device_build(builder: Callable[..., Any], args: tuple) -> Any:
     """``builder(*args)`` for the device among ``args`` that holds no data: run for real on the
     CPU with its tensors tagged with that device, the result mirrored under the caller's mode."""
     args = tuple(_MIRRORS[id(a)][1] if id(a) in _MIRRORS else a for a in args)
-    if getattr(_STATE, "building", False) or getattr(_STATE, "tagging", 0):
-        # a builder that calls another, or a caller on tagged tensors: stay tagged, values kept
+    if getattr(_STATE, "building", False):  # a builder that calls another: stay tagged
         return builder(*args)
+    tagged = getattr(_STATE, "tagging", 0) > 0  # a caller on tagged tensors: their values kept
     _STATE.building = True
     try:
+        if tagged:
+            return builder(*args)
         with _disable_current_modes(), _no_function_modes(), torch.no_grad(), tagging():
             built = builder(*args)
     finally:

@@ -1,0 +1,105 @@
+"""A forward call on CUDA reads no device value on the host: no ``.item()``, ``nonzero``, boolean
+indexing or ``torch.equal`` on its path, each a synchronisation that would stall the host until
+the GPU is done and keep it from queueing the next kernels (a cost the size of the host's work
+per call, which a benchmark at short lengths shows as a fixed gap).
+
+Fake tensors cannot show this: the zoo's value checks are skipped on them (``can_read_values``).
+So the calls run on CUDA tensors that hold CPU values (``zoo.testing.tagged_cuda``), where every
+read happens and is recorded. Per-shape structures are left out: on a GPU they are built once per
+shape and cached (``zoo.core.shape_cache``). Flex's compiled kernel is stubbed (Inductor does not
+run on tagged tensors); the work around it is what is checked. MoBA on ``blocked`` reads its runs'
+count by design (``blocked.by_key``) and is not among these.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import FIXED_VARIANTS, GRAPH_VARIANTS, small_params
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import zoo
+from zoo.backends import flex
+from zoo.core import device_build
+from zoo.core.device_build import Tagged
+
+VARIANTS = [v for v in FIXED_VARIANTS if v not in GRAPH_VARIANTS]
+READS = {"_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal",
+         "unique_consecutive", "_unique2", "unique_dim"}  # fmt: skip
+
+
+class DeviceReads(TorchDispatchMode):
+    """Records each operation that reads a tagged tensor's values to the host, outside the
+    per-shape builders."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        building = getattr(device_build._STATE, "building", False)
+        tagged = any(isinstance(t, Tagged) for t in tree_leaves((args, kwargs)))
+        if name in READS and not building and tagged:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _stub_kernel(compiled, least, q, k, v, **kwargs):
+    return q.new_zeros(*q.shape[:-1], v.shape[-1])
+
+
+@pytest.fixture
+def tagged(monkeypatch):
+    from zoo.testing.fake_cuda import FakeCudaUnavailable, tagged_cuda
+
+    monkeypatch.setattr(flex, "run_kernel", _stub_kernel)
+    try:
+        with tagged_cuda() as tag:
+            yield tag
+    except FakeCudaUnavailable as error:
+        pytest.skip(str(error))
+
+
+@pytest.mark.parametrize("backend", ["flex", "sdpa", "blocked", "auto"])
+@pytest.mark.parametrize("variant", [*VARIANTS, "moba"])
+def test_a_forward_call_on_cuda_reads_no_device_value(variant, backend, tagged):
+    """Grouped heads, fewer queries than keys with key padding; causal at equal lengths (torch's
+    own lower-right causal mask needs a CUDA runtime to be made)."""
+    if variant == "moba" and backend == "blocked":
+        pytest.skip("MoBA's runs by key block read their count (blocked.by_key)")
+    q = tagged(torch.randn(2, 4, 150, 16))
+    k = tagged(torch.randn(2, 2, 200, 16))
+    padding = tagged(torch.zeros(2, 200, dtype=torch.bool))
+    watch = DeviceReads()
+    with watch:
+        out = zoo.attention(
+            q, k, k, variant=variant, backend=backend, key_padding_mask=padding,
+            **small_params(variant),
+        )  # fmt: skip
+        params = small_params(variant)
+        zoo.attention(k, k, k, variant=variant, backend=backend, causal=True, **params)
+    assert out.device.type == "cuda"
+    assert watch.reads == [], f"device values read on the host: {watch.reads}"
+
+
+def test_the_watch_sees_a_read(tagged):
+    watch = DeviceReads()
+    with watch:
+        x = tagged(torch.ones(3))
+        bool(x.any())
+        x.nonzero()
+    assert watch.reads == ["_local_scalar_dense", "nonzero"]
+
+
+def test_valid_lens_are_checked_on_the_device(tagged):
+    """The module's key counts on a GPU: checked by a device-side assertion, not read."""
+    from zoo.module import padding_from_lengths
+
+    watch = DeviceReads()
+    with watch:
+        padding = padding_from_lengths(tagged(torch.tensor([5, 2])), 5)
+    assert watch.reads == [] and padding.device.type == "cuda"
+    with pytest.raises(RuntimeError, match="valid_lens must lie in"):
+        padding_from_lengths(tagged(torch.tensor([6, 2])), 5)  # the assertion fires (values: CPU)
