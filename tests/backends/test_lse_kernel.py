@@ -209,3 +209,67 @@ def test_moba_by_key_runs_on_cuda_tensors_without_a_device_mix(causal, monkeypat
     for got, expected in zip(grads, want_grads, strict=True):
         assert torch.equal(got.values, expected)
     assert grad.shape == out.shape
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_runs_take_few_kernel_calls_on_cuda(causal, cuda_wrapping_on_cpu):
+    """32 runs of chosen blocks per pass (2 sequences, 2 key/value heads, 8 key blocks, aligned
+    with the runs' 32 keys, as MoBA's 512 are with the default's): the unmasked ones packed into
+    one variable-length call, the causal own blocks (a mask per row) stacked into one call; a
+    launch per run would cost more than a small run's attention on a GPU."""
+    q, k, v = random_qkv(2, 4, 256, 256, kv_heads=2)
+    out = zoo.attention(
+        q, k, v, variant="moba", backend=BlockedBackend(block_size=4), causal=causal,
+        block_size=32, top_k=3,
+    )  # fmt: skip
+    out.sum().backward()
+    calls = cuda_wrapping_on_cpu.calls
+    assert calls["varlen_forward"] == 1 and calls["varlen_backward"] == 1
+    assert calls["forward"] == calls["backward"] == (1 if causal else 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_and_stacked_runs_on_fake_cuda_tensors(dtype):
+    """The variable-length and stacked calls through the real ops' shapes on fake CUDA tensors:
+    two unmasked runs (packed), two masked runs of 20 and 30 rows (stacked, padded to 30)."""
+    from zoo.testing.fake_cuda import FakeCudaUnavailable, fake_cuda
+
+    # torch's meta function of _efficient_attention_backward lacks its schema's ``out``
+    # argument (torch 2.13): the call is bound to the schema instead and answered by shape.
+    def varlen_backward(*args, **kwargs):
+        bound = _bind(torch.ops.aten._efficient_attention_backward.default, args, kwargs)
+        runs = bound["cu_seqlens_q"].shape[0] - 1
+        assert bound["out"].shape == bound["grad_out_"].shape and bound["bias"] is None
+        assert bound["logsumexp"].shape == (runs, 1, -(-bound["max_seqlen_q"] // 32) * 32)
+        return (*(torch.empty_like(bound[n]) for n in ("query", "key", "value")), None)
+
+    kernel = lse_kernel.cuda_kernel(lse_kernel._EfficientOps(varlen_backward=varlen_backward))
+    try:
+        with fake_cuda():
+
+            def run(rows, masked):
+                q = torch.randn(1, 1, rows, 16, device="cuda", dtype=dtype)
+                k, v = (torch.randn(1, 1, 40, 16, device="cuda", dtype=dtype) for _ in range(2))
+                mask = torch.zeros(1, 1, rows, 40, device="cuda") if masked else None
+                return q, k, v, mask
+
+            runs = [run(5, False), run(20, True), run(33, False), run(30, True)]
+            results = kernel.forward_all(runs, 0.25)
+            grads = kernel.backward_all(
+                [(torch.randn_like(out), *r[:3], out, lse, r[3])
+                 for r, (out, lse) in zip(runs, results, strict=True)],
+                0.25,
+            )  # fmt: skip
+    except FakeCudaUnavailable as error:
+        pytest.skip(str(error))
+    for (q, k, v, _), (out, lse), (dq, dk, dv) in zip(runs, results, grads, strict=True):
+        assert out.shape == (*q.shape[:3], 16) and lse.shape == q.shape[:3]
+        assert lse.dtype == torch.float32 and out.device.type == "cuda"
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+def _bind(op, args: tuple, kwargs: dict) -> dict:
+    """An op's arguments by their schema's names."""
+    names = [a.name for a in op._schema.arguments]
+    assert len(args) <= len(names) and set(kwargs) <= set(names)
+    return {**dict(zip(names, args, strict=False)), **kwargs}

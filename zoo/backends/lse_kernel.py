@@ -24,10 +24,20 @@ gradients its exact share of the row's (``lse_merge``).
 
 A row whose keys are all masked gets an output of zeros or NaN depending on the kernel: callers
 weigh such rows by zero with ``torch.where``, never by multiplying.
+
+Many runs at once (``forward_all``, ``backward_all``): on a CPU one call each. On CUDA a kernel
+launch and its host work would cost more than a small run's attention (MoBA at 64K tokens, 16
+heads: 2048 runs per pass), so runs of one sequence and head are packed: those without a mask
+into one variable-length call of the same kernel (``cu_seqlens``: each run's queries against its
+own keys, its log-sum-exp at [run, head, row] of rows padded to 32), masked ones of one shape
+stacked as a batch into one call (the masks stacked too). Their results are views of the packed
+outputs, in the runs' order.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,16 +51,31 @@ MASK_ROW_MULTIPLE = 16  # its mask rows' stride, in elements
 @dataclass(frozen=True)
 class LseKernel:
     """A device's kernel pair (see the module docstring); ``ops``: the ATen forward and backward
-    it calls, swappable so that a CPU test can run the CUDA wrapping on an emulation of them."""
+    it calls, swappable so that a CPU test can run the CUDA wrapping on an emulation of them.
+    ``forward_all`` / ``backward_all``: many runs in few calls, where the device has them."""
 
     device_type: str
     head_multiple: int
     forward: Callable[[Tensor, Tensor, Tensor, Tensor | None, float], tuple[Tensor, Tensor]]
     backward: Callable[..., tuple[Tensor, Tensor, Tensor]]
+    many_forward: Callable[[list, float], list] | None = None
+    many_backward: Callable[[list, float], list] | None = None
 
     def widened(self, width: int) -> int:
         """The head size the kernel gets for q/k and v heads of at most ``width``."""
         return -(-width // self.head_multiple) * self.head_multiple
+
+    def forward_all(self, runs: list[tuple], scale: float) -> list[tuple[Tensor, Tensor]]:
+        """(out, lse) of each run (q, k, v, mask)."""
+        if self.many_forward is not None:
+            return self.many_forward(runs, scale)
+        return [self.forward(*run, scale) for run in runs]
+
+    def backward_all(self, runs: list[tuple], scale: float) -> list[tuple[Tensor, Tensor, Tensor]]:
+        """(dq, dk, dv) of each run (grad_out, q, k, v, out, lse, mask)."""
+        if self.many_backward is not None:
+            return self.many_backward(runs, scale)
+        return [self.backward(*run, scale) for run in runs]
 
 
 def _cpu_forward(q, k, v, mask, scale):
@@ -70,15 +95,18 @@ CPU = LseKernel("cpu", 1, _cpu_forward, _cpu_backward)
 
 
 def _bias(mask: Tensor | None, q: Tensor, k: Tensor) -> Tensor | None:
-    """The mask as the memory-efficient kernel takes it: (B, H, M, N) in q's dtype, rows
-    MASK_ROW_MULTIPLE apart (or broadcast, stride 0), the last dimension contiguous."""
+    """The mask as the memory-efficient kernel takes it: (B, H, M, N) in q's dtype, rows (and
+    batches, heads) MASK_ROW_MULTIPLE elements apart or broadcast, the last dimension contiguous."""
     if mask is None:
         return None
     B, H, M = q.shape[:3]
     N = k.shape[2]
     mask = mask.to(q.dtype)
-    rows_apart = mask.shape[-2] == 1 or mask.stride(-2) % MASK_ROW_MULTIPLE == 0
-    if mask.stride(-1) != 1 or not rows_apart:
+    aligned = all(
+        size == 1 or stride % MASK_ROW_MULTIPLE == 0
+        for size, stride in zip(mask.shape[:-1], mask.stride()[:-1], strict=True)
+    )
+    if mask.stride(-1) != 1 or not aligned:
         padded = -(-N // MASK_ROW_MULTIPLE) * MASK_ROW_MULTIPLE
         stored = mask.new_zeros(*mask.shape[:-1], padded)
         stored[..., :N] = mask
@@ -90,6 +118,102 @@ def _bias(mask: Tensor | None, q: Tensor, k: Tensor) -> Tensor | None:
 class _EfficientOps:
     forward: Callable = torch.ops.aten._scaled_dot_product_efficient_attention
     backward: Callable = torch.ops.aten._scaled_dot_product_efficient_attention_backward
+    varlen_forward: Callable = torch.ops.aten._efficient_attention_forward
+    varlen_backward: Callable = torch.ops.aten._efficient_attention_backward
+
+
+def _padded_rows(rows: int) -> int:
+    return -(-rows // LSE_QUERY_MULTIPLE) * LSE_QUERY_MULTIPLE
+
+
+def _alone(q: Tensor, k: Tensor) -> bool:
+    """A run of one sequence and head (q (1, 1, n, D)): what packing and stacking take."""
+    return q.shape[:2] == (1, 1) and k.shape[:2] == (1, 1)
+
+
+def _packing(runs: list[tuple]) -> tuple[list[int], list[list[int]], list[int]]:
+    """Indices of runs (q, k, v, mask) packed by length (no mask), stacked (a mask: by their
+    keys' shape and rows within 2x of each other, padded to the most), and called alone; a
+    group of one is called alone."""
+    packed: list[int] = []
+    stacked: dict[tuple, list[int]] = {}
+    for i, (q, k, v, mask) in enumerate(runs):
+        if not _alone(q, k):
+            continue
+        if mask is None:
+            packed.append(i)
+        elif mask.shape[:2] == (1, 1):
+            key = (k.shape, v.shape, q.shape[3], mask.shape[2] == 1, q.shape[2].bit_length())
+            stacked.setdefault(key, []).append(i)
+    if len(packed) < 2:
+        packed = []
+    groups = [g for g in stacked.values() if len(g) > 1]
+    taken = set(packed).union(*groups)
+    return packed, groups, [i for i in range(len(runs)) if i not in taken]
+
+
+def _row_index(rows: list[int], width: int, device: torch.device) -> Tensor:
+    """(sum rows,): row i of run r at r * width + i, made on the device from the run lengths."""
+    total = sum(rows)
+    run = torch.repeat_interleave(
+        torch.arange(len(rows), device=device), torch.tensor(rows, device=device),
+        output_size=total,
+    )  # fmt: skip
+    return run * width + torch.arange(total, device=device) - _offsets(rows, device)[run]
+
+
+def _offsets(lengths: list[int], device: torch.device) -> Tensor:
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+
+
+class _Packed:
+    """Runs of one sequence and head, their rows one after another: (1, total, 1, D) tensors
+    for the variable-length kernel, and each row's place in its run's log-sum-exp rows."""
+
+    def __init__(self, queries: list[Tensor], keys: list[Tensor]) -> None:
+        self.rows = [q.shape[2] for q in queries]
+        self.keys = [k.shape[2] for k in keys]
+        device = queries[0].device
+        self.cu_q = _offsets(self.rows, device)
+        self.cu_k = _offsets(self.keys, device)
+        self.width = _padded_rows(max(self.rows))
+        self.index = _row_index(self.rows, self.width, device)  # into (runs, width) lse rows
+
+    @staticmethod
+    def pack(parts: list[Tensor]) -> Tensor:
+        """(1, 1, n_r, D) each -> (1, sum n_r, 1, D)."""
+        return torch.cat([p[0, 0] for p in parts])[None, :, None]
+
+    @staticmethod
+    def unpack(x: Tensor, lengths: list[int]) -> list[Tensor]:
+        """(1, total, 1, D) -> (1, 1, n_r, D) views, one per run."""
+        return [p[None, None] for p in x[0, :, 0].split(lengths)]
+
+
+class _Stacked:
+    """Runs of one sequence and head stacked as a batch, (G, 1, most rows, ...), their rows
+    padded with zeros: a padding row attends with a zero query and zero mask, and its output
+    gradient is zero, so it adds nothing to any key's gradient; its results are dropped."""
+
+    def __init__(self, rows: list[int], device: torch.device) -> None:
+        self.rows = rows
+        self.width = max(rows)
+        self.index = _row_index(rows, self.width, device)
+
+    def stack(self, parts: list[Tensor]) -> Tensor:
+        """(1, 1, n_r, ...) each -> (G, 1, width, ...)."""
+        flat = torch.cat([p.reshape(p.shape[2], -1) for p in parts])
+        stacked = flat.new_zeros(len(parts) * self.width, flat.shape[1])
+        stacked.index_copy_(0, self.index, flat)
+        return stacked.view(len(parts), 1, self.width, *parts[0].shape[3:])
+
+    def unstack(self, x: Tensor) -> list[Tensor]:
+        """(G, 1, width, ...) -> (1, 1, n_r, ...) each."""
+        flat = x.reshape(x.shape[0] * self.width, -1)[self.index]
+        return [
+            p.view(1, 1, n, *x.shape[3:])
+            for p, n in zip(flat.split(self.rows), self.rows, strict=True)
+        ]
 
 
 def cuda_kernel(ops: _EfficientOps | None = None) -> LseKernel:
@@ -112,7 +236,76 @@ def cuda_kernel(ops: _EfficientOps | None = None) -> LseKernel:
         )  # fmt: skip
         return grads[0], grads[1], grads[2]
 
-    return LseKernel("cuda", 8, forward, backward)
+    def packed_forward(runs, scale):
+        queries, keys, values = ([run[i] for run in runs] for i in range(3))
+        p = _Packed(queries, keys)
+        out, lse = ops.varlen_forward(
+            p.pack(queries), p.pack(keys), p.pack(values), None, p.cu_q, p.cu_k, max(p.rows),
+            max(p.keys), 0.0, 0, True, scale=scale,
+        )[:2]  # fmt: skip
+        lse = lse[:, 0].flatten()[p.index]  # (total,): each row's, in the runs' order
+        lses = [x.view(1, 1, -1) for x in lse.split(p.rows)]
+        return list(zip(p.unpack(out, p.rows), lses, strict=True))
+
+    def packed_backward(runs, scale):
+        g, q, k, v, out, lse = ([run[i] for run in runs] for i in range(6))
+        p = _Packed(q, k)
+        rows = torch.zeros(len(runs) * p.width, dtype=torch.float32, device=p.cu_q.device)
+        rows[p.index] = torch.cat([x.flatten() for x in lse]).float()
+        none = q[0].new_empty((), dtype=torch.long)
+        dq, dk, dv = ops.varlen_backward(
+            p.pack(g), p.pack(q), p.pack(k), p.pack(v), None, p.pack(out), p.cu_q, p.cu_k,
+            max(p.rows), max(p.keys), rows.view(len(runs), 1, p.width), 0.0, none, none, 0,
+            False, scale=scale,
+        )[:3]  # fmt: skip
+        return list(
+            zip(p.unpack(dq, p.rows), p.unpack(dk, p.keys), p.unpack(dv, p.keys), strict=True)
+        )
+
+    def stacked(call, rows_at, row_parts, row_results, runs, scale):
+        """One call on the runs stacked as a batch (``_Stacked``), each run's rows those of its
+        part ``rows_at``; parts in ``row_parts`` with a row per query are stacked by rows, the
+        others concatenated; results in ``row_results`` unstacked by rows, the others split."""
+        counts = [run[rows_at].shape[2] for run in runs]
+        s = _Stacked(counts, runs[0][rows_at].device)
+        parts = []
+        for i in range(len(runs[0])):
+            here = [run[i] for run in runs]
+            by_row = i in row_parts and all(
+                x.shape[2] == n for x, n in zip(here, counts, strict=True)
+            )
+            parts.append(s.stack(here) if by_row else torch.cat(here))
+        per_result = [
+            s.unstack(x) if j in row_results else [x[g : g + 1] for g in range(len(runs))]
+            for j, x in enumerate(call(*parts, scale))
+        ]
+        return list(zip(*per_result, strict=True))
+
+    def in_few_calls(single, packed_call, stacked_call, shapes, runs, scale):
+        """Each run's results: packed, stacked, or alone (``_packing`` of ``shapes``, each run's
+        (q, k, v, mask)), in the runs' order."""
+        packed, groups, alone = _packing(shapes)
+        calls = [(packed, packed_call)] if packed else []
+        calls += [(group, stacked_call) for group in groups]
+        results: list = [None] * len(runs)
+        for indices, call in calls:
+            done = call([runs[i] for i in indices], scale)
+            for i, result in zip(indices, done, strict=True):
+                results[i] = result
+        for i in alone:
+            results[i] = single(*runs[i], scale)
+        return results
+
+    def forward_all(runs, scale):  # runs: (q, k, v, mask); results: (out, lse)
+        by_rows = functools.partial(stacked, forward, 0, (0, 3), (0, 1))
+        return in_few_calls(forward, packed_forward, by_rows, runs, runs, scale)
+
+    def backward_all(runs, scale):  # runs: (grad_out, q, k, v, out, lse, mask); (dq, dk, dv)
+        by_rows = functools.partial(stacked, backward, 1, (0, 1, 4, 5, 6), (0,))
+        shapes = [(q, k, v, mask) for _, q, k, v, _, _, mask in runs]
+        return in_few_calls(backward, packed_backward, by_rows, shapes, runs, scale)
+
+    return LseKernel("cuda", 8, forward, backward, forward_all, backward_all)
 
 
 KERNELS = {"cpu": CPU, "cuda": cuda_kernel()}

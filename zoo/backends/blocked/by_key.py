@@ -341,8 +341,10 @@ class _Attention(torch.autograd.Function):
         ctx, q: Tensor, k: Tensor, v: Tensor, r: Runs, kernel: LseKernel
     ) -> tuple[Tensor, Tensor]:
         outs, lses = [], []
-        for _, queries, keys, values, mask, _ in _each(r, q, k, v):
-            out, lse = kernel.forward(queries, keys, values, mask, 1.0)
+        each = [
+            (queries, keys, values, mask) for _, queries, keys, values, mask, _ in _each(r, q, k, v)
+        ]
+        for out, lse in kernel.forward_all(each, 1.0):
             outs.append(out.reshape(-1, out.shape[-1]))  # in the order of the run's rows
             lses.append(lse.flatten())
         rows = torch.cat(r.rows)
@@ -372,15 +374,19 @@ class _Attention(torch.autograd.Function):
         lse = torch.where(torch.isfinite(lse), lse, 0)  # a keyless row's probabilities stay 0
         dq, dk, dv = torch.zeros_like(out), torch.zeros_like(k), torch.zeros_like(v)
         dk_blocks, dv_blocks = _key_blocks(r, dk), _key_blocks(r, dv)
-        for rows, queries, keys, values, mask, block in _each(r, q, k, v):
+        each = list(_each(r, q, k, v))
+        runs = []
+        for rows, queries, keys, values, mask, _ in each:
             o, d_o = out[rows].view(queries.shape), grad_out[rows].view(queries.shape)
-            m = lse[rows].view(queries.shape[:-1])
-            if grad_lse is None:
-                dq_r, dk_r, dv_r = ctx.kernel.backward(d_o, queries, keys, values, o, m, mask, 1.0)
-            else:  # the mass's gradient enters: d lse / d score = probability, explicitly
-                dq_r, dk_r, dv_r = explicit_backward(
-                    d_o, queries, keys, values, o, m, mask, 1.0, grad_lse[rows].view(m.shape)
-                )
+            runs.append((d_o, queries, keys, values, o, lse[rows].view(queries.shape[:-1]), mask))
+        if grad_lse is None:
+            grads = ctx.kernel.backward_all(runs, 1.0)
+        else:  # the mass's gradient enters: d lse / d score = probability, explicitly
+            grads = [
+                explicit_backward(*run[:6], run[6], 1.0, grad_lse[rows].view(run[5].shape))
+                for run, (rows, *_) in zip(runs, each, strict=True)
+            ]
+        for (rows, *_, block), (dq_r, dk_r, dv_r) in zip(each, grads, strict=True):
             dq.index_add_(0, rows, dq_r.reshape(-1, dq_r.shape[-1]))
             dk_blocks[block].add_(dk_r)
             dv_blocks[block].add_(dv_r)
