@@ -50,6 +50,9 @@ class BenchConfig:
     seed: int = 0
     threads: int = 0  # CPU threads for torch; 0 keeps torch's default
     fit_points: int = 3  # the largest successful lengths an exponent is fitted over
+    # name -> {backend: a registered backend, and its constructor's options}: a backend built
+    # with options, listed in ``backends`` by this name (blocked computing in bfloat16, say)
+    backend_instances: dict[str, dict] = field(default_factory=dict)
 
 
 def _unknown(source: str, key: str, index: int, kind: str, name: str, known, listing: str) -> str:
@@ -103,10 +106,32 @@ def _check_listed(source: str, key: str, names, kind: str, known, listing: str) 
             raise ConfigError(_unknown(source, key, i, kind, name, known, listing))
 
 
+def backend_instances(config: BenchConfig, source: str) -> dict:
+    """The backends of ``backend_instances``, built; an option that names a dtype
+    (``compute_dtype: bfloat16``) as that torch dtype."""
+    built = {}
+    for name, spec in config.backend_instances.items():
+        options = dict(spec)
+        base = options.pop("backend", None)
+        if base not in zoo.list_backends():
+            known = zoo.list_backends()
+            hint = suggest("backend", str(base), known, "zoo.list_backends()")
+            raise ConfigError(f"{source}: backend_instances.{name}.backend: {hint}")
+        for key, value in options.items():
+            if key.endswith("dtype") and isinstance(value, str):
+                options[key] = getattr(torch, value)
+        try:
+            built[name] = type(zoo.backends.get_backend(base))(**options)
+        except (TypeError, ValueError) as error:
+            raise ConfigError(f"{source}: backend_instances.{name}: {error}") from error
+    return built
+
+
 def _check_backends(config: BenchConfig, source: str, extra_backends: dict | None) -> None:
     """Every backend is registered in the zoo, is "auto", or is one the caller adds
-    (``extra_backends``, which the zoo's registry does not list)."""
-    known = [*zoo.list_backends(), "auto", *(extra_backends or {})]
+    (``extra_backends``, which the zoo's registry does not list) or the config builds
+    (``backend_instances``)."""
+    known = [*zoo.list_backends(), "auto", *(extra_backends or {}), *config.backend_instances]
     _check_listed(source, "backends", config.backends, "backend", known, "zoo.list_backends()")
 
 

@@ -311,13 +311,13 @@ def goal_b(runs: dict[str, list[Run]]) -> Goal:
                         f"{twin['variant']} ({shown}) {twin['time_ms']:.3g} ms on "
                         f"{twin['allowed_pairs']:.3g} pairs"
                     )
-                    other = [
+                    others = [
                         c for c in cells
-                        if c["variant"] == "moba" and c["backend"] == "blocked" and _ok(c)
+                        if c["variant"] == "moba" and c["backend"] != "auto" and _ok(c)
                         and (c["n"], c["causal"], c["pass"]) == (n, causal, pass_)
                     ]  # fmt: skip
-                    if other:  # its runs by key block, a candidate for auto's table
-                        note += f"; MoBA on blocked {other[0]['time_ms']:.3g} ms"
+                    for other in others:  # named backends (blocked's runs): candidates for auto
+                        note += f"; MoBA on {other['backend']} {other['time_ms']:.3g} ms"
                     result = (ratio, note, ratio <= B_FACTOR)
                 if key not in results or result[0] > results[key][0]:
                     results[key] = result

@@ -268,6 +268,14 @@ def test_out_of_memory_errors_are_recognised():
         ("peers=[flash]", ["peers[0]", "unknown peer 'flash'"]),
         ("params={local: {window: 3}}", ["params: local", "no parameter 'window'"]),
         ("dtype=fp8", ["dtype must be auto or one of"]),
+        (
+            "backend_instances={b16: {backend: blockd}}",
+            ["backend_instances.b16.backend", "'blocked'"],
+        ),
+        (
+            "backend_instances={b16: {backend: blocked, waist: 1}}",
+            ["backend_instances.b16", "waist"],
+        ),
     ],
 )
 def test_bad_configs_are_errors_that_name_the_file_and_key(tmp_path, capsys, override, expected):
@@ -285,6 +293,21 @@ def test_unknown_key_in_the_file_names_the_file(tmp_path, capsys):
     assert bench.main([path]) == 2
     error = capsys.readouterr().err
     assert path in error and "'warm_up'" in error and "'warmup'" in error
+
+
+def test_backend_instances_are_built_with_their_options(tmp_path):
+    """A backend built with options runs under its own name beside the registered one."""
+    path = write_config(tmp_path)
+    config = load_config(BenchConfig, path, [
+        "backends=[blocked, blocked_bf16]",
+        "backend_instances={blocked_bf16: {backend: blocked, compute_dtype: bfloat16}}",
+    ])  # fmt: skip
+    built = bench.backend_instances(config, path)
+    assert built["blocked_bf16"].compute_dtype == torch.bfloat16
+    assert bench.check_config(config, path, built)
+    shipped = str(bench.CONFIGS / "bench_goals_moba_gpu.yaml")
+    moba = load_config(BenchConfig, shipped, [])
+    assert bench.check_config(moba, shipped, bench.backend_instances(moba, shipped))
 
 
 def test_shipped_configs_load_and_check():
