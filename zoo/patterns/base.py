@@ -162,6 +162,14 @@ class Pattern:
         """'full', 'causal' or 'sparse': dense kernels run the first two without a mask."""
         return "sparse"
 
+    @property
+    def constant_block(self) -> int | None:
+        """A size b such that on each b x b square of positions (queries i*b .. i*b + b - 1
+        against keys j*b .. j*b + b - 1) the pattern allows every pair or none; 0 where any
+        size will do (full attention), None where there is none (a window's diagonal edge). A
+        backend may then read the mask as one lookup per square (``zoo.backends.flex_lookup``)."""
+        return None
+
     def mask_mod(self, q_len: int, kv_len: int):
         """The FlexAttention view: a function of (batch, head, query index, key index)."""
         offset = kv_len - q_len

@@ -37,6 +37,10 @@ class BlockLocal(Pattern):
         check_int("block_size", self.block_size)
         check_int("neighbors", self.neighbors, minimum=0)
 
+    @property
+    def constant_block(self) -> int:
+        return self.block_size
+
     def allowed(self, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
         return (q_pos // self.block_size - kv_pos // self.block_size).abs() <= self.neighbors
 

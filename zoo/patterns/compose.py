@@ -13,6 +13,7 @@ partial softmaxes exactly (see ``zoo.backends.merge``).
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import reduce
@@ -39,6 +40,14 @@ def order_key(order: object) -> tuple[bool, str]:
     return (not isinstance(order, int), f"{order:020d}" if isinstance(order, int) else repr(order))
 
 
+def common_block(children: tuple[Pattern, ...]) -> int | None:
+    """The members' ``constant_block`` in common: squares of a size each member's divides (0:
+    any), None if a member has none. A union or intersection of patterns constant on squares is
+    constant on the squares they share."""
+    sizes = [c.constant_block for c in children]
+    return None if None in sizes else math.gcd(*sizes)
+
+
 def _flatten(kind: type, children: tuple[Pattern, ...]) -> tuple[Pattern, ...]:
     flat: list[Pattern] = []
     for child in children:
@@ -59,6 +68,10 @@ class Union(Pattern):
     def stride(self) -> int:  # type: ignore[override]
         strides = {child.stride for child in self.children}
         return strides.pop() if len(strides) == 1 else 1
+
+    @property
+    def constant_block(self) -> int | None:
+        return common_block(self.children)
 
     def allowed(self, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
         return reduce(torch.logical_or, (c.allowed(q_pos, kv_pos) for c in self.children))
@@ -133,6 +146,10 @@ class Intersection(Pattern):
         orders = [child.stride for child in self.children]
         tiles = [order for order in orders if not isinstance(order, int)]
         return tiles[0] if tiles else max(orders)
+
+    @property
+    def constant_block(self) -> int | None:
+        return common_block(self.children)
 
     def allowed(self, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
         return reduce(torch.logical_and, (c.allowed(q_pos, kv_pos) for c in self.children))

@@ -40,6 +40,10 @@ class Full(Pattern):
         return torch.ones(q_len, kv_len, dtype=torch.bool)
 
     @property
+    def constant_block(self) -> int:
+        return 0  # any size
+
+    @property
     def kind(self) -> str:
         return "full"
 

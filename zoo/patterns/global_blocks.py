@@ -79,6 +79,10 @@ class GlobalBlocks(Pattern):
         check_int("block_size", self.block_size)
         check_position("position", self.position)
 
+    @property
+    def constant_block(self) -> int:
+        return self.block_size
+
     def specialize(self, q_len: int, kv_len: int, device: torch.device | None = None) -> Pattern:
         blocks = (kv_len - 1) // self.block_size + 1
         chosen = global_block_indices(self.num_blocks, self.position, blocks)

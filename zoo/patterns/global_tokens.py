@@ -63,6 +63,10 @@ class Global(Pattern):
             blocks = tuple(range(check_int("global_tokens", self.global_tokens)))
         object.__setattr__(self, "_ranges", _ranges(blocks, self.block_size))
 
+    @property
+    def constant_block(self) -> int:
+        return self.block_size
+
     def _is_global(self, pos: Tensor) -> Tensor:
         hits = [(pos >= start) & (pos < stop) for start, stop in self._ranges]
         out = hits[0]

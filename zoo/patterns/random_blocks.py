@@ -172,6 +172,10 @@ class Random(Pattern):
 
     _causal = False  # the causal form draws among the blocks at or before each query block
 
+    @property
+    def constant_block(self) -> int:
+        return self.block_size
+
     def __post_init__(self) -> None:
         check_int("block_size", self.block_size)
         check_int("num_blocks", self.num_blocks)
@@ -254,6 +258,10 @@ class RandomBlocks(Pattern):
     @property
     def per_head(self) -> bool:  # type: ignore[override]
         return self.source is not None or self.table.dim() == 3
+
+    @property
+    def constant_block(self) -> int:
+        return self.block_size
 
     @property
     def heads(self) -> int | None:
