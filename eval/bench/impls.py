@@ -239,8 +239,10 @@ class SdpaDense:
 
 
 def compiled_flex_attention():
-    """The zoo's compiled FlexAttention kernel, so that both flex cells run the same compiled
-    function (dynamo caches a graph per shape and mask)."""
+    """The zoo's compiled FlexAttention kernel with static shapes (``dynamic=False``), the
+    standard way. The zoo's own calls on a GPU use its kernel of automatic dynamic shapes
+    (``zoo.backends.flex_kernel._compiled_kernel``): from a sweep's second length on, goal (a)
+    compares the zoo's kernel of symbolic lengths with this static one."""
     from zoo.backends.flex_kernel import _kernel
 
     return _kernel(True)
