@@ -133,3 +133,24 @@ def test_random_blocks_are_the_same_on_gpu_and_cpu():
     q, k, v = random_qkv(1, 1, 512, 512, device="cuda")
     _, weights = zoo.attention(q, k, v, variant="bigbird", block_size=32, return_weights=True)
     assert torch.equal((weights[0, 0] > 0).cpu(), cpu)
+
+
+def test_kernel_options_reach_the_kernel(monkeypatch):
+    """FlexBackend(kernel_options=...) hands them to FlexAttention as they are, a copy per call;
+    a non-dict is refused with a sentence."""
+    seen = []
+
+    def kernel(compiled, least, q, k, v, **kwargs):
+        seen.append(kwargs.get("kernel_options"))
+        return torch.zeros(*q.shape[:-1], v.shape[-1])
+
+    monkeypatch.setattr(zoo.backends.flex, "run_kernel", kernel)
+    q = torch.randn(1, 2, 64, 16)
+    options = {"USE_TMA": True, "fwd_BLOCK_M": 64}
+    zoo.attention(
+        q, q, q, variant="local", window_size=4, backend=FlexBackend(kernel_options=options)
+    )
+    zoo.attention(q, q, q, variant="local", window_size=4, backend=FlexBackend())
+    assert seen == [options, None]
+    with pytest.raises(TypeError, match="kernel_options must be a dict"):
+        FlexBackend(kernel_options=["USE_TMA"])

@@ -305,9 +305,10 @@ def test_backend_instances_are_built_with_their_options(tmp_path):
     built = bench.backend_instances(config, path)
     assert built["blocked_bf16"].compute_dtype == torch.bfloat16
     assert bench.check_config(config, path, built)
-    shipped = str(bench.CONFIGS / "bench_goals_moba_gpu.yaml")
-    moba = load_config(BenchConfig, shipped, [])
-    assert bench.check_config(moba, shipped, bench.backend_instances(moba, shipped))
+    for name in ("bench_goals_moba_gpu.yaml", "bench_goals_realization_gpu.yaml"):
+        shipped = str(bench.CONFIGS / name)
+        config = load_config(BenchConfig, shipped, [])
+        assert bench.check_config(config, shipped, bench.backend_instances(config, shipped))
 
 
 def test_shipped_configs_load_and_check():

@@ -154,7 +154,10 @@ def _routed_block_mask(call: AttentionCall, block: int, whole_blocks: bool = Fal
 
 
 class FlexBackend(Backend):
-    """FlexAttention; ``compile=False`` runs its eager (dense, unfused) path, for tests only."""
+    """FlexAttention; ``compile=False`` runs its eager (dense, unfused) path, for tests only.
+    ``kernel_options``: passed to the kernel as they are (tiles, warps, stages, TMA: the levers
+    FlexAttention's Triton kernel exposes on a GPU; the GPU campaign's realization stage tries
+    some as named backends)."""
 
     name = "flex"
     capabilities = Capabilities(
@@ -170,12 +173,21 @@ class FlexBackend(Backend):
         padded_heads=("cuda", 16),
     )
 
-    def __init__(self, block_size: int = 128, compile: bool = True) -> None:
+    def __init__(
+        self, block_size: int = 128, compile: bool = True, kernel_options: dict | None = None
+    ) -> None:
         self.block_size = check_int("block_size", block_size)
         self.compile = compile
+        if kernel_options is not None and not isinstance(kernel_options, dict):
+            raise TypeError(
+                f"kernel_options must be a dict of FlexAttention's kernel options (tiles "
+                f"BLOCK_M, BLOCK_N, num_warps, num_stages, USE_TMA, ...), got {kernel_options!r}"
+            )
+        self.kernel_options = dict(kernel_options or {})
 
     def __repr__(self) -> str:
-        return f"FlexBackend(block_size={self.block_size}, compile={self.compile})"
+        options = f", kernel_options={self.kernel_options}" if self.kernel_options else ""
+        return f"FlexBackend(block_size={self.block_size}, compile={self.compile}{options})"
 
     def unavailable(self) -> str | None:
         try:
@@ -239,10 +251,12 @@ class FlexBackend(Backend):
                 # projection, say): hand it stored tensors.
                 q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         least = self.capabilities.head_padding(call.device, q.shape[-1], v.shape[-1])
+        options = {"kernel_options": dict(self.kernel_options)} if self.kernel_options else {}
         out = run_kernel(
             self.compile, least, q, k, v, score_mod=score_mod, block_mask=self.block_mask(call),
             scale=call.scale,
             enable_gqa=call.groups > 1,  # k and v shared by each group of query heads, not copied
+            **options,
         )  # fmt: skip
         if not frame.q.identity:
             return frame.q.scatter(out), None
