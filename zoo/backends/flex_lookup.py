@@ -56,10 +56,14 @@ def lookup_mask_mod(pattern: Pattern, q_len: int, kv_len: int, device: torch.dev
     table = state == FULL
     if table.dim() == 4 and table.shape[1] == 1:  # one layout for every head
         table = table[0, 0]
-    last_q, last_k = table.shape[-2] - 1, table.shape[-1] - 1
     offset = kv_len - q_len
 
     def square(q_idx, kv_idx):
+        # The table's bounds read from its shape as traced, not kept as ints of this length: a
+        # compiled kernel guards on the ints a mask_mod holds and would compile again for every
+        # length (the pattern's own mask_mod holds none but the offset, 0 at equal lengths).
+        # Flex's last block reads indices past the sequence: clamped, their answer discarded.
+        last_q, last_k = table.shape[-2] - 1, table.shape[-1] - 1
         return (q_idx // size).clamp(max=last_q), (kv_idx // size).clamp(max=last_k)
 
     if table.dim() == 2:
