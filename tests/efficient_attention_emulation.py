@@ -17,7 +17,9 @@ ALIGN = 8  # elements: the strictest of the kernels' minimum alignments that the
 BIAS_ROWS = 16  # elements between mask rows (SDPA pads its own masks to this)
 
 
-def _check_inputs(q, k, v, bias) -> None:
+def _check_inputs(q, k, v, bias, backward: bool = False) -> None:
+    """The forward's checks; the backward's also hold a single query row's mask stride to the
+    alignment (attention_backward.cu's check_supported: no ``num_queries <= 1 ||``)."""
     B, H, M, _ = q.shape
     N = k.shape[2]
     for name, x in (("query", q), ("key", k), ("value", v)):
@@ -34,7 +36,7 @@ def _check_inputs(q, k, v, bias) -> None:
     if bias.stride(3) != 1:
         raise RuntimeError("attn_bias: wrong alignment (last dimension must be contiguous)")
     for dim, size in ((0, B), (1, H), (2, M)):
-        if size > 1 and bias.stride(dim) % BIAS_ROWS:
+        if (size > 1 or (backward and dim == 2)) and bias.stride(dim) % BIAS_ROWS:
             raise RuntimeError(f"attn_bias is not correctly aligned (stride {dim})")
 
 
@@ -78,7 +80,7 @@ class EmulatedEfficientOps:
         is_causal, *, scale,
     ):  # fmt: skip
         assert dropout_p == 0.0 and not is_causal and list(grad_input_mask[:3]) == [True] * 3
-        _check_inputs(q, k, v, bias)
+        _check_inputs(q, k, v, bias, backward=True)
         B, H, M, _ = q.shape
         if logsumexp.dtype != torch.float32 or tuple(logsumexp.shape) != (B, H, _padded_rows(M)):
             raise RuntimeError(f"logsumexp {tuple(logsumexp.shape)} is not the forward's")

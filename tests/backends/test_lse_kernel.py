@@ -138,6 +138,12 @@ def test_blocked_takes_the_runs_by_key_block_on_cuda_for_its_dtypes():
     assert lse_kernel.kernel_for(torch.device("cpu")).widened(12) == 12
 
 
+def test_rocm_takes_the_union(monkeypatch):
+    """ROCm's memory-efficient kernel lays its log-sum-exp out unpadded: not this wrapping's."""
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert not lse_kernel.runs_on(torch.device("cuda"), torch.float32)
+
+
 def test_moba_on_the_cuda_kernel_allocates_linearly_in_n(cuda_wrapping_on_cpu):
     """The CUDA path of MoBA on ``blocked`` (the union per query block before: n^2 * H elements,
     the H100's out-of-memory at 16K) allocates at most one block of keys per query and head (the
@@ -311,3 +317,27 @@ def test_the_emulation_is_the_kernel_on_a_gpu(dtype):
     for mine, theirs in zip(*grads, strict=True):
         for a, b in zip(mine, theirs, strict=True):
             assert (a.float() - b.float()).abs().max() < tolerance * 10
+
+
+def test_a_single_query_run_with_a_mask_of_odd_width():
+    """One query against 6 keys with a mask, alone: the backward checks even a single row's mask
+    stride (the forward does not), so the mask is stored with rows 16 apart."""
+    ops = EmulatedEfficientOps()
+    kernel = lse_kernel.cuda_kernel(ops)
+    q, k, v = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8)
+    mask = torch.zeros(1, 1, 1, 6)
+    mask[..., 4:] = float("-inf")
+    out, lse = kernel.forward(q, k, v, mask, 0.5)
+    grads = kernel.backward(torch.ones_like(out), q, k, v, out, lse, mask, 0.5)
+    assert ops.calls["backward"] == 1 and all(torch.isfinite(g).all() for g in grads)
+
+
+def test_runs_beyond_a_grids_extent_take_more_calls(cuda_wrapping_on_cpu, monkeypatch):
+    """A call holds at most MOST_RUNS_A_CALL runs (the kernel grid's z extent, 65535): more are
+    split across calls, with the same results."""
+    monkeypatch.setattr(lse_kernel, "MOST_RUNS_A_CALL", 5)
+    check_against_reference(
+        "moba", BlockedBackend(block_size=4), q_len=128, kv_len=128, causal=True,
+        params={"block_size": 16, "top_k": 3}, heads=4, kv_heads=2,
+    )  # fmt: skip
+    assert cuda_wrapping_on_cpu.calls["varlen_forward"] > 1

@@ -46,6 +46,7 @@ from torch import Tensor
 
 LSE_QUERY_MULTIPLE = 32  # the memory-efficient kernel's log-sum-exp rows are padded to this
 MASK_ROW_MULTIPLE = 16  # its mask rows' stride, in elements
+MOST_RUNS_A_CALL = (1 << 16) - 1  # a CUDA grid's z extent, where its kernel puts the runs
 
 
 @dataclass(frozen=True)
@@ -95,16 +96,17 @@ CPU = LseKernel("cpu", 1, _cpu_forward, _cpu_backward)
 
 
 def _bias(mask: Tensor | None, q: Tensor, k: Tensor) -> Tensor | None:
-    """The mask as the memory-efficient kernel takes it: (B, H, M, N) in q's dtype, rows (and
-    batches, heads) MASK_ROW_MULTIPLE elements apart or broadcast, the last dimension contiguous."""
+    """The mask as the memory-efficient kernel takes it: (B, H, M, N) in q's dtype, its start and
+    its rows (batches, heads) MASK_ROW_MULTIPLE elements apart, the last dimension contiguous, a
+    broadcast dimension of stride 0. The backward checks the row stride even of a single row
+    (attention_backward.cu's check_supported, unlike the forward's): so every stride counts."""
     if mask is None:
         return None
     B, H, M = q.shape[:3]
     N = k.shape[2]
     mask = mask.to(q.dtype)
-    aligned = all(
-        size == 1 or stride % MASK_ROW_MULTIPLE == 0
-        for size, stride in zip(mask.shape[:-1], mask.stride()[:-1], strict=True)
+    aligned = mask.storage_offset() % MASK_ROW_MULTIPLE == 0 and all(
+        stride % MASK_ROW_MULTIPLE == 0 for stride in mask.stride()[:-1]
     )
     if mask.stride(-1) != 1 or not aligned:
         padded = -(-N // MASK_ROW_MULTIPLE) * MASK_ROW_MULTIPLE
@@ -287,6 +289,12 @@ def cuda_kernel(ops: _EfficientOps | None = None) -> LseKernel:
         packed, groups, alone = _packing(shapes)
         calls = [(packed, packed_call)] if packed else []
         calls += [(group, stacked_call) for group in groups]
+        # Runs (segments, or stacked batches) are the kernel grid's z axis: at most 65535 a call.
+        calls = [
+            (indices[start : start + MOST_RUNS_A_CALL], call)
+            for indices, call in calls
+            for start in range(0, len(indices), MOST_RUNS_A_CALL)
+        ]
         results: list = [None] * len(runs)
         for indices, call in calls:
             done = call([runs[i] for i in indices], scale)
@@ -320,5 +328,15 @@ def kernel_for(device: torch.device) -> LseKernel:
 
 
 def runs_on(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a kernel pair here runs tensors of ``dtype`` on ``device``."""
-    return dtype in KERNEL_DTYPES.get(device.type, ())
+    """Whether a kernel pair here runs tensors of ``dtype`` on ``device``: not on ROCm (its
+    memory-efficient kernel lays out the log-sum-exp unpadded, which the wrapping does not
+    read), not bfloat16 before sm80 (no such kernel there)."""
+    if dtype not in KERNEL_DTYPES.get(device.type, ()):
+        return False
+    if device.type != "cuda":
+        return True
+    if torch.version.hip:
+        return False
+    if dtype == torch.bfloat16 and torch.cuda.is_available():
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    return True
