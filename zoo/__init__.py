@@ -14,7 +14,7 @@ from .decoding.generation import new_cache
 from .functional import attention, build_encoding, dense_mask, explain
 from .layout.block_layout import allowed_pairs
 from .mechanisms import Mechanism, register_mechanism
-from .module import MultiHeadAttention, create_attention
+from .modules.multi_head import MultiHeadAttention, create_attention
 from .patterns import Pattern, list_families, register_pattern
 from .positional import PositionalEncoding, register_encoding
 from .registry import (

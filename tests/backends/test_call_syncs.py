@@ -95,7 +95,7 @@ def test_the_watch_sees_a_read(tagged):
 
 def test_valid_lens_are_checked_on_the_device(tagged):
     """The module's key counts on a GPU: checked by a device-side assertion, not read."""
-    from zoo.module import padding_from_lengths
+    from zoo.modules.multi_head import padding_from_lengths
 
     watch = DeviceReads()
     with watch:

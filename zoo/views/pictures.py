@@ -18,7 +18,7 @@ from matplotlib.figure import Figure
 from torch import Tensor
 
 from ..functional import dense_mask, prepare_call
-from ..module import create_attention
+from ..modules.multi_head import create_attention
 from ..patterns import reads_graph
 from ..registry import get_spec, list_variants
 from .graph_pictures import draw_graph

@@ -8,19 +8,19 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from .backends import Backend
-from .core.arguments import check_int, check_probability
-from .core.device_build import can_read_values
-from .core.scores import AdditiveScore
-from .decoding.cache import KVCache
-from .decoding.generation import module_step, new_cache
-from .functional import attention, build_encoding, resolve_pattern, resolved_params
-from .mechanisms.dispatch import check_encoding
-from .mechanisms.layer import module_mechanism
-from .parallel.sharded_module import sharded_forward
-from .patterns import Pattern
-from .positional import PositionalEncoding
-from .registry import get_module_spec, get_spec, is_mechanism_name, list_modules
+from ..backends import Backend
+from ..core.arguments import check_int, check_probability
+from ..core.device_build import can_read_values
+from ..core.scores import AdditiveScore
+from ..decoding.cache import KVCache
+from ..decoding.generation import module_step, new_cache
+from ..functional import attention, build_encoding, resolve_pattern, resolved_params
+from ..mechanisms.dispatch import check_encoding
+from ..mechanisms.layer import module_mechanism
+from ..parallel.sharded_module import sharded_forward
+from ..patterns import Pattern
+from ..positional import PositionalEncoding
+from ..registry import get_module_spec, get_spec, is_mechanism_name, list_modules
 
 SCORES = ("dot", "additive")
 
