@@ -225,9 +225,13 @@ def _padding_masks(key_ok: Tensor, dtype: torch.dtype) -> list[Tensor | None]:
     """FULL runs' masks: each run's keys' padding (1, 1, 1, bk), one row for all of its
     queries, or None where every key is valid (no mask for the kernel to add)."""
     bk = key_ok.shape[-1]
+    every = key_ok.all(-1).tolist()
+    if all(every):
+        return [None] * len(every)
+    additive = _additive(key_ok, dtype)  # one tensor for all runs, a view each: no op per run
     return [
-        None if every else _additive(ok.view(1, 1, 1, bk), dtype)
-        for every, ok in zip(key_ok.all(-1).tolist(), key_ok, strict=True)
+        None if all_valid else row.view(1, 1, 1, bk)
+        for all_valid, row in zip(every, additive, strict=True)
     ]
 
 
@@ -242,7 +246,7 @@ def _partial_masks(
     sub = fine[b, h, i // block, j] if factor > 1 else fine[b, h, i, j]  # (P, factor)
     ok = _partial_pairs(part, frame, sub, pair, factor, shape)  # (P, bk)
     ok = ok & key_ok.repeat_interleave(counts, dim=0)
-    masks = [_additive(m[None, None], dtype) for m in ok.split(counts.tolist())]
+    masks = [m[None, None] for m in _additive(ok, dtype).split(counts.tolist())]  # views
     return masks, ok.any(-1)
 
 
@@ -373,23 +377,31 @@ class _Attention(torch.autograd.Function):
             grad_out = torch.zeros_like(out)
         lse = torch.where(torch.isfinite(lse), lse, 0)  # a keyless row's probabilities stay 0
         dq, dk, dv = torch.zeros_like(out), torch.zeros_like(k), torch.zeros_like(v)
-        dk_blocks, dv_blocks = _key_blocks(r, dk), _key_blocks(r, dv)
         each = list(_each(r, q, k, v))
-        runs = []
-        for rows, queries, keys, values, mask, _ in each:
-            o, d_o = out[rows].view(queries.shape), grad_out[rows].view(queries.shape)
-            runs.append((d_o, queries, keys, values, o, lse[rows].view(queries.shape[:-1]), mask))
+        # Each tensor read for every run at once and cut into views, the gradients added back
+        # at once: no operation per run (thousands of runs, each a kernel launch on a GPU).
+        rows = torch.cat(r.rows)
+        sizes = [x.numel() for x in r.rows]
+        per_run = [
+            x.index_select(0, rows).split(sizes) for x in (out, grad_out, lse)
+        ]  # fmt: skip
+        runs = [
+            (d_o.view(qs.shape), qs, ks, vs, o.view(qs.shape), m.view(qs.shape[:-1]), mask)
+            for (_, qs, ks, vs, mask, _), o, d_o, m in zip(each, *per_run, strict=True)
+        ]
         if grad_lse is None:
             grads = ctx.kernel.backward_all(runs, 1.0)
         else:  # the mass's gradient enters: d lse / d score = probability, explicitly
+            grad_lses = grad_lse.index_select(0, rows).split(sizes)
             grads = [
-                explicit_backward(*run[:6], run[6], 1.0, grad_lse[rows].view(run[5].shape))
-                for run, (rows, *_) in zip(runs, each, strict=True)
+                explicit_backward(*run[:6], run[6], 1.0, g.view(run[5].shape))
+                for run, g in zip(runs, grad_lses, strict=True)
             ]
-        for (rows, *_, block), (dq_r, dk_r, dv_r) in zip(each, grads, strict=True):
-            dq.index_add_(0, rows, dq_r.reshape(-1, dq_r.shape[-1]))
-            dk_blocks[block].add_(dk_r)
-            dv_blocks[block].add_(dv_r)
+        dq_runs, dk_runs, dv_runs = zip(*grads, strict=True)
+        dq.index_add_(0, rows, torch.cat([x.reshape(-1, x.shape[-1]) for x in dq_runs]))
+        blocks = torch.tensor(r.blocks, device=dq.device)
+        _key_blocks(r, dk).index_add_(0, blocks, torch.stack(dk_runs))
+        _key_blocks(r, dv).index_add_(0, blocks, torch.stack(dv_runs))
         return dq.view(q.shape), dk, dv, None, None
 
 
