@@ -10,6 +10,7 @@ import pytest
 import torch
 from efficient_attention_emulation import EmulatedEfficientOps
 from helpers import check_against_reference, gpu, random_qkv
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import zoo
 from zoo.backends import lse_kernel
@@ -341,3 +342,57 @@ def test_runs_beyond_a_grids_extent_take_more_calls(cuda_wrapping_on_cpu, monkey
         params={"block_size": 16, "top_k": 3}, heads=4, kv_heads=2,
     )  # fmt: skip
     assert cuda_wrapping_on_cpu.calls["varlen_forward"] > 1
+
+
+class _StubOps:
+    """The memory-efficient ops' outputs by shape only, with no work per segment."""
+
+    def forward(self, q, k, v, bias, compute_lse, dropout_p, causal, *, scale):
+        B, H, M, _ = q.shape
+        return q.new_zeros(B, H, M, v.shape[-1]), q.new_zeros(B, H, -(-M // 32) * 32), None, None
+
+    def backward(self, g, q, k, v, bias, out, lse, seed, offset, p, mask, causal, *, scale):
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None
+
+    def varlen_forward(self, q, k, v, bias, cu_q, cu_k, max_q, max_k, p, kind, lse, *, scale):
+        runs = cu_q.shape[0] - 1
+        lse = q.new_zeros(runs, q.shape[2], -(-max_q // 32) * 32)
+        return q.new_zeros(*q.shape[:3], v.shape[-1]), lse, None, None, max_q, max_k
+
+    def varlen_backward(
+        self, g, q, k, v, bias, out, cu_q, cu_k, mq, mk, lse, p, s, o, t, b, *, scale
+    ):
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None
+
+
+class _Operations(TorchDispatchMode):
+    """Counts the operations dispatched that do work (views and their kin left out)."""
+
+    VIEWS = (
+        "view", "_unsafe_view", "split", "select", "slice", "unsqueeze", "expand", "t",
+        "as_strided", "transpose", "permute", "detach", "alias", "unbind", "squeeze",
+    )  # fmt: skip
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.__name__.split(".")[0] not in self.VIEWS
+        return func(*args, **(kwargs or {}))
+
+
+def test_operations_do_not_grow_with_the_runs(monkeypatch):
+    """On CUDA every run is a kernel launch unless batched: a MoBA forward and backward
+    dispatches about as many operations for 256 runs as for 64 (the kernels stubbed)."""
+    monkeypatch.setitem(lse_kernel.KERNELS, "cpu", lse_kernel.cuda_kernel(_StubOps()))
+    counts = []
+    for n in (2048, 8192):  # 16 and 64 key blocks of 128, 4 heads
+        q, k, v = (torch.randn(1, 4, n, 64, requires_grad=True) for _ in range(3))
+        watch = _Operations()
+        with watch:
+            out = zoo.attention(q, k, v, variant="moba", backend=BlockedBackend(), causal=True,
+                                block_size=128)  # fmt: skip
+            out.sum().backward()
+        counts.append(watch.count)
+    assert counts[1] <= counts[0] + 100, counts
