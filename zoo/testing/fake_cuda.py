@@ -69,9 +69,16 @@ def fake_cuda() -> contextlib.AbstractContextManager[torch._subclasses.FakeTenso
 
 @contextlib.contextmanager
 def tagged_cuda() -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
-    """Tagged CUDA tensors (see the module docstring); yields what tags a CPU tensor as CUDA."""
+    """Tagged CUDA tensors (see the module docstring); yields what tags a CPU tensor as CUDA.
+    For machines without a GPU: where CUDA runs, a factory asked for it makes a real CUDA tensor
+    beside the tagged ones (``FakeCudaUnavailable`` says so; the CUDA path runs for real there)."""
     from ..core.device_build import Tagged, tagging
 
+    if torch.cuda.is_available():
+        raise FakeCudaUnavailable(
+            "tagged CUDA tensors stand in for a GPU that is absent; this machine has one: run "
+            "the CUDA path on it (the gpu tests)"
+        )
     ensure_cuda_guard()
     with tagging():
         yield lambda values: Tagged(values, torch.device("cuda"))
