@@ -13,8 +13,9 @@ gradients its exact share of the row's (``lse_merge``).
   bfloat16 (its FlashAttention kernel takes no mask). Its requirements, met here:
 
   - the mask is 4-D at the full (B, H, M, N) size (its backward checks every size; an expanded
-    view costs nothing), its last dimension contiguous and its rows a multiple of 16 elements
-    apart (aligned loads): a mask whose rows are not is stored with its rows padded, a view;
+    view costs nothing), its last dimension contiguous, its start and every stride a multiple
+    of 16 elements (aligned loads; the backward checks a single row's stride too): a mask that
+    is not is stored with its rows padded, and handed over as a view;
   - the log-sum-exp comes back padded to a multiple of 32 queries; the backward reads it by
     strides, and is handed it at that padded size, as its forward made it;
   - head sizes a multiple of ``head_multiple`` (8), for its aligned kernels: the caller appends
@@ -29,9 +30,10 @@ Many runs at once (``forward_all``, ``backward_all``): on a CPU one call each. O
 launch and its host work would cost more than a small run's attention (MoBA at 64K tokens, 16
 heads: 2048 runs per pass), so runs of one sequence and head are packed: those without a mask
 into one variable-length call of the same kernel (``cu_seqlens``: each run's queries against its
-own keys, its log-sum-exp at [run, head, row] of rows padded to 32), masked ones of one shape
-stacked as a batch into one call (the masks stacked too). Their results are views of the packed
-outputs, in the runs' order.
+own keys, its log-sum-exp at [run, head, row] of rows padded to 32), masked ones with the same
+keys' shape and rows within 2x of each other stacked as a batch into one call, rows padded with
+zeros (the masks stacked too). Their results are views of the packed outputs, in the runs'
+order; at most ``MOST_RUNS_A_CALL`` runs a call.
 """
 
 from __future__ import annotations
@@ -51,9 +53,10 @@ MOST_RUNS_A_CALL = (1 << 16) - 1  # a CUDA grid's z extent, where its kernel put
 
 @dataclass(frozen=True)
 class LseKernel:
-    """A device's kernel pair (see the module docstring); ``ops``: the ATen forward and backward
-    it calls, swappable so that a CPU test can run the CUDA wrapping on an emulation of them.
-    ``forward_all`` / ``backward_all``: many runs in few calls, where the device has them."""
+    """A device's kernel pair (see the module docstring), and ``many_forward`` /
+    ``many_backward``, its many runs in few calls where the device has them (``forward_all``,
+    ``backward_all`` call one or the other). ``cuda_kernel(ops)`` builds CUDA's on other ops, so
+    that a CPU test can run its wrapping on an emulation of them."""
 
     device_type: str
     head_multiple: int
