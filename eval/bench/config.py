@@ -85,6 +85,7 @@ def check_config(config: BenchConfig, source: str, extra_backends: dict | None =
     always reports the same one.
     """
     variants = expand_variants(config, source)
+    backend_instances(config, source)  # built once to check their options
     _check_backends(config, source, extra_backends)
     _check_listed(source, "peers", config.peers, "peer", PEERS, "the bench docs")
     _check_listed(source, "passes", config.passes, "pass", PASSES, "the bench docs")
@@ -107,8 +108,9 @@ def _check_listed(source: str, key: str, names, kind: str, known, listing: str) 
 
 
 def backend_instances(config: BenchConfig, source: str) -> dict:
-    """The backends of ``backend_instances``, built; an option that names a dtype
-    (``compute_dtype: bfloat16``) as that torch dtype."""
+    """The backends of ``backend_instances``, built (``Sweep`` builds them for every command that
+    sweeps a config); an option that names a dtype (``compute_dtype: bfloat16``) as that torch
+    dtype."""
     built = {}
     for name, spec in config.backend_instances.items():
         options = dict(spec)

@@ -36,7 +36,7 @@ from zoo.backends import Backend
 from ..harness.config import ConfigError, config_arguments, load_config
 from ..harness.distributed import device_name, thread_count
 from . import markdown, plots, report
-from .config import BenchConfig, backend_instances, check_config, resolve_device, resolve_dtype
+from .config import BenchConfig, check_config, resolve_device, resolve_dtype
 from .impls import PEERS
 from .measure import TOLERANCE
 from .sweep import Sweep, run_cells
@@ -107,7 +107,7 @@ def run_bench(
     extra_backends: dict[str, Backend] | None = None,
 ) -> Path:
     """Run the sweep and write its outputs; returns the output directory."""
-    extra = {**backend_instances(config, source), **(extra_backends or {})}
+    extra = dict(extra_backends or {})
     variants = check_config(config, source, extra)
     device = resolve_device(config.device, source)
     sweep = Sweep(config, variants, device, resolve_dtype(config.dtype, device), extra)
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     path = str(default_config()) if path is None else path
     try:
         config = load_config(BenchConfig, path, items)
-        check_config(config, path, backend_instances(config, path))
+        check_config(config, path, {})
         resolve_device(config.device, path)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -19,7 +19,7 @@ from zoo.functional import resolve_pattern
 
 from . import report
 from .cell import Settings, measure_cell, new_record
-from .config import BenchConfig
+from .config import BenchConfig, backend_instances
 from .impls import Point, SdpaDense, ZooImpl, clear_zoo_caches, variant_peer
 from .measure import free_memory, is_oom
 from .routed import chosen_pairs, is_routed
@@ -34,6 +34,10 @@ class Sweep:
     device: torch.device
     dtype: torch.dtype
     extra_backends: dict[str, Backend] = field(default_factory=dict)  # tests: instances by name
+
+    def __post_init__(self) -> None:
+        # The config's own instances (backend_instances), under what a caller passes.
+        self.extra_backends = {**backend_instances(self.config, "config"), **self.extra_backends}
 
     def implementations(self) -> list[Any]:
         """Per point, in order: the dense peer, then each variant's backends and peers."""

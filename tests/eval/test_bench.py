@@ -16,7 +16,7 @@ import yaml
 
 import eval.bench.cell as bench_cell
 from eval.bench import run as bench
-from eval.bench.config import BenchConfig
+from eval.bench.config import BenchConfig, backend_instances
 from eval.bench.measure import MAX_RUNS, CudaClock, is_oom, peak_memory_mb, time_runs
 from eval.bench.report import all_pairs, fit_exponent, goal_line, sparsity_realization
 from eval.harness.config import load_config
@@ -302,13 +302,13 @@ def test_backend_instances_are_built_with_their_options(tmp_path):
         "backends=[blocked, blocked_bf16]",
         "backend_instances={blocked_bf16: {backend: blocked, compute_dtype: bfloat16}}",
     ])  # fmt: skip
-    built = bench.backend_instances(config, path)
+    built = backend_instances(config, path)
     assert built["blocked_bf16"].compute_dtype == torch.bfloat16
     assert bench.check_config(config, path, built)
     for name in ("bench_goals_moba_gpu.yaml", "bench_goals_realization_gpu.yaml"):
         shipped = str(bench.CONFIGS / name)
         config = load_config(BenchConfig, shipped, [])
-        assert bench.check_config(config, shipped, bench.backend_instances(config, shipped))
+        assert bench.check_config(config, shipped, backend_instances(config, shipped))
 
 
 def test_shipped_configs_load_and_check():
