@@ -86,7 +86,8 @@ print("xformers:", get_backend("xformers").unavailable() or "runs")
 # Shares of LIMIT in percent, in order; the rest (14%) is left for the summary and for stages
 # that overrun by their SIGKILL grace. At 540 s: env 16, tests 92, realization 38, goals 119,
 # moba 43, profile 54, decode 65, compiles 38.
-SHARES=(env:3 tests:17 realization:7 goals:22 moba:8 profile:10 decode:12 compiles:7)
+# ZOO_GPU_SESSION_SHARES replaces them (the same "stage:percent" words; a stage not named gets none).
+read -ra SHARES <<<"${ZOO_GPU_SESSION_SHARES:-env:3 tests:17 realization:7 goals:22 moba:8 profile:10 decode:12 compiles:7}"
 RESERVE_PCT=5  # kept for the summary by every stage's cut (at least 3 s)
 
 now_ms() {

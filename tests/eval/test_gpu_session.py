@@ -129,3 +129,18 @@ def test_a_signal_still_writes_the_summary(tmp_path):
     assert stages(out)["tests"]["status"] == "interrupted"
     _, found = first_lines(out)
     assert set(found.values()) == {"not measured"} and len(found) == 5
+
+
+def test_shares_can_be_replaced_and_an_unnamed_stage_gets_none(tmp_path):
+    out = tmp_path / "out"
+    env = environment(out)
+    env["ZOO_GPU_SESSION_SHARES"] = "env:10 tests:50"
+    run = subprocess.run(
+        ["bash", str(SCRIPT), "all", "20"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout
+    rows = stages(out)
+    assert float(rows["env"]["limit_s"]) == pytest.approx(2.0)
+    assert float(rows["tests"]["limit_s"]) == pytest.approx(10.0)
+    assert rows["goals"]["status"] == "skipped: no time left"
