@@ -12,6 +12,8 @@ GPUs) repeats them inside the call."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention
@@ -136,16 +138,44 @@ def sdpa_decode(step: DecodeStep) -> Tensor:
                 .to(q.dtype)
                 .masked_fill(~attn_mask, float("-inf"))
             )
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q,
-        keys,
-        values,
-        attn_mask=attn_mask,
-        dropout_p=dropout_p,
-        scale=scale,
-        enable_gqa=groups > 1,
-    )
+    with without_cudnn(q):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q,
+            keys,
+            values,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            scale=scale,
+            enable_gqa=groups > 1,
+        )
     return out if has_key is None else out * has_key
+
+
+def without_cudnn(q: Tensor) -> contextlib.AbstractContextManager:
+    """SDPA's backends that the caller left enabled, less cuDNN, for a call on CUDA whose key
+    length changes from call to call (a decoding step reads one more slot each time). cuDNN builds
+    an execution graph for each new shape and keeps it for that shape only: per step, that build
+    costs tens of milliseconds, where the step's kernel takes microseconds (PyTorch's
+    ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE`` is an opt-in for the same cost). FlashAttention and the
+    efficient kernel build nothing per shape. Eager only: under ``torch.compile`` the flags cannot
+    be read, and the call is left as it is."""
+    if q.device.type != "cuda" or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cuda = torch.backends.cuda
+    enabled = [
+        backend
+        for backend, on in (
+            (SDPBackend.FLASH_ATTENTION, cuda.flash_sdp_enabled()),
+            (SDPBackend.EFFICIENT_ATTENTION, cuda.mem_efficient_sdp_enabled()),
+            (SDPBackend.MATH, cuda.math_sdp_enabled()),
+        )
+        if on
+    ]
+    if not cuda.cudnn_sdp_enabled() or not enabled:  # nothing to leave out, or only cuDNN left
+        return contextlib.nullcontext()
+    return sdpa_kernel(enabled)
 
 
 def gather_allowed(
