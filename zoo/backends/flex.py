@@ -36,7 +36,7 @@ from ..patterns import EMPTY, PARTIAL, Pattern, Tiles
 from .base import FLOATS, Backend, Capabilities, DecodeStep
 from .flex_decode import flex_decode
 from .flex_kernel import _flex_module, flex_block_tensors, run_kernel
-from .flex_lookup import lookup_mask_mod
+from .flex_lookup import lookup_mask_mod, lookup_pays
 
 
 def flex_frame(pattern: Pattern, q_len: int, kv_len: int, block: int, device) -> Frame:
@@ -47,12 +47,13 @@ def flex_frame(pattern: Pattern, q_len: int, kv_len: int, block: int, device) ->
 
 def _slot_mask(pattern: Pattern, frame: Frame, q_len: int, kv_len: int):
     """The mask_mod on the frame's slots: in the natural order the pattern's own, or on a GPU a
-    table lookup where the pattern is constant on squares of positions (``flex_lookup``); in a
+    table lookup where the pattern is constant on squares of positions and its own evaluates
+    several families (``flex_lookup``); in a
     tiled order, the pattern at each slot's position, padding slots left out."""
     if frame.q.identity and frame.k.identity:
         device = frame.q.position.device
         looked_up = None
-        if device.type != "cpu" and not pattern.routed:
+        if device.type != "cpu" and not pattern.routed and lookup_pays(pattern):
             looked_up = lookup_mask_mod(pattern, q_len, kv_len, device)
         return looked_up or pattern.mask_mod(q_len, kv_len)
     q_pos, k_pos, k_valid = frame.q.position, frame.k.position, frame.k.valid

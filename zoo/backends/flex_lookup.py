@@ -16,6 +16,9 @@ the pattern's own mask_mod serves.
 
 GPUs only (``flex._slot_mask``): Inductor's CPU kernel vectorises the families' arithmetic,
 and a gather per pair cost more there than it saved (eval/results/design-notes-cpu.md#flex-lookup).
+And only where the pattern's own mask_mod evaluates several families or draws random blocks
+(``lookup_pays``): a single structured family (block_local, global blocks) is one or two integer
+comparisons per pair, which a gather does not beat (eval/results/gpu-campaign-h100-2026-11-27).
 """
 
 from __future__ import annotations
@@ -27,10 +30,22 @@ import torch
 from ..core.shape_cache import per_shape
 from ..layout.frames import build_frame
 from ..patterns import FULL, PARTIAL, Pattern
-from ..patterns.compose import Intersection
+from ..patterns.compose import Intersection, Union
+from ..patterns.random_blocks import Random, RandomBlocks
 
 LOOKUP_MOST = 1 << 26  # table entries (64 MiB of bools): 16 heads x 2048^2 squares at 128K
 LEAST_SQUARE = 16  # a smaller square's table would grow as n^2 / 256 or worse
+
+
+def lookup_pays(pattern: Pattern) -> bool:
+    """Whether a table lookup is worth more than the pattern's own mask_mod: its non-causal part
+    is several families (a union or intersection) or random blocks (a comparison per block
+    drawn), not one structured family's comparisons."""
+    members = pattern.children if isinstance(pattern, Intersection) else (pattern,)
+    rest = [m for m in members if m.kind != "causal"]
+    if len(rest) != 1:
+        return len(rest) > 1
+    return isinstance(rest[0], (Union, Intersection, Random, RandomBlocks))
 
 
 @per_shape(maxsize=64)
