@@ -25,7 +25,9 @@
 # then SIGKILL 5 s later): a stage cut short keeps what it wrote. Each writes small files in $OUT;
 # $OUT/stages.tsv records each stage's limit, wall time, exit status and how it ended.
 #   env          environment.txt: torch, CUDA, the device, whether xFormers runs
-#   tests        gpu-tests.txt: every test marked gpu (pytest-xdist, 4 workers, where it imports)
+#   tests        gpu-tests.txt: every test marked gpu (pytest-xdist, TEST_WORKERS workers, 12 by
+#                default, where it imports), one line per test as it ends: a stage stopped at
+#                its limit still names what passed and failed
 #   realization  bench-realization.json: eval/configs/bench_goals_realization_gpu.yaml (goal e)
 #   goals        bench-goals.json: eval/configs/bench_goals_gpu.yaml, the goal cells (goal a)
 #   moba         bench-moba.json: eval/configs/bench_goals_moba_gpu.yaml (goal b)
@@ -35,7 +37,11 @@
 # Then (also when a signal stops the script) `python -m eval goals $OUT` writes $OUT/summary.md,
 # whose first lines say which goals hold. ARGS_<stage> adds key=value overrides to a stage's
 # command (ARGS_goals='lengths=[65536,131072]' measures the longer cells in another session;
-# `python -m eval goals OUT1 OUT2` reads both). Tests of this script: STAGE_CMD_<stage>='...'
+# `python -m eval goals OUT1 OUT2` reads both). ZOO_GPU_SESSION_BUNDLE=1 packs every file of $OUT
+# but summary.md and stages.tsv into $OUT/campaign.tar.gz at the end (the device tool brings back
+# at most 8 files). On a cold H100 machine the GPU tests did not finish in 175 s at 8 workers,
+# nor in 270 s at 14 workers right after (2026-11-27): a session with one command gives it to
+# `tests` (LIMIT=540), and runs `all` in another, where tests get their default share. Tests of this script: STAGE_CMD_<stage>='...'
 # replaces a stage's command (run by bash, with $OUT set), and ZOO_GPU_SESSION_FAKE=1 makes every
 # other stage a no-op (tests/eval/test_gpu_session.py).
 #
@@ -84,10 +90,11 @@ print("xformers:", get_backend("xformers").unavailable() or "runs")
 
 # ---- stage lists (all, findings): each stage under its own limit ----------------------------
 # Shares of LIMIT in percent, in order; the rest (14%) is left for the summary and for stages
-# that overrun by their SIGKILL grace. At 540 s: env 16, tests 92, realization 38, goals 119,
-# moba 43, profile 54, decode 65, compiles 38.
+# that overrun by their SIGKILL grace. At 540 s: env 32, tests 75, realization 38, goals 119,
+# moba 43, profile 54, decode 65, compiles 38. env has 6%: importing torch and the zoo on a cold
+# machine took more than 10.6 s.
 # ZOO_GPU_SESSION_SHARES replaces them (the same "stage:percent" words; a stage not named gets none).
-read -ra SHARES <<<"${ZOO_GPU_SESSION_SHARES:-env:3 tests:17 realization:7 goals:22 moba:8 profile:10 decode:12 compiles:7}"
+read -ra SHARES <<<"${ZOO_GPU_SESSION_SHARES:-env:6 tests:14 realization:7 goals:22 moba:8 profile:10 decode:12 compiles:7}"
 RESERVE_PCT=5  # kept for the summary by every stage's cut (at least 3 s)
 
 now_ms() {
@@ -171,6 +178,14 @@ collect() {  # the results the stages left in $WORK, copied into $OUT (small fil
     return 0
 }
 
+bundle() {  # every file of $OUT but the summary and stages.tsv, in one archive
+    local files=()
+    mapfile -t files < <(cd "$OUT" && find . -type f ! -name summary.md ! -name stages.tsv \
+        ! -name campaign.tar.gz | sort)
+    ((${#files[@]})) || return 0
+    tar -czf "$OUT/campaign.tar.gz" -C "$OUT" "${files[@]}" && (cd "$OUT" && rm -f "${files[@]}")
+}
+
 finish() {  # on exit, also after a signal: the stage under way recorded, the files, the summary
     local rc=$?
     trap - EXIT TERM INT HUP
@@ -194,6 +209,7 @@ finish() {  # on exit, also after a signal: the stage under way recorded, the fi
     fi
     echo "== summary ($OUT/summary.md)"
     head -n 12 "$OUT/summary.md"
+    [[ ${ZOO_GPU_SESSION_BUNDLE:-0} == 1 ]] && bundle
     rm -rf "$WORK"
     exit "$rc"
 }
@@ -219,18 +235,25 @@ start_list() {
     WATCHDOG=$!
 }
 
+# pytest's arguments for the GPU tests: a line per test as it ends (-v; under xdist also when the
+# run is stopped), the failures' summary at the end, xdist workers where it imports.
+test_args() {
+    TEST_ARGS=(-v -rfE -p no:cacheprovider)
+    if [[ $FAKE != 1 ]] && "$PY" -c "import xdist" 2>/dev/null; then
+        TEST_ARGS+=(-n "${TEST_WORKERS:-12}")
+        export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-2}
+    fi
+}
+
 FINDINGS_RUN=()
 SUMMARY_ARGS=()
 case $stage in
 all)
     start_list
     run_stage env "$(share_of env)" "$OUT/environment.txt" "$PY" -c "$ENV_PY"
-    workers=()
-    if [[ $FAKE != 1 ]] && "$PY" -c "import xdist" 2>/dev/null; then
-        workers=(-n "${TEST_WORKERS:-4}")
-    fi
+    test_args
     run_stage tests "$(share_of tests)" "$OUT/gpu-tests.txt" \
-        "$PY" -m pytest -q -m gpu -p no:cacheprovider "${workers[@]}"
+        "$PY" -m pytest -m gpu "${TEST_ARGS[@]}"
     for name in realization goals moba; do
         config=eval/configs/bench_goals_gpu.yaml
         [[ $name != goals ]] && config=eval/configs/bench_goals_${name}_gpu.yaml
@@ -278,7 +301,8 @@ esac
 
 case $stage in
 tests)
-    timeout -s INT "$LIMIT" "$PY" -m pytest -q -m gpu -p no:cacheprovider 2>&1 |
+    test_args
+    timeout -s INT -k "$KILL_AFTER" "$LIMIT" "$PY" -m pytest -m gpu "${TEST_ARGS[@]}" 2>&1 |
         tee "$OUT/gpu-tests.txt"
     ;;
 bench)

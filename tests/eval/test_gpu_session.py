@@ -144,3 +144,51 @@ def test_shares_can_be_replaced_and_an_unnamed_stage_gets_none(tmp_path):
     assert float(rows["env"]["limit_s"]) == pytest.approx(2.0)
     assert float(rows["tests"]["limit_s"]) == pytest.approx(10.0)
     assert rows["goals"]["status"] == "skipped: no time left"
+
+
+def test_bundle_packs_every_file_but_the_summary_and_the_stages(tmp_path):
+    import tarfile
+
+    out = tmp_path / "out"
+    env = environment(out, goals='echo cells > "$OUT/bench-goals.log"')
+    env["ZOO_GPU_SESSION_BUNDLE"] = "1"
+    run = subprocess.run(
+        ["bash", str(SCRIPT), "all", "20"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["campaign.tar.gz", "stages.tsv", "summary.md"]
+    with tarfile.open(out / "campaign.tar.gz") as archive:
+        names = {Path(name).name for name in archive.getnames()}
+        assert archive.extractfile("./bench-goals.log").read() == b"cells\n"
+    assert {"environment.txt", "gpu-tests.txt", "goals.log"} <= names
+
+
+@pytest.mark.parametrize("stage", ["all", "tests"])
+def test_the_tests_stage_names_each_test_as_it_ends(tmp_path, stage):
+    """pytest with -v (a line per test as it ends, also under xdist: a run stopped at its limit
+    still names what passed and failed), -rfE and xdist's workers, in `all` and in `tests`; the
+    other stages stubbed, python itself a stub for pytest and xdist's import."""
+    out = tmp_path / "out"
+    stub = tmp_path / "python"
+    stub.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = -m ] && [ "$2" = pytest ]; then\n'
+        '  printf "%s\\n" "$@" > "$OUT/args.txt"; exit 0\n'
+        'fi\n'
+        'if [ "$1" = -c ] && [ "$2" = "import xdist" ]; then exit 0; fi\n'
+        f'exec "{sys.executable}" "$@"\n'
+    )  # fmt: skip
+    stub.chmod(0o755)
+    stubbed = ["env", "realization", "goals", "moba", "profile", "decode", "compiles"]
+    env = environment(out, **{name: "true" for name in stubbed})
+    env.update(PYTHON=str(stub), ZOO_GPU_SESSION_FAKE="0", LIMIT="60")
+    run = subprocess.run(
+        ["bash", str(SCRIPT), stage, *(["60"] if stage == "all" else [])],
+        cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout
+    args = (out / "args.txt").read_text().split()
+    assert args[:4] == ["-m", "pytest", "-m", "gpu"], args
+    assert {"-v", "-rfE"} <= set(args) and args[args.index("-n") + 1] == "12", args
