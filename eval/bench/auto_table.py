@@ -9,8 +9,10 @@ An ``auto`` cell is a measurement of the backend it ran (its ``resolved``, such 
 flex``) where that backend was not timed directly at the point: a sweep run with
 ``backends=[auto,blocked,xformers]`` times flex only through auto, and leaving it out would crown
 xformers or blocked. Compiled flex is no candidate on CPU: its first call per shape compiles for
-seconds, a cost the timed figure leaves out. Entries of the device types and dtypes in the new
-results replace the table's old ones; the others stay.
+seconds, a cost the timed figure leaves out. A backend instance a config built with options
+(``backend_instances``, such as ``blocked_bf16``) is no candidate either: auto chooses among the
+registered backends as they come. Entries of the device types and dtypes in the new results
+replace the table's old ones; the others stay: give every file of a device type at once.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from zoo.backends import list_backends
 from zoo.backends.auto_table import TABLE, comparable
 from zoo.functional import resolved_params
 
@@ -31,8 +34,9 @@ def entries_from(bench: dict[str, Any], source: str) -> list[dict[str, Any]]:
     device = bench["header"]["device_type"]
     direct: dict[tuple, dict[str, float | None]] = defaultdict(dict)  # None: ran, not ok
     through_auto: dict[tuple, dict[str, float]] = defaultdict(dict)
+    registered = set(list_backends())
     for cell in bench["cells"]:
-        if cell["kind"] != "zoo":
+        if cell["kind"] != "zoo" or cell["backend"] not in registered | {"auto"}:
             continue
         by_auto = cell["backend"] == "auto"
         name = cell.get("resolved") if by_auto else cell["backend"]

@@ -128,6 +128,11 @@ def test_an_auto_cell_measures_the_backend_it_ran():
         on_cuda(gpu("auto", 1.0, resolved="sdpa"), failed, gpu("blocked", 3.0)), "g"
     )
     assert (entry["backend"], entry["runner_up"]) == ("blocked", "-")
+    # A backend built with options by a config (backend_instances) is no candidate: auto takes
+    # the registered ones as they come.
+    instance = gpu("blocked_bf16", 0.2, resolved="blocked")
+    (entry,) = entries_from(on_cuda(instance, gpu("blocked", 3.0), gpu("sdpa", 9.0)), "g")
+    assert (entry["backend"], entry["time_ms"]) == ("blocked", 3.0)
     # On the CPU compiled flex is no candidate, through auto or not.
     cpu = {
         "header": {"device_type": "cpu"},
@@ -181,3 +186,18 @@ def test_auto_on_cuda_takes_flex_where_the_h100_measured_it():
             assert order[0] == "flex", f"{point}: auto's order {order}"
             checked += 1
     assert checked == 13  # 5 points at 16K, 8 at 64K
+
+
+def test_auto_on_cuda_runs_moba_inference_on_blocked_as_the_campaign_measured():
+    """The H100 campaign timed MoBA's forward at 16K on blocked (runs by key block through the
+    memory-efficient kernel) at 50.8 ms against flex's 275 ms: auto's order starts with blocked
+    there; training (fwd+bwd), measured only when blocked ran out of memory, stays on flex."""
+    params = {"block_size": 512, "top_k": 3}
+    backends = {name: get_backend(name) for name in zoo.list_backends()}
+    inference = cuda_call("moba", 16384, False, False, params)
+    entry = lookup(inference, load_table())
+    assert (entry["backend"], entry["runner_up"]) == ("blocked", "flex")
+    assert entry["source"] == "eval/results/gpu-campaign-h100-2026-11-27/bench-moba.json"
+    assert auto.fallback_order(inference, backends)[0] == "blocked"
+    training = cuda_call("moba", 16384, False, True, params)
+    assert auto.fallback_order(training, backends)[0] == "flex"
