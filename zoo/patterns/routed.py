@@ -129,7 +129,7 @@ class ChosenBlocks(Pattern):
             # A count reaches Lq * blocks: int64 only where int32 would overflow.
             _, _, q_len, blocks = self.chosen.shape
             dtype = torch.int32 if q_len * blocks < 2**31 else torch.int64
-            sums = torch.nn.functional.pad(self.chosen.to(dtype), (1, 0, 1, 0))
+            sums = torch.nn.functional.pad(self.chosen, (1, 0, 1, 0)).to(dtype)  # bool padded
             self.__dict__["_sums"] = sums.cumsum_(2).cumsum_(3)
         return self.__dict__["_sums"]
 
