@@ -21,6 +21,12 @@ between ops (Python, dispatch). Per step:
     tail_ms     from the last kernel's end to the step's end (host work after it, the sync)
     kernels     kernels per step; ``top``: the kernels by time, with calls and ms per step
 
+Host work per step, in Python: ``repeats`` more steps under ``cProfile`` (after the profiler, so
+neither slows the other), their functions by own time (``host``: function, calls and ms per step;
+the synchronisation that ends each step shows as the wait it is). Beside a twin it says where a
+call's host time goes that the kernels do not explain (the goal cells at 8K, where a call's host
+work outlasts its kernel).
+
 Writes ``profile.json`` (rewritten after every cell, so a run cut short keeps its cells) and
 ``profile.md`` (the cells, and each zoo cell beside its flex_standard twin) in ``out``.
 """
@@ -49,7 +55,8 @@ from .run import compiler_settings
 from .sweep import Sweep, make_point, random_inputs
 
 STEP = "zoo_bench_profile_step"
-TOP = 8  # kernels listed per cell
+TOP = 8  # kernels (and host functions) listed per cell
+HOST_ROWS = 5  # host functions per cell in profile.md
 NAME_WIDTH = 100
 DEFAULT_OUT = "eval/results/bench-profile-{device}-{timestamp}"
 
@@ -174,7 +181,44 @@ def profile_steps(run, point: Point, warmup: int, repeats: int) -> dict[str, Any
     if on_device and not result.get("kernels"):  # no device activity recorded (no CUPTI)
         result = summarise(list(prof.events()), False)
         result["activity"] = "outermost CPU ops: the profiler recorded no CUDA activity"
+    result["host"] = host_functions(run, point, repeats)
     return result
+
+
+def host_functions(run, point: Point, repeats: int) -> list[dict[str, Any]]:
+    """The Python functions of ``repeats`` steps by own time (cProfile), per step."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        for _ in range(repeats):
+            point.step(run)
+            synchronize(point.device)
+    finally:
+        profiler.disable()
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, ..., tottime, cumtime, _)}
+    ranked = sorted(stats.items(), key=lambda item: -item[1][2])[:TOP]
+    return [
+        {
+            "function": _function_name(*key)[:NAME_WIDTH],
+            "calls": round(value[1] / repeats, 2),
+            "ms": round(value[2] * 1e3 / repeats, 4),
+        }
+        for key, value in ranked
+    ]
+
+
+def _function_name(file: str, line: int, name: str) -> str:
+    """``zoo/backends/flex.py:227(forward)``, paths cut to the package; built-ins as they are."""
+    if file == "~":
+        return name
+    for root in ("zoo/", "eval/", "torch/"):
+        if f"/{root}" in file:
+            file = file[file.rindex(f"/{root}") + 1 :]
+            break
+    return f"{file}:{line}({name})"
 
 
 def profile_cell(impl: Any, point: Point, warmup: int, repeats: int) -> dict[str, Any]:
@@ -259,6 +303,21 @@ def markdown(header: dict[str, Any], cells: list[dict[str, Any]]) -> str:
                 f"{c['step_ms'] / twin['step_ms']:.3f} | {kernel:.3f} | "
                 f"{c['gap_ms'] - twin['gap_ms']:+.3f} |"
             )
+    hosts = [c for c in cells if c["status"] == "ok" and c.get("host")]
+    if hosts:
+        lines += [
+            "",
+            "## Host work per step (Python, by own time)",
+            "",
+            "| variant | point | impl | function | calls | ms |",
+            "|---|---|---|---|---|---|",
+        ]
+        for c in hosts:
+            for f in c["host"][:HOST_ROWS]:
+                lines.append(
+                    f"| {c['variant']} | {_point(c)} | {_label(c)} | `{f['function'][:70]}` | "
+                    f"{f['calls']:g} | {f['ms']:.4f} |"
+                )
     return "\n".join(lines) + "\n"
 
 

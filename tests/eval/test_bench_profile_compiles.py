@@ -42,6 +42,13 @@ def test_bench_profile_summarises_kernels_and_host_gaps_per_cell(tmp_path):
     assert dense == "aten::scaled_dot_product_attention"  # outermost: its callees not apart
     text = (tmp_path / "out" / "profile.md").read_text()
     assert "| local | 128 non-causal fwd | auto->" in text and "trace" not in text.lower()
+    # Host work in Python: the zoo's own functions appear in the zoo cells, not in the peer's.
+    zoo_cell, peer = cells[1], cells[0]
+    assert 0 < len(zoo_cell["host"]) <= profile.TOP and all(f["ms"] >= 0 for f in zoo_cell["host"])
+    everything = [f["function"] for f in zoo_cell["host"]]
+    assert any(name.startswith("zoo/") for name in everything), everything
+    assert not any(f["function"].startswith("zoo/") for f in peer["host"]), peer["host"]
+    assert "## Host work per step" in text
 
 
 def test_bench_profile_needs_a_config(capsys):
