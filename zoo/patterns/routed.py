@@ -63,7 +63,10 @@ class RouteInputs:
         """Query i's position minus i: kv_len - q_len, or (B,) one per sequence (``q_pos``)."""
         if self.q_pos is None:
             return self.k.shape[2] - self.q.shape[2]
-        return self.q_pos[:, 0]
+        # Its own storage: a column view of q_pos, captured by a compiled flex mask_mod, failed
+        # Inductor's CPU lowering ("All the buffers in the score and mask subgraph should be in
+        # kernel_group.args.input_buffers").
+        return self.q_pos[:, 0].contiguous()
 
     def made_causal(self) -> RouteInputs:
         return self if self.causal else replace(self, causal=True)
