@@ -32,6 +32,7 @@
 #   goals        bench-goals.json: eval/configs/bench_goals_gpu.yaml, the goal cells (goal a)
 #   moba         bench-moba.json: eval/configs/bench_goals_moba_gpu.yaml (goal b)
 #   profile      profile.json, profile.md: bench-profile of the goal cells and their twins
+#   profile_moba profile-moba/profile.{json,md}: bench-profile of MoBA on blocked at 16K
 #   decode       bench-decode.json: bench-decode beside sdpa_dense (goal c)
 #   compiles     compiles.json, compiles.md: bench-compiles, 20 distinct lengths (goal d)
 # Then (also when a signal stops the script) `python -m eval goals $OUT` writes $OUT/summary.md,
@@ -91,10 +92,10 @@ print("xformers:", get_backend("xformers").unavailable() or "runs")
 # ---- stage lists (all, findings): each stage under its own limit ----------------------------
 # Shares of LIMIT in percent, in order; the rest (14%) is left for the summary and for stages
 # that overrun by their SIGKILL grace. At 540 s: env 32, tests 75, realization 38, goals 119,
-# moba 43, profile 54, decode 65, compiles 38. env has 6%: importing torch and the zoo on a cold
+# moba 43, profile 43, profile_moba 21, decode 54, compiles 38. env has 6%: importing torch and the zoo on a cold
 # machine took more than 10.6 s.
 # ZOO_GPU_SESSION_SHARES replaces them (the same "stage:percent" words; a stage not named gets none).
-read -ra SHARES <<<"${ZOO_GPU_SESSION_SHARES:-env:6 tests:14 realization:7 goals:22 moba:8 profile:10 decode:12 compiles:7}"
+read -ra SHARES <<<"${ZOO_GPU_SESSION_SHARES:-env:6 tests:14 realization:7 goals:22 moba:8 profile:8 profile_moba:4 decode:10 compiles:7}"
 RESERVE_PCT=5  # kept for the summary by every stage's cut (at least 3 s)
 
 now_ms() {
@@ -266,6 +267,12 @@ all)
     run_stage profile "$(share_of profile)" "$OUT/profile.log" \
         "$PY" -m eval bench-profile eval/configs/bench_goals_gpu.yaml "out=$OUT" \
         'lengths=[8192,16384]' 'passes=[fwd]' 'causal=[false]' warmup=2 repeats=3
+    # MoBA's kernels and host work on blocked at 16K, forward (50.8 ms on the H100, where
+    # block_local at its density took 0.42 ms: where does it go?).
+    run_stage profile_moba "$(share_of profile_moba)" "$OUT/profile-moba.log" \
+        "$PY" -m eval bench-profile eval/configs/bench_goals_moba_gpu.yaml "out=$OUT/profile-moba" \
+        'variants=[moba]' 'backends=[blocked]' 'peers=[]' 'lengths=[16384]' 'passes=[fwd]' \
+        'causal=[false,true]' warmup=1 repeats=2
     # The zoo's decoding step (auto) and SDPA over the whole cache; bench-decode rewrites its JSON
     # after every (variant, length), so a cut-short stage keeps the steps it timed.
     run_stage decode "$(share_of decode)" "$OUT/decode.log" \
