@@ -546,13 +546,61 @@ def tests_line(folders: list[Path], stages: list[dict[str, str]]) -> str:
         if not path.is_file():
             continue
         text = path.read_text(errors="replace")
+        failed = _failed_names(text)
         for line in reversed(text.splitlines()):
             if _COUNT.search(line) and re.search(r" in [\d.]+s", line):
                 counts = ", ".join(f"{n} {what}" for n, what in _COUNT.findall(line))
-                return f"- GPU tests: {counts}{how}"
+                return f"- GPU tests: {counts}{how}{failed}"
         interrupted = "KeyboardInterrupt" in text or "Interrupted" in text
-        return f"- GPU tests: no pytest summary{' (interrupted)' if interrupted else ''}{how}"
+        ended = _per_test(text)
+        seen = ""
+        if ended:
+            counts = ", ".join(f"{n} {what.lower()}" for what, n in ended.items())
+            seen = f"; the tests that ended: {counts}"
+        return (
+            f"- GPU tests: no pytest summary{' (interrupted)' if interrupted else ''}{how}{seen}"
+            f"{failed}"
+        )
     return f"- GPU tests: not run{how}"
+
+
+# A test's line under -v: "tests/a.py::t[x] PASSED [ 5%]", or with xdist
+# "[gw3] [ 45%] PASSED tests/a.py::t[x]".
+_ENDED = re.compile(
+    r"^(?:\[gw\d+\] \[ *\d+%\] (?P<s1>PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (?P<n1>\S+::\S+)"
+    r"|(?P<n2>\S+::\S+) (?P<s2>PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b)"
+)
+NAMED_FAILURES = 12
+
+
+def _per_test(text: str) -> dict[str, int]:
+    """Counts of the -v lines' outcomes, the last line of each test counting (an ERROR in a
+    teardown follows a PASSED)."""
+    outcome: dict[str, str] = {}
+    for line in text.splitlines():
+        if match := _ENDED.match(line.strip()):
+            outcome[match["n1"] or match["n2"]] = match["s1"] or match["s2"]
+    counts: dict[str, int] = {}
+    for status in outcome.values():
+        counts[status] = counts.get(status, 0) + 1
+    return counts
+
+
+def _failed_names(text: str) -> str:
+    """"; failed: a, b, ..." from the -v lines and -rfE's summary, the first NAMED_FAILURES."""
+    names = []
+    for line in text.splitlines():
+        line = line.strip()
+        match = _ENDED.match(line)
+        if match and (match["s1"] or match["s2"]) in ("FAILED", "ERROR"):
+            names.append(match["n1"] or match["n2"])
+        elif line.startswith(("FAILED ", "ERROR ")):
+            names.append(line.split()[1])
+    names = list(dict.fromkeys(names))
+    if not names:
+        return ""
+    more = f" and {len(names) - NAMED_FAILURES} more" if len(names) > NAMED_FAILURES else ""
+    return "; failed: " + ", ".join(names[:NAMED_FAILURES]) + more
 
 
 def twin_rows(cells: list[dict[str, Any]]) -> list[tuple[dict, dict]]:

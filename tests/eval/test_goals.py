@@ -202,3 +202,30 @@ def test_profile_twins_in_the_summary(tmp_path):
     (tmp_path / "profile.json").write_text(json.dumps({"header": {"device": H100}, "cells": cells}))
     text, _ = goals.summarise([tmp_path])
     assert "| local | 16K non-causal fwd | auto->flex | 1.200 |" in text
+
+
+def test_the_tests_line_names_failures_and_counts_a_stopped_run(tmp_path):
+    """With -v, a run stopped before pytest's summary still says what ended and how (xdist's
+    lines and plain ones; a teardown ERROR after a PASSED counts as the ERROR), and failures are
+    named, from the lines or from -rfE's summary."""
+    stopped = "\n".join([
+        "bringing up nodes...",
+        "[gw0] [  1%] PASSED tests/a.py::test_one[x]",
+        "[gw1] [  2%] FAILED tests/a.py::test_two[y-z]",
+        "tests/b.py::test_three PASSED [  3%]",
+        "tests/b.py::test_three ERROR [  3%]",
+        "[gw2] [  4%] SKIPPED tests/c.py::test_four",
+        "KeyboardInterrupt",
+    ])  # fmt: skip
+    (tmp_path / "gpu-tests.txt").write_text(stopped)
+    line = goals.tests_line([tmp_path], [{"stage": "tests", "status": "killed after its limit"}])
+    assert line == (
+        "- GPU tests: no pytest summary (interrupted) (stage killed after its limit); the tests "
+        "that ended: 1 passed, 1 failed, 1 error, 1 skipped; failed: tests/a.py::test_two[y-z], "
+        "tests/b.py::test_three"
+    )
+    finished = "....F\nFAILED tests/d.py::test_five - Error\n= 1 failed, 4 passed in 2s =\n"
+    (tmp_path / "gpu-tests.txt").write_text(finished)
+    assert goals.tests_line([tmp_path], []) == (
+        "- GPU tests: 1 failed, 4 passed; failed: tests/d.py::test_five"
+    )
