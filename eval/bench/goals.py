@@ -587,7 +587,7 @@ def _per_test(text: str) -> dict[str, int]:
 
 
 def _failed_names(text: str) -> str:
-    """"; failed: a, b, ..." from the -v lines and -rfE's summary, the first NAMED_FAILURES."""
+    """ "; failed: a, b, ..." from the -v lines and -rfE's summary, the first NAMED_FAILURES."""
     names = []
     for line in text.splitlines():
         line = line.strip()
