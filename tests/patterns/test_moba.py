@@ -3,6 +3,8 @@ backend that runs layouts chosen by content against the reference, forward and b
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from helpers import check_against_reference, padding_mask, random_qkv
@@ -294,28 +296,45 @@ def test_the_choice_made_in_chunks_of_queries_is_the_choice(causal, monkeypatch)
         assert torch.equal(chunked, whole)
 
 
-def test_the_block_counts_are_built_in_int32_in_place():
-    """MoBA's counts of chosen (query, block) pairs (B, H, Lq + 1, blocks + 1) are n^2 / block
-    elements: built in int32 in place, none of the steps makes an int64 copy (torch's cumsum of
-    int32 returns int64: two such copies held 5x the counts' 4 bytes per element at their peak,
-    10.8 GB at 128K tokens, 16 heads, blocks of 512)."""
+def test_block_state_counts_exactly_without_copying_the_choice(monkeypatch):
+    """block_state's counts of chosen pairs in each (query span, key span) rectangle equal a
+    direct count, for spans in any order, overlapping and repeated, and no tensor it makes is as
+    large as the choice itself (B, H, Lq, blocks): the choice is counted a slice of queries at a
+    time, at the spans' rows only. A full prefix sum over every query (n^2 / block int32 elements,
+    2.2 GB at 128K tokens, 16 heads, blocks of 512) fails the size check."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    q, k, _ = random_qkv(2, 2, 30, 30)
-    pattern = Moba(block_size=6, top_k=2).bind(RouteInputs(q, k))
-    made = []
+    import zoo.patterns.routed as routed
+    from zoo.patterns import FULL, PARTIAL
+
+    q, k, _ = random_qkv(2, 2, 300, 300)
+    pattern = Moba(block_size=6, top_k=3).bind(RouteInputs(q, k))
+    chosen = pattern.chosen  # (2, 2, 300, 50)
+    monkeypatch.setattr(routed, "COUNT_CHUNK", 2 * 2 * 50 * 16)  # 16 queries at a time
+    gen = torch.Generator().manual_seed(0)
+    lo = torch.randint(0, 300, (24,), generator=gen)
+    hi = (lo + torch.randint(0, 40, (24,), generator=gen)).clamp(max=299)
+    k_lo = torch.randint(0, 300, (20,), generator=gen)
+    k_hi = (k_lo + torch.randint(0, 30, (20,), generator=gen)).clamp(max=299)
+    qs = Spans(lo, hi, 1, torch.ones(24, dtype=torch.bool))
+    ks = Spans(k_lo, k_hi, 1, torch.ones(20, dtype=torch.bool))
+    sizes, base = [], chosen.untyped_storage().data_ptr()
 
     class Outputs(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if isinstance(out, torch.Tensor):
-                ptr = out.untyped_storage().data_ptr()
-                made.append((ptr, out.dtype, out.numel() * out.element_size()))
+            for t in out if isinstance(out, tuple | list) else (out,):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() != base:
+                    sizes.append(t.untyped_storage().nbytes())  # a view of the choice is none
             return out
 
     with Outputs():
-        sums = pattern._prefix_sums()
-    assert sums.dtype == torch.int32 and sums.shape == (2, 2, 31, 6)
-    assert made and all(dtype != torch.int64 for _, dtype, _ in made), made
-    allocated = {ptr: size for ptr, _, size in made}  # an op in place makes nothing new
-    assert sum(allocated.values()) <= 2 * sums.numel() * 4, made
+        state = pattern.block_state(qs.column(), ks.row())
+    assert max(sizes) < chosen.numel(), max(sizes)  # not even one byte per choice entry
+    for i, j in itertools.product(range(24), range(20)):
+        rows = slice(int(lo[i]), int(hi[i]) + 1)
+        cols = slice(int(k_lo[j]) // 6, int(k_hi[j]) // 6 + 1)
+        count = chosen[:, :, rows, cols].sum(dim=(2, 3))
+        area = (rows.stop - rows.start) * (cols.stop - cols.start)
+        want = torch.where(count == area, FULL, torch.where(count > 0, PARTIAL, 0))
+        assert torch.equal(state[:, :, i, j], want.to(state.dtype)), (i, j)

@@ -34,6 +34,8 @@ from torch import Tensor
 
 from .base import Pattern, Spans, state_from
 
+COUNT_CHUNK = 1 << 24  # choice entries counted at once in block_state (64 MB of int32)
+
 
 @dataclass(frozen=True)
 class RouteInputs:
@@ -123,18 +125,30 @@ class ChosenBlocks(Pattern):
         flat = ((b * heads + h) * q_len + row) * blocks + column
         return self.chosen.flatten().take(flat) & (index >= 0) & (index < q_len)
 
-    def _prefix_sums(self) -> Tensor:
-        """(B, H, Lq + 1, blocks + 1) int32 (int64 past 2^31 pairs): chosen (query, block) pairs
-        in each rectangle."""
-        if "_sums" not in self.__dict__:
-            # In place: cumsum of int32 returns int64, and two of them held 5x these 4 bytes per
-            # element at their peak (10.8 GB for MoBA at 128K tokens, 16 heads, blocks of 512).
-            # A count reaches Lq * blocks: int64 only where int32 would overflow.
-            _, _, q_len, blocks = self.chosen.shape
-            dtype = torch.int32 if q_len * blocks < 2**31 else torch.int64
-            sums = torch.nn.functional.pad(self.chosen, (1, 0, 1, 0)).to(dtype)  # bool padded
-            self.__dict__["_sums"] = sums.cumsum_(2).cumsum_(3)
-        return self.__dict__["_sums"]
+    def _row_counts(self, rows: Tensor) -> Tensor:
+        """(B, H, len(rows), blocks + 1) int32: for each of ``rows`` (query indices 0 .. Lq, in
+        any order, repeats allowed), the chosen (query, block) pairs among the queries before it
+        and the blocks before each column: a 2-D prefix sum at those rows only.
+
+        The rows cut the queries into segments; each query's choices are added to its segment
+        (``index_add``), a slice of queries at a time, and the segments summed in order. The
+        choice is read once and never copied whole: a prefix sum over every query,
+        (B, H, Lq + 1, blocks + 1), would be n^2 / block elements; this holds
+        (B, H, 2 x rows, blocks + 1) and a slice of the choice."""
+        chosen = self.chosen
+        batch, heads, q_len, blocks = chosen.shape
+        order = rows.argsort()
+        cuts = rows[order]  # sorted
+        # Query i belongs to segment #{cuts <= i}; the prefix at cuts[j] is segments 0 .. j.
+        segment = torch.searchsorted(cuts, torch.arange(q_len, device=rows.device), right=True)
+        sums = chosen.new_zeros((batch, heads, cuts.numel() + 1, blocks), dtype=torch.int32)
+        step = max(1, COUNT_CHUNK // max(1, batch * heads * blocks))
+        for first in range(0, q_len, step):
+            part = slice(first, min(first + step, q_len))
+            sums.index_add_(2, segment[part], chosen[:, :, part].to(torch.int32))
+        prefix = sums.cumsum_(2)[:, :, :-1]  # at each cut, in sorted order
+        prefix = prefix[:, :, order.argsort()]  # back in the order of rows
+        return torch.nn.functional.pad(prefix, (1, 0)).cumsum_(3)
 
     def block_state(self, q: Spans, k: Spans) -> Tensor:
         """[B, H, q blocks, k blocks]: FULL where every query of the kernel block chose every
@@ -147,12 +161,15 @@ class ChosenBlocks(Pattern):
                 "block_state needs one query offset for every sequence; blocks chosen against a "
                 "cache (an offset per sequence) answer allowed_at only"
             )
-        sums = self._prefix_sums()
         q0, q1 = (q.lo - self.offset).clamp(0, q_len - 1), (q.hi - self.offset).clamp(0, q_len - 1)
         k0 = (k.lo // self.block_size).clamp(0, blocks - 1)
         k1 = (k.hi // self.block_size).clamp(0, blocks - 1)
+        spans = q0.numel()
+        sums = self._row_counts(torch.cat((q0.reshape(-1), q1.reshape(-1) + 1)))
         width = blocks + 1
         flat = sums.flatten(2)
+        first = torch.arange(spans, device=q0.device).view(q0.shape)  # q0's rows in sums
+        after = first + spans  # q1 + 1's
 
         def at(row: Tensor, column: Tensor) -> Tensor:  # sums[:, :, row, column], broadcast
             index = row * width + column
@@ -161,7 +178,7 @@ class ChosenBlocks(Pattern):
             picked = flat.gather(2, index.flatten().expand(*flat.shape[:2], -1))
             return picked.view(*flat.shape[:2], *index.shape)
 
-        count = (at(q1 + 1, k1 + 1) - at(q0, k1 + 1) - at(q1 + 1, k0)) + at(q0, k0)
+        count = (at(after, k1 + 1) - at(first, k1 + 1) - at(after, k0)) + at(first, k0)
         area = (q1 - q0 + 1) * (k1 - k0 + 1)
         return state_from(count > 0, count == area, q, k)
 
