@@ -184,15 +184,18 @@ class _Packed:
         self.width = _padded_rows(max(self.rows))
         self.index = _row_index(self.rows, self.width, device)  # into (runs, width) lse rows
 
+    # Both without an operation per run: on a GPU each is host work, and thousands of runs
+    # made it most of a MoBA pass (H100, 16K tokens: 8068 operations per forward).
     @staticmethod
     def pack(parts: list[Tensor]) -> Tensor:
         """(1, 1, n_r, D) each -> (1, sum n_r, 1, D)."""
-        return torch.cat([p[0, 0] for p in parts])[None, :, None]
+        whole = torch.cat(parts, dim=2)
+        return whole.view(1, whole.shape[2], 1, whole.shape[3])
 
     @staticmethod
     def unpack(x: Tensor, lengths: list[int]) -> list[Tensor]:
         """(1, total, 1, D) -> (1, 1, n_r, D) views, one per run."""
-        return [p[None, None] for p in x[0, :, 0].split(lengths)]
+        return list(x.reshape(1, 1, x.shape[1], x.shape[3]).split(lengths, dim=2))
 
 
 class _Stacked:
@@ -207,18 +210,16 @@ class _Stacked:
 
     def stack(self, parts: list[Tensor]) -> Tensor:
         """(1, 1, n_r, ...) each -> (G, 1, width, ...)."""
-        flat = torch.cat([p.reshape(p.shape[2], -1) for p in parts])
+        whole = torch.cat(parts, dim=2)
+        flat = whole.reshape(whole.shape[2], -1)
         stacked = flat.new_zeros(len(parts) * self.width, flat.shape[1])
         stacked.index_copy_(0, self.index, flat)
         return stacked.view(len(parts), 1, self.width, *parts[0].shape[3:])
 
     def unstack(self, x: Tensor) -> list[Tensor]:
-        """(G, 1, width, ...) -> (1, 1, n_r, ...) each."""
+        """(G, 1, width, ...) -> (1, 1, n_r, ...) each (views of one gather)."""
         flat = x.reshape(x.shape[0] * self.width, -1)[self.index]
-        return [
-            p.view(1, 1, n, *x.shape[3:])
-            for p, n in zip(flat.split(self.rows), self.rows, strict=True)
-        ]
+        return list(flat.view(1, 1, flat.shape[0], *x.shape[3:]).split(self.rows, dim=2))
 
 
 def cuda_kernel(ops: _EfficientOps | None = None) -> LseKernel:
@@ -249,14 +250,14 @@ def cuda_kernel(ops: _EfficientOps | None = None) -> LseKernel:
             max(p.keys), 0.0, 0, True, scale=scale,
         )[:2]  # fmt: skip
         lse = lse[:, 0].flatten()[p.index]  # (total,): each row's, in the runs' order
-        lses = [x.view(1, 1, -1) for x in lse.split(p.rows)]
+        lses = lse.view(1, 1, -1).split(p.rows, dim=2)
         return list(zip(p.unpack(out, p.rows), lses, strict=True))
 
     def packed_backward(runs, scale):
         g, q, k, v, out, lse = ([run[i] for run in runs] for i in range(6))
         p = _Packed(q, k)
         rows = torch.zeros(len(runs) * p.width, dtype=torch.float32, device=p.cu_q.device)
-        rows[p.index] = torch.cat([x.flatten() for x in lse]).float()
+        rows[p.index] = torch.cat(lse, dim=2).flatten().float()  # each (1, 1, n_r)
         none = q[0].new_empty((), dtype=torch.long)
         dq, dk, dv = ops.varlen_backward(
             p.pack(g), p.pack(q), p.pack(k), p.pack(v), None, p.pack(out), p.cu_q, p.cu_k,
@@ -281,7 +282,7 @@ def cuda_kernel(ops: _EfficientOps | None = None) -> LseKernel:
             )
             parts.append(s.stack(here) if by_row else torch.cat(here))
         per_result = [
-            s.unstack(x) if j in row_results else [x[g : g + 1] for g in range(len(runs))]
+            s.unstack(x) if j in row_results else x.split(1)
             for j, x in enumerate(call(*parts, scale))
         ]
         return list(zip(*per_result, strict=True))

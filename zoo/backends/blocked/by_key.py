@@ -229,10 +229,8 @@ def _padding_masks(key_ok: Tensor, dtype: torch.dtype) -> list[Tensor | None]:
     if all(every):
         return [None] * len(every)
     additive = _additive(key_ok, dtype)  # one tensor for all runs, a view each: no op per run
-    return [
-        None if all_valid else row.view(1, 1, 1, bk)
-        for all_valid, row in zip(every, additive, strict=True)
-    ]
+    rows = additive.view(-1, 1, 1, 1, bk).unbind(0)
+    return [None if all_valid else row for all_valid, row in zip(every, rows, strict=True)]
 
 
 def _partial_masks(
@@ -246,7 +244,7 @@ def _partial_masks(
     sub = fine[b, h, i // block, j] if factor > 1 else fine[b, h, i, j]  # (P, factor)
     ok = _partial_pairs(part, frame, sub, pair, factor, shape)  # (P, bk)
     ok = ok & key_ok.repeat_interleave(counts, dim=0)
-    masks = [m[None, None] for m in _additive(ok, dtype).split(counts.tolist())]  # views
+    masks = list(_additive(ok, dtype)[None, None].split(counts.tolist(), dim=2))  # views
     return masks, ok.any(-1)
 
 
@@ -327,12 +325,17 @@ def _key_blocks(r: Runs, x: Tensor) -> Tensor:
 def _each(r: Runs, q: Tensor, k: Tensor, v: Tensor) -> Iterator[tuple]:
     """Each run: (rows, queries (1, 1, n, D), or for a shared run (B, H_kv, heads per key/value
     head * n, D), keys, values (views), mask, block)."""
+    # Views made by one operation for all runs (split, unbind), not one per run: on a GPU each
+    # is host work, and a pass has thousands of runs.
     queries = q.reshape(r.queries, -1).index_select(0, torch.cat(r.rows))
-    queries = queries.split([rows.numel() for rows in r.rows])
+    sizes = [rows.numel() for rows in r.rows]
     B, kv_heads = k.shape[:2]
-    k_blocks, v_blocks = _key_blocks(r, k), _key_blocks(r, v)
-    for rows, qs, block, mask in zip(r.rows, queries, r.blocks, r.masks, strict=True):
-        qs = qs.view(B, kv_heads, -1, qs.shape[-1]) if r.shared else qs[None, None]
+    if r.shared:
+        split = [qs.view(B, kv_heads, -1, qs.shape[-1]) for qs in queries.split(sizes)]
+    else:
+        split = queries.view(1, 1, *queries.shape).split(sizes, dim=2)
+    k_blocks, v_blocks = _key_blocks(r, k).unbind(0), _key_blocks(r, v).unbind(0)
+    for rows, qs, block, mask in zip(r.rows, split, r.blocks, r.masks, strict=True):
         yield rows, qs, k_blocks[block], v_blocks[block], mask, block
 
 
@@ -349,8 +352,13 @@ class _Attention(torch.autograd.Function):
             (queries, keys, values, mask) for _, queries, keys, values, mask, _ in _each(r, q, k, v)
         ]
         for out, lse in kernel.forward_all(each, 1.0):
-            outs.append(out.reshape(-1, out.shape[-1]))  # in the order of the run's rows
-            lses.append(lse.flatten())
+            outs.append(out)
+            lses.append(lse)
+        if r.shared:  # (B, H_kv, rows, D) each: in the order of the run's rows once flattened
+            outs = [out.reshape(-1, out.shape[-1]) for out in outs]
+            lses = [lse.flatten() for lse in lses]
+        else:  # (1, 1, n, D) each: joined along the rows, no operation per run
+            outs, lses = [torch.cat(outs, dim=2)[0, 0]], [torch.cat(lses, dim=2)[0, 0]]
         rows = torch.cat(r.rows)
         # A kernel gives a keyless row lse 0 or -inf and output 0 or NaN: its weight must be 0,
         # and it is kept out by torch.where (NaN * 0 is NaN).
@@ -382,13 +390,21 @@ class _Attention(torch.autograd.Function):
         # at once: no operation per run (thousands of runs, each a kernel launch on a GPU).
         rows = torch.cat(r.rows)
         sizes = [x.numel() for x in r.rows]
-        per_run = [
-            x.index_select(0, rows).split(sizes) for x in (out, grad_out, lse)
-        ]  # fmt: skip
-        runs = [
-            (d_o.view(qs.shape), qs, ks, vs, o.view(qs.shape), m.view(qs.shape[:-1]), mask)
-            for (_, qs, ks, vs, mask, _), o, d_o, m in zip(each, *per_run, strict=True)
-        ]
+        if r.shared:
+            per_run = [x.index_select(0, rows).split(sizes) for x in (out, grad_out, lse)]
+            runs = [
+                (d_o.view(qs.shape), qs, ks, vs, o.view(qs.shape), m.view(qs.shape[:-1]), mask)
+                for (_, qs, ks, vs, mask, _), o, d_o, m in zip(each, *per_run, strict=True)
+            ]
+        else:  # (1, 1, n, ...) views of one gather each: no operation per run
+            per_run = [
+                x.index_select(0, rows).view(1, 1, rows.numel(), *x.shape[1:]).split(sizes, dim=2)
+                for x in (out, grad_out, lse)
+            ]
+            runs = [
+                (d_o, qs, ks, vs, o, m, mask)
+                for (_, qs, ks, vs, mask, _), o, d_o, m in zip(each, *per_run, strict=True)
+            ]
         if grad_lse is None:
             grads = ctx.kernel.backward_all(runs, 1.0)
         else:  # the mass's gradient enters: d lse / d score = probability, explicitly
@@ -398,7 +414,10 @@ class _Attention(torch.autograd.Function):
                 for run, g in zip(runs, grad_lses, strict=True)
             ]
         dq_runs, dk_runs, dv_runs = zip(*grads, strict=True)
-        dq.index_add_(0, rows, torch.cat([x.reshape(-1, x.shape[-1]) for x in dq_runs]))
+        if r.shared:
+            dq.index_add_(0, rows, torch.cat([x.reshape(-1, x.shape[-1]) for x in dq_runs]))
+        else:
+            dq.index_add_(0, rows, torch.cat(dq_runs, dim=2)[0, 0])
         blocks = torch.tensor(r.blocks, device=dq.device)
         _key_blocks(r, dk).index_add_(0, blocks, torch.stack(dk_runs))
         _key_blocks(r, dv).index_add_(0, blocks, torch.stack(dv_runs))
