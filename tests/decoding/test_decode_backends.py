@@ -197,11 +197,12 @@ def test_decoding_is_a_capability_of_a_backend():
     assert "backend 'blocked' has no decoding path; a cached call runs on sdpa" in said
 
 
-def test_moba_decodes_on_compiled_flex_on_the_cpu():
+@pytest.mark.parametrize("batch", [1, 2])
+def test_moba_decodes_on_compiled_flex_on_the_cpu(batch):
     """Compiled flex (not its eager path) decodes MoBA: its mask_mod reads the step's choice and
     each row's query offset, which Inductor's CPU lowering refused while the offsets were a
-    column view of the positions. Steps of rows of different lengths equal the reference path."""
-    torch.manual_seed(4)
+    column view of the positions (of one row too: a (1,) view keeps its stride through
+    .contiguous()). Steps of rows of different lengths equal the reference path."""
     outs = {}
     for name, backend in (("flex", FlexBackend(block_size=16)), ("reference", "reference")):
         torch.manual_seed(4)
@@ -209,10 +210,11 @@ def test_moba_decodes_on_compiled_flex_on_the_cpu():
             "moba", dim=64, num_heads=4, num_kv_heads=2, causal=True, pos="rope",
             backend=backend, block_size=8, top_k=2,
         ).eval()  # fmt: skip
-        x = torch.randn(2, 20, 64)
+        x = torch.randn(batch, 20, 64)
         with torch.no_grad():
-            cache = attn.new_cache(2, 64)
-            got = [attn(x[:, :12], cache=cache, valid_lens=torch.tensor([12, 5]))[:, 11:12]]
+            cache = attn.new_cache(batch, 64)
+            lens = torch.tensor([12, 5][:batch])
+            got = [attn(x[:, :12], cache=cache, valid_lens=lens)[:, 11:12]]
             got += [attn(x[:, i : i + 1], cache=cache) for i in range(12, 20)]
         outs[name] = torch.cat(got, 1)
     assert torch.allclose(outs["flex"], outs["reference"], atol=2e-5, rtol=1e-4)

@@ -65,10 +65,11 @@ class RouteInputs:
         """Query i's position minus i: kv_len - q_len, or (B,) one per sequence (``q_pos``)."""
         if self.q_pos is None:
             return self.k.shape[2] - self.q.shape[2]
-        # Its own storage: a column view of q_pos, captured by a compiled flex mask_mod, failed
-        # Inductor's CPU lowering ("All the buffers in the score and mask subgraph should be in
-        # kernel_group.args.input_buffers").
-        return self.q_pos[:, 0].contiguous()
+        # Its own storage, of stride 1: a column view of q_pos, captured by a compiled flex
+        # mask_mod, failed Inductor's CPU lowering ("All the buffers in the score and mask
+        # subgraph should be in kernel_group.args.input_buffers"). .contiguous() and .clone()
+        # keep a (1,) view's stride; this does not.
+        return self.q_pos[:, 0].clone(memory_format=torch.contiguous_format)
 
     def made_causal(self) -> RouteInputs:
         return self if self.causal else replace(self, causal=True)
@@ -125,30 +126,35 @@ class ChosenBlocks(Pattern):
         flat = ((b * heads + h) * q_len + row) * blocks + column
         return self.chosen.flatten().take(flat) & (index >= 0) & (index < q_len)
 
-    def _row_counts(self, rows: Tensor) -> Tensor:
-        """(B, H, len(rows), blocks + 1) int32: for each of ``rows`` (query indices 0 .. Lq, in
-        any order, repeats allowed), the chosen (query, block) pairs among the queries before it
-        and the blocks before each column: a 2-D prefix sum at those rows only.
+    def _row_counts(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """A 2-D prefix sum of the choice at ``rows`` (query indices 0 .. Lq, any order, repeats
+        allowed): (table (B, H, R, blocks + 1) int32, each of ``rows``' row in it), where
+        table[..., row, j] counts the chosen (query, block) pairs among the queries before that
+        row and the blocks before j.
 
-        The rows cut the queries into segments; each query's choices are added to its segment
-        (``index_add``), a slice of queries at a time, and the segments summed in order. The
-        choice is read once and never copied whole: a prefix sum over every query,
-        (B, H, Lq + 1, blocks + 1), would be n^2 / block elements; this holds
-        (B, H, 2 x rows, blocks + 1) and a slice of the choice."""
+        With few rows against the queries (kernel blocks of queries: flex, the union path) the
+        table holds the rows asked for only: the queries cut into segments at them, each slice
+        of queries added to its segment (``index_add``), the segments summed in order, so no
+        tensor as large as the choice is made; a prefix sum over every query would be n^2 /
+        block elements. Where the rows are about as many as the queries (one query per span:
+        the runs by key block), every query's row, built in place in one int32 table."""
         chosen = self.chosen
         batch, heads, q_len, blocks = chosen.shape
+        if 2 * rows.numel() >= q_len + 1:  # as many rows as queries: every query's
+            table = chosen.new_zeros((batch, heads, q_len + 1, blocks + 1), dtype=torch.int32)
+            table[:, :, 1:, 1:] = chosen
+            return table.cumsum_(2).cumsum_(3), rows
         order = rows.argsort()
         cuts = rows[order]  # sorted
         # Query i belongs to segment #{cuts <= i}; the prefix at cuts[j] is segments 0 .. j.
         segment = torch.searchsorted(cuts, torch.arange(q_len, device=rows.device), right=True)
-        sums = chosen.new_zeros((batch, heads, cuts.numel() + 1, blocks), dtype=torch.int32)
+        table = chosen.new_zeros((batch, heads, cuts.numel() + 1, blocks + 1), dtype=torch.int32)
         step = max(1, COUNT_CHUNK // max(1, batch * heads * blocks))
         for first in range(0, q_len, step):
             part = slice(first, min(first + step, q_len))
-            sums.index_add_(2, segment[part], chosen[:, :, part].to(torch.int32))
-        prefix = sums.cumsum_(2)[:, :, :-1]  # at each cut, in sorted order
-        prefix = prefix[:, :, order.argsort()]  # back in the order of rows
-        return torch.nn.functional.pad(prefix, (1, 0)).cumsum_(3)
+            table[..., 1:].index_add_(2, segment[part], chosen[:, :, part].to(torch.int32))
+        table.cumsum_(2).cumsum_(3)  # row j: the prefix at cuts[j]; the last row unused
+        return table, order.argsort()  # rows[i] is cuts[order.argsort()[i]]
 
     def block_state(self, q: Spans, k: Spans) -> Tensor:
         """[B, H, q blocks, k blocks]: FULL where every query of the kernel block chose every
@@ -165,11 +171,11 @@ class ChosenBlocks(Pattern):
         k0 = (k.lo // self.block_size).clamp(0, blocks - 1)
         k1 = (k.hi // self.block_size).clamp(0, blocks - 1)
         spans = q0.numel()
-        sums = self._row_counts(torch.cat((q0.reshape(-1), q1.reshape(-1) + 1)))
+        sums, where = self._row_counts(torch.cat((q0.reshape(-1), q1.reshape(-1) + 1)))
         width = blocks + 1
         flat = sums.flatten(2)
-        first = torch.arange(spans, device=q0.device).view(q0.shape)  # q0's rows in sums
-        after = first + spans  # q1 + 1's
+        first = where[:spans].view(q0.shape)  # q0's rows in sums
+        after = where[spans:].view(q1.shape)  # q1 + 1's
 
         def at(row: Tensor, column: Tensor) -> Tensor:  # sums[:, :, row, column], broadcast
             index = row * width + column
