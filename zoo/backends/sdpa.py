@@ -152,29 +152,31 @@ def sdpa_decode(step: DecodeStep) -> Tensor:
 
 
 def without_cudnn(q: Tensor) -> contextlib.AbstractContextManager:
-    """SDPA's backends that the caller left enabled, less cuDNN, for a call on CUDA whose key
-    length changes from call to call (a decoding step reads one more slot each time). cuDNN builds
-    an execution graph for each new shape and keeps it for that shape only: per step, that build
-    costs tens of milliseconds, where the step's kernel takes microseconds (PyTorch's
+    """SDPA's CUDA backends that the caller left enabled, less cuDNN, for a call on CUDA whose
+    key length changes from call to call (a decoding step reads one more slot each time). cuDNN
+    builds an execution graph for each new shape and keeps it for that shape only: per step,
+    that build costs tens of milliseconds, where the step's kernel takes microseconds (PyTorch's
     ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE`` is an opt-in for the same cost). FlashAttention and the
-    efficient kernel build nothing per shape. Eager only: under ``torch.compile`` the flags cannot
-    be read, and the call is left as it is."""
+    efficient kernel build nothing per shape.
+
+    Only while the math backend stays enabled, which runs every step (grouped heads with a mask
+    take no other: FlashAttention takes no mask, the efficient kernel no grouped heads): a
+    caller who turned it off keeps cuDNN, so that no step is left without a kernel. The flags are
+    the process's, as ``sdpa_kernel`` sets them; the others it knows (for other devices) are off
+    for the call. Eager only: under ``torch.compile`` the flags cannot be read, and the call is
+    left as it is."""
     if q.device.type != "cuda" or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    cuda = torch.backends.cuda
+    if not cuda.cudnn_sdp_enabled() or not cuda.math_sdp_enabled():
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    cuda = torch.backends.cuda
-    enabled = [
-        backend
-        for backend, on in (
-            (SDPBackend.FLASH_ATTENTION, cuda.flash_sdp_enabled()),
-            (SDPBackend.EFFICIENT_ATTENTION, cuda.mem_efficient_sdp_enabled()),
-            (SDPBackend.MATH, cuda.math_sdp_enabled()),
-        )
-        if on
-    ]
-    if not cuda.cudnn_sdp_enabled() or not enabled:  # nothing to leave out, or only cuDNN left
-        return contextlib.nullcontext()
+    enabled = [SDPBackend.MATH]
+    if cuda.flash_sdp_enabled():
+        enabled.append(SDPBackend.FLASH_ATTENTION)
+    if cuda.mem_efficient_sdp_enabled():
+        enabled.append(SDPBackend.EFFICIENT_ATTENTION)
     return sdpa_kernel(enabled)
 
 
