@@ -345,3 +345,32 @@ def test_block_state_counts_exactly_and_within_its_memory(monkeypatch, spans):
         area = (rows.stop - rows.start) * (cols.stop - cols.start)
         want = torch.where(count == area, FULL, torch.where(count > 0, PARTIAL, 0))
         assert torch.equal(state[:, :, i, j], want.to(state.dtype)), (i, j)
+
+
+@pytest.mark.parametrize("q_len,kv_len", [(300, 300), (200, 333), (45, 70)])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_block_state_of_one_query_spans_reads_the_choice(q_len, kv_len, causal, monkeypatch):
+    """Spans of one query each against key spans aligned inside the chosen blocks (the runs by
+    key block's frame: ``Spans.aligned`` known on the host) are answered from the choice itself;
+    the same states as the counting path, with padding slots and bottom-right offsets."""
+    from dataclasses import replace
+
+    from zoo.layout.frames import build_frame
+    from zoo.patterns.routed import ChosenBlocks
+
+    q, k, _ = random_qkv(2, 2, q_len, kv_len)
+    pattern = Moba(block_size=8, top_k=3)
+    pattern = (pattern & Causal() if causal else pattern).bind(RouteInputs(q, k))
+    for key_block in (8, 4, 16):  # 16 does not divide 8: the counting path, same answer
+        frame = build_frame(1, q_len, kv_len, 1, key_block, torch.device("cpu"))
+        qs, ks = frame.q.spans(), frame.k.spans()
+        assert qs.aligned == 1 and ks.aligned == key_block
+        with monkeypatch.context() as m:
+            if 8 % key_block == 0:  # no counting at all
+                m.setattr(ChosenBlocks, "_row_counts", None)
+            fast = pattern.block_state(qs.column(), ks.row())
+        counted = pattern.block_state(
+            replace(qs, aligned=None).column(), replace(ks, aligned=None).row()
+        )
+        assert torch.equal(fast, counted), key_block
+        assert (fast == FULL).any() and (fast == EMPTY).any()

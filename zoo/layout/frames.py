@@ -43,6 +43,7 @@ class Axis:
     # stride frame whose first group starts at the first token: slot r * G + t holds token
     # t * step + r, so the order is a transpose of the tokens padded to step * G (see gather)
     aligned: bool = False
+    start: int = 0  # the first token's position (natural order: slot t holds start + t)
 
     @property
     def slots(self) -> int:
@@ -64,7 +65,8 @@ class Axis:
         lo = torch.where(valid, pos, _FAR).amin(dim=1)
         hi = torch.where(valid, pos, -_FAR).amax(dim=1)
         box = None if self.tiles is None else block_boxes(self.tiles, pos, valid, self.block)
-        return Spans(lo, hi, self.step, valid.all(dim=1), box)
+        aligned = self.block if self.identity and self.start % self.block == 0 else None
+        return Spans(lo, hi, self.step, valid.all(dim=1), box, aligned)
 
     def gather(self, x: Tensor, dim: int = -2) -> Tensor:
         """Tokens of ``x`` (original order along ``dim``) placed into this frame's slots; padding
@@ -109,7 +111,9 @@ def _axis(length: int, start: int, stride: int | Tiles, block: int, device: torc
         slots = -(-length // block) * block
         t = torch.arange(slots, device=device)
         valid = t < length
-        return Axis(length, t.clamp(max=length - 1), t + start, valid, t[:length], block, 1)
+        return Axis(
+            length, t.clamp(max=length - 1), t + start, valid, t[:length], block, 1, start=start
+        )
     base = start // stride * stride  # first position of group 0 at or before `start`
     group_len = -(-(start + length - base) // stride)
     padded = -(-group_len // block) * block

@@ -170,6 +170,14 @@ class ChosenBlocks(Pattern):
         q0, q1 = (q.lo - self.offset).clamp(0, q_len - 1), (q.hi - self.offset).clamp(0, q_len - 1)
         k0 = (k.lo // self.block_size).clamp(0, blocks - 1)
         k1 = (k.hi // self.block_size).clamp(0, blocks - 1)
+        if q.aligned == 1 and k.aligned is not None and self.block_size % k.aligned == 0:
+            # One query per span, each key span inside one chosen block (the runs by key
+            # block): the state is the choice itself, read at (q0, k0), no counting.
+            flat = self.chosen.flatten(2)
+            index = q0 * blocks + k0  # (query spans, key spans), broadcast
+            picked = flat.gather(2, index.flatten().expand(*flat.shape[:2], -1))
+            picked = picked.view(*flat.shape[:2], *index.shape)
+            return state_from(picked, picked, q, k)
         spans = q0.numel()
         sums, where = self._row_counts(torch.cat((q0.reshape(-1), q1.reshape(-1) + 1)))
         width = blocks + 1

@@ -31,6 +31,10 @@ class Spans:
     step: int
     complete: Tensor
     box: Box | None = None
+    # Known on the host: every span's positions lie in [c * aligned, (c + 1) * aligned) for
+    # some c (a natural-order frame whose blocks start at multiples of their size); None where
+    # not known. Lets a pattern answer without reading the bounds (ChosenBlocks).
+    aligned: int | None = None
 
     @property
     def nonempty(self) -> Tensor:
@@ -38,11 +42,15 @@ class Spans:
 
     def column(self) -> Spans:
         box = None if self.box is None else self.box.map(lambda t: t[:, None])
-        return Spans(self.lo[:, None], self.hi[:, None], self.step, self.complete[:, None], box)
+        return Spans(
+            self.lo[:, None], self.hi[:, None], self.step, self.complete[:, None], box, self.aligned
+        )
 
     def row(self) -> Spans:
         box = None if self.box is None else self.box.map(lambda t: t[None, :])
-        return Spans(self.lo[None, :], self.hi[None, :], self.step, self.complete[None, :], box)
+        return Spans(
+            self.lo[None, :], self.hi[None, :], self.step, self.complete[None, :], box, self.aligned
+        )
 
 
 @dataclass(frozen=True)
@@ -72,4 +80,6 @@ def state_from(any_allowed: Tensor, all_allowed: Tensor, q: Spans, k: Spans) -> 
     """
     some = any_allowed & q.nonempty & k.nonempty
     full = some & all_allowed & q.complete & k.complete
-    return torch.where(full, FULL, torch.where(some, PARTIAL, EMPTY)).to(torch.int8)
+    # EMPTY 0, PARTIAL 1, FULL 2, and full implies some: no int64 intermediate (a where on
+    # Python ints made one, 8 bytes per block pair, before the cast).
+    return some.to(torch.int8) + full
