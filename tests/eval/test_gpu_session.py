@@ -131,15 +131,19 @@ def test_a_signal_still_writes_the_summary(tmp_path):
     assert set(found.values()) == {"not measured"} and len(found) == 5
 
 
+def run_all(env: dict[str, str], limit: int, cwd: Path = ROOT, *args: str) -> None:
+    """``bash eval/gpu_session.sh all LIMIT`` (or another stage: ``args``), which must succeed."""
+    command = ["bash", str(SCRIPT), *(args or ("all", str(limit)))]
+    run = subprocess.run(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stdout
+
+
 def test_shares_can_be_replaced_and_an_unnamed_stage_gets_none(tmp_path):
     out = tmp_path / "out"
     env = environment(out)
     env["ZOO_GPU_SESSION_SHARES"] = "env:10 tests:50"
-    run = subprocess.run(
-        ["bash", str(SCRIPT), "all", "20"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout
+    run_all(env, 20)
     rows = stages(out)
     assert float(rows["env"]["limit_s"]) == pytest.approx(2.0)
     assert float(rows["tests"]["limit_s"]) == pytest.approx(10.0)
@@ -152,11 +156,7 @@ def test_bundle_packs_every_file_but_the_summary_and_the_stages(tmp_path):
     out = tmp_path / "out"
     env = environment(out, goals='echo cells > "$OUT/bench-goals.log"')
     env["ZOO_GPU_SESSION_BUNDLE"] = "1"
-    run = subprocess.run(
-        ["bash", str(SCRIPT), "all", "20"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout
+    run_all(env, 20)
     assert sorted(p.name for p in out.iterdir()) == ["campaign.tar.gz", "stages.tsv", "summary.md"]
     with tarfile.open(out / "campaign.tar.gz") as archive:
         names = {Path(name).name for name in archive.getnames()}
@@ -184,12 +184,7 @@ def test_the_tests_stage_names_each_test_as_it_ends(tmp_path, stage):
                "compiles"]  # fmt: skip
     env = environment(out, **{name: "true" for name in stubbed})
     env.update(PYTHON=str(stub), ZOO_GPU_SESSION_FAKE="0", LIMIT="60")
-    run = subprocess.run(
-        ["bash", str(SCRIPT), stage, *(["60"] if stage == "all" else [])],
-        cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, timeout=120,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout
+    run_all({**env, "PYTHONPATH": str(ROOT)}, 60, tmp_path, *([] if stage == "all" else [stage]))
     args = (out / "args.txt").read_text().split()
     assert args[:4] == ["-m", "pytest", "-m", "gpu"], args
     assert {"-v", "-rfE"} <= set(args) and args[args.index("-n") + 1] == "12", args
