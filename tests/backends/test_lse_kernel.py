@@ -16,6 +16,7 @@ import zoo
 from zoo.backends import lse_kernel
 from zoo.backends.blocked import BlockedBackend
 from zoo.patterns import Local, Moba
+from zoo.testing.shape_only_kernels import ShapeOnlyEfficientOps
 
 
 def _no_union(*args, **kwargs):
@@ -344,27 +345,6 @@ def test_runs_beyond_a_grids_extent_take_more_calls(cuda_wrapping_on_cpu, monkey
     assert cuda_wrapping_on_cpu.calls["varlen_forward"] > 1
 
 
-class _StubOps:
-    """The memory-efficient ops' outputs by shape only, with no work per segment."""
-
-    def forward(self, q, k, v, bias, compute_lse, dropout_p, causal, *, scale):
-        B, H, M, _ = q.shape
-        return q.new_zeros(B, H, M, v.shape[-1]), q.new_zeros(B, H, -(-M // 32) * 32), None, None
-
-    def backward(self, g, q, k, v, bias, out, lse, seed, offset, p, mask, causal, *, scale):
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None
-
-    def varlen_forward(self, q, k, v, bias, cu_q, cu_k, max_q, max_k, p, kind, lse, *, scale):
-        runs = cu_q.shape[0] - 1
-        lse = q.new_zeros(runs, q.shape[2], -(-max_q // 32) * 32)
-        return q.new_zeros(*q.shape[:3], v.shape[-1]), lse, None, None, max_q, max_k
-
-    def varlen_backward(
-        self, g, q, k, v, bias, out, cu_q, cu_k, mq, mk, lse, p, s, o, t, b, *, scale
-    ):
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None
-
-
 class _Operations(TorchDispatchMode):
     """Counts the operations dispatched, views too: on a GPU each is host work."""
 
@@ -385,7 +365,7 @@ def test_operations_do_not_grow_with_the_runs(monkeypatch, causal):
     operations of one forward at 16K tokens and 16 heads (512 runs), the likely cause of most of
     the 50.8 ms it took on an H100 (unconfirmed); this test counted 990 and 2334 (non-causal)
     before they were made by one operation for all runs."""
-    monkeypatch.setitem(lse_kernel.KERNELS, "cpu", lse_kernel.cuda_kernel(_StubOps()))
+    monkeypatch.setitem(lse_kernel.KERNELS, "cpu", lse_kernel.cuda_kernel(ShapeOnlyEfficientOps()))
     counts = []
     for n in (2048, 8192):  # 16 and 64 key blocks of 128, 4 heads
         q, k, v = (torch.randn(1, 4, n, 64, requires_grad=True) for _ in range(3))

@@ -17,9 +17,24 @@ def test_bench_overhead_times_the_call_around_a_stubbed_kernel(tmp_path):
     assert cells.keys() == {(v, b) for v in ("local", "causal") for b in ("flex", "sdpa")}
     for cell in cells.values():  # the zoo call does work beyond the kernel it calls
         assert cell["zoo_us"] > cell["stub_us"] > 0 and cell["added_us"] > 0
+        assert isinstance(cell["ops"], int) and cell["ops"] >= 0
+    assert cells[("local", "flex")]["ops"] >= 1  # the output cut to the call's queries
     assert "bare kernel stub" in (tmp_path / "overhead.md").read_text()
 
 
+def test_bench_overhead_counts_mobas_operations_on_blocked(tmp_path):
+    """MoBA on blocked with its kernels stubbed through their CUDA wrapping: the operations a
+    call dispatches do not grow with its runs (16 key blocks of 64 and 4 heads, against 64)."""
+    argv = ["variants=[moba]", "backends=[blocked]", "lengths=[1024, 4096]", "repeats=2",
+            "heads=4", "head_dim=16", "params={moba: {block_size: 64, top_k: 2}}",
+            f"out={tmp_path}"]  # fmt: skip
+    assert overhead.main(argv) == 0
+    data = json.loads((tmp_path / "overhead.json").read_text())
+    few, many = (c["ops"] for c in data["cells"])
+    assert 0 < many <= few + 50, (few, many)
+    assert "read its operation count" in (tmp_path / "overhead.md").read_text()
+
+
 def test_bench_overhead_names_an_unknown_backend(capsys):
-    assert overhead.main(["backends=[blocked]"]) == 2
-    assert "backends must be among flex, sdpa" in capsys.readouterr().err
+    assert overhead.main(["backends=[xformers]"]) == 2
+    assert "backends must be among flex, sdpa, blocked" in capsys.readouterr().err
