@@ -33,11 +33,10 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import zoo
 from zoo.backends import lse_kernel
-from zoo.testing.shape_only_kernels import ShapeOnlyEfficientOps
+from zoo.testing.shape_only_kernels import OperationCount, ShapeOnlyEfficientOps
 
 from ..harness.config import ConfigError, config_arguments, load_config
 from ..harness.distributed import device_name, pick_device, thread_count
@@ -96,7 +95,7 @@ def measure(config: OverheadConfig, variant: str, backend: str, n: int, device) 
             stack.enter_context(mock.patch(STUBBED["sdpa"], stub))
         for _ in range(3):  # the per-shape structures are built here, not timed
             zoo.attention(q, k, v, **kwargs)
-        with _Counted() as counted:
+        with OperationCount() as counted:
             zoo.attention(q, k, v, **kwargs)
         zoo_us, stub_us = [], []
         for _ in range(config.repeats):
@@ -112,18 +111,6 @@ def measure(config: OverheadConfig, variant: str, backend: str, n: int, device) 
         "stub_us": round(stub_median, 2), "added_us": round(zoo_median - stub_median, 2),
         "ops": counted.count,
     }  # fmt: skip
-
-
-class _Counted(TorchDispatchMode):
-    """The operations dispatched under it, views included."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def markdown(data: dict) -> str:

@@ -10,13 +10,12 @@ import pytest
 import torch
 from efficient_attention_emulation import EmulatedEfficientOps
 from helpers import check_against_reference, gpu, random_qkv
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import zoo
 from zoo.backends import lse_kernel
 from zoo.backends.blocked import BlockedBackend
 from zoo.patterns import Local, Moba
-from zoo.testing.shape_only_kernels import ShapeOnlyEfficientOps
+from zoo.testing.shape_only_kernels import OperationCount, ShapeOnlyEfficientOps
 
 
 def _no_union(*args, **kwargs):
@@ -345,18 +344,6 @@ def test_runs_beyond_a_grids_extent_take_more_calls(cuda_wrapping_on_cpu, monkey
     assert cuda_wrapping_on_cpu.calls["varlen_forward"] > 1
 
 
-class _Operations(TorchDispatchMode):
-    """Counts the operations dispatched, views too: on a GPU each is host work."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 def test_operations_do_not_grow_with_the_runs(monkeypatch, causal):
     """On CUDA every run is host work unless batched: a MoBA forward and backward dispatches
@@ -369,7 +356,7 @@ def test_operations_do_not_grow_with_the_runs(monkeypatch, causal):
     counts = []
     for n in (2048, 8192):  # 16 and 64 key blocks of 128, 4 heads
         q, k, v = (torch.randn(1, 4, n, 64, requires_grad=True) for _ in range(3))
-        watch = _Operations()
+        watch = OperationCount()
         with watch:
             out = zoo.attention(q, k, v, variant="moba", backend=BlockedBackend(), causal=causal,
                                 block_size=128)  # fmt: skip

@@ -48,8 +48,8 @@ def flex_frame(pattern: Pattern, q_len: int, kv_len: int, block: int, device) ->
 def _slot_mask(pattern: Pattern, frame: Frame, q_len: int, kv_len: int):
     """The mask_mod on the frame's slots: in the natural order the pattern's own, or on a GPU a
     table lookup where the pattern is constant on squares of positions and its own evaluates
-    several families (``flex_lookup``); in a
-    tiled order, the pattern at each slot's position, padding slots left out."""
+    several families (``flex_lookup``); in a tiled order, the pattern at each slot's position,
+    padding slots left out."""
     if frame.q.identity and frame.k.identity:
         device = frame.q.position.device
         looked_up = None

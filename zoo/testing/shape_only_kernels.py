@@ -1,12 +1,25 @@
 """The memory-efficient kernel's ops answered by shape alone (zeros of the right shapes, no
 work): the CUDA wrapping of the runs by key block (``zoo.backends.lse_kernel.cuda_kernel``) run
-on a CPU with its kernels taken out, so that what is left is the host work around them: the
-operations it dispatches (``python -m eval bench-overhead``, a test that they do not grow with
-the runs)."""
+on a CPU with its kernels taken out, so that what is left is the host work around them; and
+``OperationCount``, the operations it dispatches (``python -m eval bench-overhead``, a test that
+they do not grow with the runs)."""
 
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class OperationCount(TorchDispatchMode):
+    """Counts the operations dispatched under it, views included: on a GPU each is host work."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 class ShapeOnlyEfficientOps:
