@@ -4,7 +4,8 @@ and the cost of the choice, on a point's own inputs (neither exists before the i
 The pairs are counted without any (query, key) grid: from the bound pattern's block choice
 (``ChosenBlocks``, alone or met with ``causal``) by block arithmetic, a few rows of queries at a
 time; any other bound layout by ``allowed_at`` on bounded chunks of query rows. Either way no
-tensor has more than ``CHUNK_ELEMENTS`` elements beyond the choice itself, at any length.
+tensor has more than ``CHUNK_ELEMENTS`` elements beyond the choice itself (n * top_k block
+indices), at any length.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def _chosen_blocks(pattern: Pattern) -> tuple[ChosenBlocks, bool] | None:
         chosen, others = blocks[0], [c for c in pattern.children if c is not blocks[0]]
     else:
         return None
-    if isinstance(chosen.offset, Tensor) or chosen.chosen.dim() != 4:
+    if isinstance(chosen.offset, Tensor) or chosen.picks.dim() != 4:
         return None
     if any(c.routed or c.per_head or c.kind not in ("full", "causal") for c in others):
         return None
@@ -80,25 +81,23 @@ def _count_chosen_blocks(pattern: ChosenBlocks, causal: bool, q_len: int, kv_len
     """Sum over (sequence, head, query, chosen block) of the block's keys that the query may
     attend: keys lo .. min(hi, kv_len - 1), and under causal only those at or before the query's
     position (i + offset, bottom-right aligned as ``causal``'s dense view). Query rows go a chunk
-    at a time: the choice's slice and the (rows, blocks) widths stay within CHUNK_ELEMENTS."""
-    chosen = pattern.chosen  # (B, H, Lq, blocks) bool
-    batch, heads, rows, blocks = chosen.shape
+    at a time: the picks' slice and their widths stay within CHUNK_ELEMENTS."""
+    picks = pattern.picks  # (B, H, Lq, k), ``blocks`` in an empty slot
+    batch, heads, rows, width = picks.shape
     if rows != q_len:
         raise ValueError(f"the choice has {rows} query rows, the call {q_len}")
-    device, size = chosen.device, pattern.block_size
-    lo = torch.arange(blocks, device=device, dtype=torch.int64) * size
-    hi = (lo + size).clamp(max=kv_len) - 1  # the last key of each block (a short last block)
-    step = max(1, CHUNK_ELEMENTS // (batch * heads * blocks))
-    total = torch.zeros((), dtype=torch.int64, device=device)
+    size = pattern.block_size
+    step = max(1, CHUNK_ELEMENTS // max(1, batch * heads * width))
+    total = torch.zeros((), dtype=torch.int64, device=picks.device)
     for start in range(0, q_len, step):
-        stop = min(start + step, q_len)
-        picked = chosen[:, :, start:stop].sum(dim=(0, 1), dtype=torch.int64)  # (rows, blocks)
+        chunk = picks[:, :, start : start + step].long()  # (B, H, rows, k)
+        lo = chunk * size
+        last = (lo + size).clamp(max=kv_len) - 1  # the last key of each block (a short last one)
         if causal:
-            position = torch.arange(start, stop, device=device) + pattern.offset
-            last = torch.minimum(hi[None, :], position[:, None])
-        else:
-            last = hi[None, :]
-        total += (picked * (last - lo + 1).clamp(min=0)).sum()
+            position = torch.arange(start, start + chunk.shape[2], device=picks.device)
+            last = torch.minimum(last, (position + pattern.offset)[:, None])
+        keys = (last - lo + 1).clamp(min=0)
+        total += torch.where(chunk < pattern.blocks, keys, 0).sum()
     return int(total)
 
 

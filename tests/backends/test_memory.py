@@ -64,3 +64,42 @@ def test_compiled_flex_peak_memory_is_far_below_n_squared():
     assert grown < n_squared_bytes // 8, (
         f"peak memory grew by {grown / 2**30:.2f} GiB during the call"
     )
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_a_choice_by_content_is_never_a_queries_by_blocks_layout(monkeypatch, causal):
+    """MoBA's choice is kept as its picks (n * top_k block indices), and blocked's runs and
+    flex's block mask read the per-query layout a slice of queries at a time: with the slices
+    made small, no tensor reaches half the (B, H, Lq, key blocks) mask that the choice was
+    (n^2 / block: 537 MB at 128K tokens, 16 heads, blocks of 512), in the choice, blocked's
+    runs, flex's block mask, and (bidirectional: FULL runs, no masks) blocked's forward and
+    backward. Causal MoBA's PARTIAL runs (each query's own block) carry a (queries, 512) mask,
+    linear in n and larger than this layout at 32K: that call is not watched whole."""
+    import zoo.backends.blocked.by_key as by_key
+    import zoo.patterns.moba as moba
+    import zoo.patterns.routed as routed
+    from zoo.backends import BlockedBackend, FlexBackend
+    from zoo.functional import prepare_call
+
+    for module, name in ((moba, "CHOICE_ELEMENTS"), (routed, "COUNT_CHUNK"),
+                         (by_key, "STATE_CHUNK")):  # fmt: skip
+        monkeypatch.setattr(module, name, 1 << 16)
+    n, heads, block = 32768, 4, 512
+    layout = heads * n * (n // block)  # elements of the choice as a mask
+    params = {"block_size": block, "top_k": 3}
+    q, k, v = (torch.randn(1, heads, n, 4, requires_grad=True) for _ in range(3))
+    watch = LargestTensor()
+    with watch:
+        call = prepare_call(q, k, v, variant="moba", causal=causal, **params)
+        scored = BlockedBackend().scored_pairs(call)
+        mask = FlexBackend(compile=False).block_mask(call)
+    assert watch.largest < layout // 2, (watch.largest, layout)
+    assert n * 3 * block * 0.9 < scored <= n * 3 * block
+    assert mask.kv_num_blocks.shape == (1, heads, n // 128)
+    if causal:
+        return
+    with watch:
+        out = zoo.attention(q, k, v, variant="moba", backend="blocked", **params)
+        out.sum().backward()
+    assert torch.isfinite(q.grad).all()
+    assert watch.largest < layout // 2, (watch.largest, layout)

@@ -110,6 +110,26 @@ def test_cache_keeps_block_sums_of_its_keys():
     assert cache.key_block_sums(4)[1].sum() == 0
 
 
+@pytest.mark.parametrize("chunk_blocks", [1, 2, 100], ids=["block", "two_blocks", "whole"])
+def test_block_sums_a_few_blocks_at_a_time_equal_the_definition(monkeypatch, chunk_blocks):
+    """``block_sums`` copies a few blocks of keys at a time (the whole float32 copy and its
+    product with ``keep`` were each as large as k): the sums of the kept keys per block and
+    their counts, a short last block and padding included, whatever the chunk."""
+    import zoo.decoding.block_sums as sums_module
+
+    B, H, L, D, block = 2, 3, 23, 5, 4
+    monkeypatch.setattr(sums_module, "SUM_CHUNK", chunk_blocks * B * H * block * D)
+    k = torch.randn(B, H, L, D, dtype=torch.bfloat16)
+    keep = torch.rand(B, L) > 0.3
+    sums, counts = block_sums(k, keep, block)
+    assert sums.dtype == torch.float32 and sums.shape == (B, H, 6, D)
+    for j in range(6):
+        keys = slice(j * block, min((j + 1) * block, L))
+        want = (k[:, :, keys].double() * keep[:, None, keys, None]).sum(2)
+        assert torch.allclose(sums[:, :, j].double(), want, atol=1e-5, rtol=0), j
+        assert torch.equal(counts[:, j], keep[:, keys].sum(1)), j
+
+
 @pytest.mark.parametrize(
     ("variant", "pos", "lens"),
     [("sliding_window", "alibi", [12, 5, 0]), ("bigbird", "t5", [7, 12]),

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import zoo
 from zoo.modules.nsa import NativeSparseAttention
+from zoo.patterns.routed import picks_mask
 
 L, DIM, HEADS, KV_HEADS = 70, 32, 4, 2
 SETTINGS = dict(block_length=8, block_stride=4, select_block=16, select_count=3, window=12)
@@ -110,7 +111,8 @@ def test_module_equals_the_dense_definition(backend, learned):
     got = module(x, key_padding_mask=padding)
     p_cmp = module.compressed_branch(*_qkv(module, x), padding)[1]
     want, chosen = dense_nsa(module, x, padding)
-    assert torch.equal(module.choose(p_cmp, L, padding).expand_as(chosen), chosen)
+    picks = module.choose(p_cmp, L, padding)
+    assert torch.equal(picks_mask(picks, chosen.shape[-1]).expand_as(chosen), chosen)
     assert (got - want).abs().max() < 1e-10
     grad_out = torch.randn_like(got)
     params = [x, *module.parameters()]
@@ -141,7 +143,7 @@ def test_selection_keeps_first_and_local_blocks_and_never_a_future_one():
     module = make()
     x, _ = inputs()
     p_cmp = module.compressed_branch(*_qkv(module, x), None)[1]
-    chosen = module.choose(p_cmp, L, None)  # (B, H, L, blocks)
+    chosen = picks_mask(module.choose(p_cmp, L, None), -(-L // module.select_block))
     own = torch.arange(L) // module.select_block
     assert chosen[..., 0].all()
     assert chosen.gather(-1, own.view(1, 1, L, 1).expand(2, HEADS, L, 1)).all()

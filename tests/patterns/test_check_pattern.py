@@ -130,7 +130,7 @@ def test_a_pattern_chosen_by_content_is_checked_on_a_bound_input():
 class _FullEverywhere(ChosenBlocks):
     def block_state(self, q: Spans, k: Spans):
         return torch.full(
-            (*self.chosen.shape[:2], *torch.broadcast_shapes(q.lo.shape, k.lo.shape)), FULL
+            (*self.picks.shape[:2], *torch.broadcast_shapes(q.lo.shape, k.lo.shape)), FULL
         )
 
 
@@ -140,7 +140,7 @@ class _LyingMoba(Moba):
 
     def bind(self, inputs):
         chosen = super().bind(inputs)
-        return _FullEverywhere(chosen.block_size, chosen.chosen, chosen.offset)
+        return _FullEverywhere(chosen.block_size, chosen.picks, chosen.blocks, chosen.offset)
 
 
 def test_a_routed_block_state_that_claims_too_much_is_named():

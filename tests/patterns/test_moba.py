@@ -17,6 +17,7 @@ from zoo.functional import prepare_call
 from zoo.patterns import Causal, Local, Moba, RouteInputs, Spans
 from zoo.patterns.base import EMPTY, FULL
 from zoo.patterns.moba import moba_choice
+from zoo.patterns.routed import picks_mask
 
 
 def definition(q, k, block_size, top_k, causal, key_padding=None):
@@ -67,7 +68,11 @@ def test_choice_matches_the_definition(q_len, kv_len, block_size, top_k, causal)
     got = moba_choice(
         q, k, block_size=block_size, top_k=top_k, causal=causal, key_padding_mask=key_padding
     )
-    assert torch.equal(got, expected)
+    # n * top_k indices, never a (queries, blocks) mask; each block at most once per query
+    assert got.shape == (3, 4, q_len, min(top_k, expected.shape[-1])) and got.dtype == torch.int32
+    blocks = expected.shape[-1]
+    assert torch.equal(picks_mask(got, blocks), expected)
+    assert torch.equal(picks_mask(got, blocks).sum(-1), (got < blocks).sum(-1))
     assert not got.requires_grad  # the choice gets no gradient
     # The attention call chooses the same blocks: its dense view is the chosen blocks' keys,
     # within causal limits.
@@ -94,6 +99,7 @@ def test_ties_go_to_the_lower_block_and_padding_never_wins():
     chosen = moba_choice(
         q, k, block_size=block, top_k=2, causal=False, key_padding_mask=key_padding
     )
+    chosen = picks_mask(chosen, 4)
     assert chosen[0, 0, 0].tolist() == [True, True, False, False]  # own block 0, then block 1
     assert not chosen[..., 3].any()  # padding never chosen, not even by its own queries
     assert chosen[0, 0, 12].tolist() == [False, True, True, False]
@@ -197,7 +203,7 @@ def test_union_with_a_sliding_window(backend):
     pattern = Moba(block_size=8, top_k=2) | Local((5, 0))
     q, k, v = random_qkv(2, 2, 40, 40)
     call = prepare_call(q, k, v, variant=pattern, causal=True)
-    chosen = moba_choice(q, k, block_size=8, top_k=2, causal=True)
+    chosen = picks_mask(moba_choice(q, k, block_size=8, top_k=2, causal=True), 5)
     window = zoo.dense_mask("sliding_window", 40, window_size=5)
     expected = (chosen.repeat_interleave(8, dim=-1) | window) & zoo.dense_mask("causal", 40)
     assert torch.equal(call.pattern.dense(40, 40), expected)
@@ -227,7 +233,7 @@ def test_flex_block_mask_is_per_sequence_and_head():
     mask = FlexBackend(block_size=16, compile=False).block_mask(call)
     assert mask.kv_num_blocks.shape == (2, 4, 4)
     dense = mask.to_dense().bool()  # (B, H, Qb, Kb)
-    chosen_blocks = call.pattern.chosen.unflatten(2, (4, 16)).any(3)
+    chosen_blocks = call.pattern.mask().unflatten(2, (4, 16)).any(3)
     assert torch.equal(dense, chosen_blocks)
 
 
@@ -311,7 +317,7 @@ def test_block_state_counts_exactly_and_within_its_memory(monkeypatch, spans):
 
     q, k, _ = random_qkv(2, 2, 300, 300)
     pattern = Moba(block_size=6, top_k=3).bind(RouteInputs(q, k))
-    chosen = pattern.chosen  # (2, 2, 300, 50)
+    chosen = pattern.mask()  # (2, 2, 300, 50), made outside the watch
     monkeypatch.setattr(routed, "COUNT_CHUNK", 2 * 2 * 50 * 16)  # 16 queries at a time
     gen = torch.Generator().manual_seed(0)
     if spans == "few":
@@ -323,9 +329,10 @@ def test_block_state_counts_exactly_and_within_its_memory(monkeypatch, spans):
         most = 2 * 2 * 301 * 51 * 4  # the int32 table
     k_lo = torch.randint(0, 300, (20,), generator=gen)
     k_hi = (k_lo + torch.randint(0, 30, (20,), generator=gen)).clamp(max=299)
-    qs = Spans(lo, hi, 1, torch.ones(lo.numel(), dtype=torch.bool))
+    one = 1 if spans == "one_query_each" else None  # known on the host, as frames know it
+    qs = Spans(lo, hi, 1, torch.ones(lo.numel(), dtype=torch.bool), aligned=one)
     ks = Spans(k_lo, k_hi, 1, torch.ones(20, dtype=torch.bool))
-    sizes, base = [], chosen.untyped_storage().data_ptr()
+    sizes, base = [], pattern.picks.untyped_storage().data_ptr()
 
     class Outputs(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):

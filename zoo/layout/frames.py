@@ -65,7 +65,9 @@ class Axis:
         lo = torch.where(valid, pos, _FAR).amin(dim=1)
         hi = torch.where(valid, pos, -_FAR).amax(dim=1)
         box = None if self.tiles is None else block_boxes(self.tiles, pos, valid, self.block)
-        aligned = self.block if self.identity and self.start % self.block == 0 else None
+        # A block of one slot lies in [p, p + 1) for its position p, in any order.
+        whole = self.block == 1 or (self.identity and self.start % self.block == 0)
+        aligned = self.block if whole else None
         return Spans(lo, hi, self.step, valid.all(dim=1), box, aligned)
 
     def gather(self, x: Tensor, dim: int = -2) -> Tensor:

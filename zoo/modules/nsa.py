@@ -215,7 +215,8 @@ class NativeSparseAttention(nn.Module):
 
     @torch.no_grad()
     def choose(self, p_cmp: Tensor | None, L: int, padding: Tensor | None) -> Tensor:
-        """(B, H, L, blocks) bool: the selected blocks of each query (module docstring)."""
+        """(B, H, L, select_count or fewer) int32: the selected blocks of each query (module
+        docstring), as ``ChosenBlocks.picks`` holds them (``blocks`` in an empty slot)."""
         B, H = (1, 1) if p_cmp is None else p_cmp.shape[:2]
         blocks = -(-L // self.select_block)
         device = p_cmp.device if p_cmp is not None else None
@@ -242,7 +243,8 @@ class NativeSparseAttention(nn.Module):
     ) -> Tensor:
         L = q.shape[2]
         chosen = self.choose(p_cmp, L, padding).expand(q.shape[0], q.shape[1], -1, -1)
-        pattern = Intersection((ChosenBlocks(self.select_block, chosen, 0), Causal()))
+        blocks = -(-L // self.select_block)
+        pattern = Intersection((ChosenBlocks(self.select_block, chosen, blocks, 0), Causal()))
         # The call is built here, not through zoo.attention: its per-shape caches would keep
         # each call's chosen blocks alive.
         if padding is not None:

@@ -58,7 +58,8 @@ def moba_choice(
     q_pos: Tensor | None = None,
     sums: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
-    """(B, H, Lq, key blocks) bool: the blocks each query chooses (see the module docstring).
+    """(B, H, Lq, min(top_k, key blocks)) int32: the blocks each query chooses (see the module
+    docstring), as ``ChosenBlocks.picks`` holds them (the number of key blocks in an empty slot).
 
     q (B, H, Lq, D), k (B, H_kv, Lk, D) with H_kv dividing H; key_padding_mask (B, Lk), True
     where a key is padding; q_pos (B, Lq) the queries' positions (None: bottom-right aligned);
@@ -83,7 +84,7 @@ def moba_choice(
     own = q_pos.div(block_size, rounding_mode="floor")[..., None]  # (..., Lq, 1); < 0 before keys
     block = torch.arange(blocks, device=q.device)[None, :]
     has_keys = (counts > 0)[:, None, None, :]  # (B, 1, 1, blocks)
-    chosen = torch.empty(B, H, q_len, blocks, dtype=torch.bool, device=q.device)
+    chosen = torch.empty(B, H, q_len, min(top_k, blocks), dtype=torch.int32, device=q.device)
     # Queries in chunks: the float32 scores and their sort are (rows, blocks) per head at a time,
     # not (Lq, blocks) (2 GiB of scores at 128K tokens, 16 heads, blocks of 512).
     rows = max(1, CHOICE_ELEMENTS // max(B * H * blocks, 1))
@@ -122,6 +123,7 @@ class Moba(Pattern):
     def bind(self, inputs: object) -> Pattern:
         if not isinstance(inputs, RouteInputs):
             raise TypeError(f"moba binds to RouteInputs, got {type(inputs).__name__}")
+        sums = inputs.block_sums(self.block_size) if inputs.block_sums else None
         chosen = moba_choice(
             inputs.q,
             inputs.k,
@@ -130,9 +132,11 @@ class Moba(Pattern):
             causal=inputs.causal,
             key_padding_mask=inputs.key_padding_mask,
             q_pos=inputs.q_pos,
-            sums=inputs.block_sums(self.block_size) if inputs.block_sums else None,
+            sums=sums,
         )
-        return ChosenBlocks(self.block_size, chosen, inputs.offset())
+        # The blocks scored: the kept sums' (a sharded call's cover the whole sequence), else k's.
+        blocks = sums[1].shape[1] if sums is not None else -(-inputs.k.shape[2] // self.block_size)
+        return ChosenBlocks(self.block_size, chosen, blocks, inputs.offset())
 
     def _needs_inputs(self, *args: object) -> Tensor:
         raise TypeError(

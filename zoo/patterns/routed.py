@@ -76,37 +76,56 @@ class RouteInputs:
 
 
 def top_blocks(scores: Tensor, top_k: int, available: Tensor, forced: Tensor) -> Tensor:
-    """(..., blocks) bool: the ``forced`` blocks, then the best by ``scores`` up to ``top_k`` in
-    all, among the ``available`` ones only (forced ones too); ties go to the lower index.
+    """(..., min(top_k, blocks)) int32: the indices of the ``forced`` blocks, then of the best by
+    ``scores``, up to ``top_k`` in all, among the ``available`` ones only (forced ones too); ties
+    go to the lower index. A slot left empty (fewer available blocks than ``top_k``) holds
+    ``blocks``, one past the last index (``ChosenBlocks.picks``).
 
     Forced blocks rank first (+inf) and count toward ``top_k``; with fewer available blocks than
     ``top_k`` every available one is chosen. Masks broadcast against ``scores``."""
+    blocks = scores.shape[-1]
     scores = torch.where(forced, float("inf"), scores.float())
     scores = torch.where(available, scores, float("-inf"))
     # A stable descending sort puts the lower index first among equal scores.
-    best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :top_k]
-    chosen = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
-    return chosen.scatter_(-1, best, True) & available
+    order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    best, ranked = order.indices[..., :top_k], order.values[..., :top_k]
+    return torch.where(ranked > float("-inf"), best, blocks).to(torch.int32)
+
+
+def picks_mask(picks: Tensor, blocks: int) -> Tensor:
+    """(..., blocks) bool: True at each block index in ``picks`` (..., k) (``blocks``, an empty
+    slot, sets nothing)."""
+    mask = torch.zeros(*picks.shape[:-1], blocks + 1, dtype=torch.bool, device=picks.device)
+    return mask.scatter_(-1, picks.long(), True)[..., :blocks]
 
 
 @dataclass(frozen=True, eq=False)
 class ChosenBlocks(Pattern):
     """Key blocks of ``block_size`` chosen per query, for one call (compared by identity).
 
-    ``chosen[b, h, i, j]`` is True when query i (index, not position) of sequence b, head h attends
-    to every key of block j (keys j * block_size .. (j + 1) * block_size - 1). ``offset`` is
-    query i's position minus i: kv_len - q_len, the bottom-right alignment of
-    ``zoo.patterns.base``, or a (B,) tensor, one per sequence, for a call against a cache
-    (``RouteInputs.q_pos``), which ``allowed_at`` serves (``block_state`` takes an int).
+    ``picks[b, h, i]`` lists the key blocks that query i (index, not position) of sequence b,
+    head h attends in full (block j: keys j * block_size .. (j + 1) * block_size - 1), each at
+    most once; a slot holding ``blocks`` (the number of key blocks) is empty. The choice is kept
+    as these indices, n * k entries, never as a (queries, blocks) mask, which is n^2 / block
+    (537 MB of bools at 128K tokens, 16 heads, blocks of 512): each view builds what it needs a
+    slice of queries at a time. ``offset`` is query i's position minus i: kv_len - q_len, the
+    bottom-right alignment of ``zoo.patterns.base``, or a (B,) tensor, one per sequence, for a
+    call against a cache (``RouteInputs.q_pos``), which ``allowed_at`` serves (``block_state``
+    takes an int).
     """
 
     block_size: int
-    chosen: Tensor  # (B, H, Lq, key blocks) bool
+    picks: Tensor  # (B, H, Lq, k) int32 key block indices; ``blocks`` in an empty slot
+    blocks: int  # key blocks the choice was made among (ceil(kv_len / block_size) in a call)
     offset: int | Tensor
 
     @property
     def routed(self) -> bool:
         return True
+
+    def mask(self, rows: Tensor | slice = slice(None)) -> Tensor:
+        """(B, H, R, blocks) bool: the choice at these query rows, as a mask."""
+        return picks_mask(self.picks[:, :, rows], self.blocks)
 
     def allowed(self, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
         raise TypeError(
@@ -114,17 +133,23 @@ class ChosenBlocks(Pattern):
         )
 
     def allowed_at(self, b: Tensor, h: Tensor, q_pos: Tensor, kv_pos: Tensor) -> Tensor:
-        _, heads, q_len, blocks = self.chosen.shape
+        _, heads, q_len, width = self.picks.shape
         index = q_pos - (self.offset[b] if isinstance(self.offset, Tensor) else self.offset)
-        # Clamps keep padding slots' indices in range; the result there is ignored.
+        # Clamps keep padding slots' indices in range; the result there is ignored. A column
+        # in range never equals an empty slot's ``blocks``.
         row = index.clamp(0, q_len - 1)
-        column = (kv_pos // self.block_size).clamp(0, blocks - 1)
+        column = (kv_pos // self.block_size).clamp(0, self.blocks - 1)
         if torch.compiler.is_compiling():  # flex's mask_mod: scalar indices
-            return self.chosen[b, h, row, column] & (index >= 0) & (index < q_len)
-        # One flat gather: on CPU far faster than four broadcast index tensors
-        # (measured: eval/results/design-notes-cpu.md#routed-flat-gather).
-        flat = ((b * heads + h) * q_len + row) * blocks + column
-        return self.chosen.flatten().take(flat) & (index >= 0) & (index < q_len)
+            picks = [self.picks[b, h, row, slot] for slot in range(width)]
+        else:
+            # Flat gathers, one per slot: on CPU far faster than four broadcast index tensors
+            # (measured: eval/results/design-notes-cpu.md#routed-flat-gather).
+            flat, first = self.picks.flatten(), ((b * heads + h) * q_len + row) * width
+            picks = [flat.take(first + slot) for slot in range(width)]
+        hit = torch.zeros_like(column, dtype=torch.bool) if not picks else picks[0] == column
+        for pick in picks[1:]:
+            hit = hit | (pick == column)
+        return hit & (index >= 0) & (index < q_len)
 
     def _row_counts(self, rows: Tensor) -> tuple[Tensor, Tensor]:
         """A 2-D prefix sum of the choice at ``rows`` (query indices 0 .. Lq, any order, repeats
@@ -132,27 +157,21 @@ class ChosenBlocks(Pattern):
         table[..., row, j] counts the chosen (query, block) pairs among the queries before that
         row and the blocks before j.
 
-        With few rows against the queries (kernel blocks of queries: flex, the union path) the
-        table holds the rows asked for only: the queries cut into segments at them, each slice
-        of queries added to its segment (``index_add``), the segments summed in order, so no
-        tensor as large as the choice is made; a prefix sum over every query would be n^2 /
-        block elements. Where the rows are about as many as the queries (one query per span:
-        the runs by key block), every query's row, built in place in one int32 table."""
-        chosen = self.chosen
-        batch, heads, q_len, blocks = chosen.shape
-        if 2 * rows.numel() >= q_len + 1:  # as many rows as queries: every query's
-            table = chosen.new_zeros((batch, heads, q_len + 1, blocks + 1), dtype=torch.int32)
-            table[:, :, 1:, 1:] = chosen
-            return table.cumsum_(2).cumsum_(3), rows
+        The queries are cut into segments at the rows, each slice of queries added to its
+        segment (``index_add``), the segments summed in order: the table is as large as the
+        rows asked for, and nothing as large as the choice's mask is made."""
+        batch, heads, q_len, _ = self.picks.shape
+        blocks = self.blocks
         order = rows.argsort()
         cuts = rows[order]  # sorted
         # Query i belongs to segment #{cuts <= i}; the prefix at cuts[j] is segments 0 .. j.
         segment = torch.searchsorted(cuts, torch.arange(q_len, device=rows.device), right=True)
-        table = chosen.new_zeros((batch, heads, cuts.numel() + 1, blocks + 1), dtype=torch.int32)
+        shape = (batch, heads, cuts.numel() + 1, blocks + 1)
+        table = self.picks.new_zeros(shape, dtype=torch.int32)
         step = max(1, COUNT_CHUNK // max(1, batch * heads * blocks))
         for first in range(0, q_len, step):
             part = slice(first, min(first + step, q_len))
-            table[..., 1:].index_add_(2, segment[part], chosen[:, :, part].to(torch.int32))
+            table[..., 1:].index_add_(2, segment[part], self.mask(part).to(torch.int32))
         table.cumsum_(2).cumsum_(3)  # row j: the prefix at cuts[j]; the last row unused
         return table, order.argsort()  # rows[i] is cuts[order.argsort()[i]]
 
@@ -161,7 +180,7 @@ class ChosenBlocks(Pattern):
         pattern block that the kernel key block touches. Counted over the whole position range
         of each span, a superset of a regrouped span's positions (strided frames), so EMPTY and
         FULL stay true claims in any token order."""
-        _, _, q_len, blocks = self.chosen.shape
+        q_len, blocks = self.picks.shape[2], self.blocks
         if isinstance(self.offset, Tensor):
             raise TypeError(
                 "block_state needs one query offset for every sequence; blocks chosen against a "
@@ -170,32 +189,38 @@ class ChosenBlocks(Pattern):
         q0, q1 = (q.lo - self.offset).clamp(0, q_len - 1), (q.hi - self.offset).clamp(0, q_len - 1)
         k0 = (k.lo // self.block_size).clamp(0, blocks - 1)
         k1 = (k.hi // self.block_size).clamp(0, blocks - 1)
-        if q.aligned == 1 and k.aligned is not None and self.block_size % k.aligned == 0:
-            # One query per span, each key span inside one chosen block (the runs by key
-            # block): the state is the choice itself, read at (q0, k0), no counting.
-            flat = self.chosen.flatten(2)
-            index = q0 * blocks + k0  # (query spans, key spans), broadcast
-            picked = flat.gather(2, index.flatten().expand(*flat.shape[:2], -1))
-            picked = picked.view(*flat.shape[:2], *index.shape)
-            return state_from(picked, picked, q, k)
+        if q.aligned == 1:
+            # One query per span (the runs by key block): the choice's mask at those queries
+            # only, read directly where each key span lies inside one block, else counted.
+            rows = torch.arange(q0.numel(), device=q0.device).view(q0.shape)
+            mask = self.mask(q0.flatten())  # (B, H, spans, blocks)
+            if k.aligned is not None and self.block_size % k.aligned == 0:
+                picked = _at(mask, rows, k0)
+                return state_from(picked, picked, q, k)
+            sums = mask.new_zeros((*mask.shape[:-1], blocks + 1), dtype=torch.int32)
+            sums[..., 1:] = mask
+            sums.cumsum_(-1)
+            count = _at(sums, rows, k1 + 1) - _at(sums, rows, k0)
+            return state_from(count > 0, count == k1 - k0 + 1, q, k)
         spans = q0.numel()
         sums, where = self._row_counts(torch.cat((q0.reshape(-1), q1.reshape(-1) + 1)))
-        width = blocks + 1
-        flat = sums.flatten(2)
         first = where[:spans].view(q0.shape)  # q0's rows in sums
         after = where[spans:].view(q1.shape)  # q1 + 1's
-
-        def at(row: Tensor, column: Tensor) -> Tensor:  # sums[:, :, row, column], broadcast
-            index = row * width + column
-            # One gather over a flat index: on CPU far faster than sums[:, :, row, column]
-            # (measured: eval/results/design-notes-cpu.md#routed-prefix-sums-gather).
-            picked = flat.gather(2, index.flatten().expand(*flat.shape[:2], -1))
-            return picked.view(*flat.shape[:2], *index.shape)
-
-        count = (at(after, k1 + 1) - at(first, k1 + 1) - at(after, k0)) + at(first, k0)
+        count = _at(sums, after, k1 + 1) - _at(sums, first, k1 + 1) - _at(sums, after, k0)
+        count = count + _at(sums, first, k0)
         area = (q1 - q0 + 1) * (k1 - k0 + 1)
         return state_from(count > 0, count == area, q, k)
 
     def dense(self, q_len: int, kv_len: int) -> Tensor:
         """(B, H, q_len, kv_len): each chosen block widened to its keys."""
-        return self.chosen.repeat_interleave(self.block_size, dim=-1)[..., :kv_len]
+        return self.mask().repeat_interleave(self.block_size, dim=-1)[..., :kv_len]
+
+
+def _at(table: Tensor, row: Tensor, column: Tensor) -> Tensor:
+    """table[:, :, row, column] for a (B, H, R, C) table, ``row`` and ``column`` broadcast."""
+    index = row * table.shape[-1] + column
+    # One gather over a flat index: on CPU far faster than table[:, :, row, column]
+    # (measured: eval/results/design-notes-cpu.md#routed-prefix-sums-gather).
+    flat = table.flatten(2)
+    picked = flat.gather(2, index.flatten().expand(*flat.shape[:2], -1))
+    return picked.view(*flat.shape[:2], *index.shape)

@@ -40,17 +40,16 @@ class Spans:
     def nonempty(self) -> Tensor:
         return self.lo <= self.hi
 
+    def map(self, f: Callable[[Tensor], Tensor]) -> Spans:
+        """These spans with ``f`` applied to each per-block tensor (their box's too)."""
+        box = None if self.box is None else self.box.map(f)
+        return Spans(f(self.lo), f(self.hi), self.step, f(self.complete), box, self.aligned)
+
     def column(self) -> Spans:
-        box = None if self.box is None else self.box.map(lambda t: t[:, None])
-        return Spans(
-            self.lo[:, None], self.hi[:, None], self.step, self.complete[:, None], box, self.aligned
-        )
+        return self.map(lambda t: t[:, None])
 
     def row(self) -> Spans:
-        box = None if self.box is None else self.box.map(lambda t: t[None, :])
-        return Spans(
-            self.lo[None, :], self.hi[None, :], self.step, self.complete[None, :], box, self.aligned
-        )
+        return self.map(lambda t: t[None, :])
 
 
 @dataclass(frozen=True)

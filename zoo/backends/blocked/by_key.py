@@ -2,7 +2,9 @@
 the (query, key) pairs that the queries chose, not of their union per query block.
 
 MoBA's own kernel works this way. Each query's layout is read at one query per row
-(``block_state`` on single-query spans). The (query, key block) pairs are grouped by key block;
+(``block_state`` on single-query spans), a slice of queries at a time, and kept as its allowed
+pairs only: n * top_k for MoBA, where the per-query layout is n^2 / block. The (query, key
+block) pairs are grouped by key block;
 each key block is a *run*: the queries that need it, gathered, attend its keys (a view, no copy)
 in one kernel call that also returns each row's log-sum-exp (``lse_kernel``); a query's
 runs merge by log-sum-exp, as FlashAttention merges key blocks::
@@ -48,7 +50,8 @@ with log-sum-exp serves (``lse_kernel``: PyTorch's flash kernel on a CPU, its me
 kernel on CUDA, which take a mask per run) (``usable``): the run count is data (a host
 synchronisation per call), so fake tensors and traced graphs take the union path. Head sizes of
 q and v may differ (zeros widen the narrower, on CUDA to a multiple of 8).
-Memory: the gathered queries, a PARTIAL run's (n, bk) mask, no scores.
+Memory: the pairs, the gathered queries, a PARTIAL run's (n, bk) mask, the kernel blocks'
+states where a run's key block holds several (as flex's block mask), no scores.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ from ..lse_merge import explicit_backward
 from .chosen_union import routed_state, with_padding
 
 COARSE = 8  # kernel blocks per key block of a run (512 keys at the default 64)
+STATE_CHUNK = 1 << 24  # per-query block states read at once (16 MB of int8)
 
 
 def usable(call: AttentionCall) -> bool:
@@ -113,41 +117,62 @@ def runs(
     B, H = call.q.shape[:2]
     kv_heads = call.k.shape[1]
     factor, frame, padded = _run_frame(part, call, block, padding)
-    Kb = frame.k.num_blocks
-    state = part.block_state(frame.q.spans().column(), frame.k.spans().row())
-    shared = padding is None and state.shape[:2] == (1, 1)
+    pairs, shared = _allowed_pairs(part, frame, padded, B, H)
     if shared:  # the runs of one sequence and head, for all of them (``Runs.shared``)
         B, H, kv_heads = 1, 1, 1
-    state = with_padding(state, frame, B, H, padded)  # (B, H, Sq, Kb): per query
-    full, some = state == FULL, state != EMPTY
-    fine = _kernel_block_states(part, call, block, padding, state, factor, (B, H, Kb))
-    shape = (B, H, state.shape[2], Kb)
-    rows, blocks, masks, has_key = [], [], [], []
-    for kind in (full, some & ~full):
-        found = _pairs_by_key_block(kind, frame, padded, shape, kv_heads, call.device)
-        if found is None:
-            continue
-        pair, kind_rows, kind_blocks, counts, key_ok = found
-        rows += kind_rows
-        blocks += kind_blocks
-        if not masks_too:
-            continue
-        if kind is full:  # masked by padding only, which is not all of it (routed_state)
-            masks += _padding_masks(key_ok, dtype)
-            has_key.append(torch.ones_like(pair[0], dtype=torch.bool))
-            continue
-        kind_masks, keyed = _partial_masks(
-            part, frame, fine, pair, factor, block, shape, key_ok, counts, dtype
-        )
-        masks += kind_masks
-        has_key.append(keyed)
-    if not rows:
+    Kb = frame.k.num_blocks
+    shape = (B, H, frame.q.num_blocks, Kb)
+    fine = None
+    if factor > 1 and masks_too:
+        fine = _kernel_block_states(part, call, block, padding, factor, (B, H, Kb))
+    found = _pairs_by_key_block(pairs, frame, padded, shape, kv_heads, call.device)
+    if found is None:
         return None
+    pair, rows, blocks, counts, full_runs, key_ok = found
+    masks, has_key = [], []
+    if masks_too:
+        # FULL runs: masked by padding only, which is not all of it (routed_state)
+        masks += _padding_masks(key_ok[:full_runs], dtype)
+        full_rows = sum(r.numel() for r in rows[:full_runs])
+        has_key.append(torch.ones(full_rows, dtype=torch.bool, device=call.device))
+        if full_runs < len(blocks):
+            kind_masks, keyed = _partial_masks(
+                part, frame, fine, tuple(x[full_rows:] for x in pair), factor, block, shape,
+                key_ok[full_runs:], counts[full_runs:], dtype,
+            )  # fmt: skip
+            masks += kind_masks
+            has_key.append(keyed)
     none = torch.zeros(0, dtype=torch.bool, device=call.device)  # counted without masks
     has_key = torch.cat(has_key) if has_key else none
     if not shared:
         return Runs(frame, factor, shape, rows, blocks, masks, has_key)
     return _for_every_sequence_and_head(call, frame, factor, shape, rows, blocks, masks, has_key)
+
+
+def _allowed_pairs(
+    part: Pattern, frame: Frame, padded: Tensor | None, B: int, H: int
+) -> tuple[tuple[Tensor, ...], bool]:
+    """The (sequence, head, query slot, key block) pairs that ``part`` allows in ``frame`` (one
+    query per block), each with its state (FULL or PARTIAL), as five (P,) tensors; and whether
+    the layout is one for every sequence and head (``Runs.shared``: then b = h = 0).
+
+    The states are read a slice of queries at a time, (B, H, slice, key blocks) within
+    STATE_CHUNK: the whole per-query layout would be n^2 / block (537 MB at 128K tokens, 16
+    heads, key blocks of 512), the pairs are n * top_k."""
+    q_spans, k_spans = frame.q.spans(), frame.k.spans().row()
+    step = max(1, STATE_CHUNK // max(1, B * H * frame.k.num_blocks))
+    found, shared = [], False
+    for start in range(0, frame.q.num_blocks, step):
+        rows = slice(start, start + step)
+        state = part.block_state(q_spans.map(lambda t, rows=rows: t[rows]).column(), k_spans)
+        if start == 0:
+            shared = padded is None and state.shape[:2] == (1, 1)
+        state = with_padding(state, frame, *((1, 1) if shared else (B, H)), padded)
+        b, h, i, j = (state != EMPTY).nonzero(as_tuple=True)
+        found.append((b, h, i + start, j, state[b, h, i, j]))
+    if len(found) == 1:  # no copy: each operation is host work on a GPU
+        return found[0], shared
+    return tuple(torch.cat(x) for x in zip(*found, strict=True)), shared
 
 
 def _frame_of(
@@ -176,49 +201,51 @@ def _run_frame(
 
 
 def _kernel_block_states(
-    part: Pattern, call: AttentionCall, block: int, padding: Tensor | None, state: Tensor,
-    factor: int, shape: tuple[int, int, int],
+    part: Pattern, call: AttentionCall, block: int, padding: Tensor | None, factor: int,
+    shape: tuple[int, int, int],
 ) -> Tensor:  # fmt: skip
-    """Inside a key block, the states of its kernel blocks per query block of ``block``
-    queries, (B, H, Qb, Kb, factor) for ``shape`` (B, H, Kb); the per-query ``state`` itself,
-    (B, H, Sq, Kb, 1), when a key block is one kernel block. Where FULL or EMPTY there, so for
-    each of its queries: only PARTIAL ones are asked key by key."""
+    """Inside a key block of ``factor`` kernel blocks, the states of its kernel blocks per query
+    block of ``block`` queries, (B, H, Qb, Kb, factor) for ``shape`` (B, H, Kb). Where FULL or
+    EMPTY there, so for each of its queries: only PARTIAL ones are asked key by key."""
     B, H, Kb = shape
-    fine = state[..., None]
-    if factor > 1:
-        blocks_frame, blocks_padded = _frame_of(part, call, padding, block, block)
-        fine = routed_state(part, blocks_frame, B, H, blocks_padded)  # (B, H, Qb, kernel blocks)
-        fine = torch.nn.functional.pad(fine, (0, Kb * factor - fine.shape[-1]), value=EMPTY)
-        fine = fine.unflatten(-1, (Kb, factor))  # (B, H, Qb, Kb, factor)
-    return fine
+    blocks_frame, blocks_padded = _frame_of(part, call, padding, block, block)
+    fine = routed_state(part, blocks_frame, B, H, blocks_padded)  # (B, H, Qb, kernel blocks)
+    fine = torch.nn.functional.pad(fine, (0, Kb * factor - fine.shape[-1]), value=EMPTY)
+    return fine.unflatten(-1, (Kb, factor))  # (B, H, Qb, Kb, factor)
 
 
 def _pairs_by_key_block(
-    kind: Tensor, frame: Frame, padded: Tensor | None, shape: tuple[int, int, int, int],
-    kv_heads: int, device: torch.device,
+    pair: tuple[Tensor, ...], frame: Frame, padded: Tensor | None,
+    shape: tuple[int, int, int, int], kv_heads: int, device: torch.device,
 ) -> tuple | None:  # fmt: skip
-    """The (query, key block) pairs where ``kind`` (B, H, Sq, Kb) holds, grouped into runs:
-    (pairs (b, h, i, j), each run's flat (b, h, slot) rows, its flat (b, h_kv, key block),
-    the runs' row counts, their keys' validity (R, bk)); None without a pair. The query heads
-    of a key/value head share its runs, so each key block is read once per key/value head."""
-    _, H, Sq, Kb = shape
-    group = H // kv_heads
-    # Pairs ordered by (sequence, kv head, key block), then query: a run per key block.
-    b, hk, j, g, i = (
-        kind.unflatten(1, (kv_heads, group)).permute(0, 1, 4, 2, 3).nonzero(as_tuple=True)
-    )
+    """The (query, key block) pairs (b, h, i, j, state) grouped into runs, FULL runs first:
+    (the pairs ordered by run, each run's flat (b, h, slot) rows, its flat (b, h_kv, key
+    block), the runs' row counts, how many runs are FULL, their keys' validity (R, bk)); None
+    without a pair. The query heads of a key/value head share its runs, so each key block is
+    read once per key/value head. One sort for both kinds, and one read of the runs on the host."""
+    b, h, i, j, state = pair
     if b.numel() == 0:
         return None
-    key_block = (b * kv_heads + hk) * Kb + j
-    run_blocks, counts = torch.unique_consecutive(key_block, return_counts=True)
+    B, H, Sq, Kb = shape
+    group = H // kv_heads
+    every = B * kv_heads * Kb
+    # Pairs ordered by kind, (sequence, kv head, key block), then query: a run per key block.
+    run = (b * kv_heads + h // group) * Kb + j + torch.where(state == FULL, 0, every)
+    order = ((run * group + h % group) * Sq + i).argsort()
+    pair, run = tuple(x[order] for x in pair), run[order]
+    b, h, i, _, _ = pair
+    runs_of, counts = torch.unique_consecutive(run, return_counts=True)
+    runs_on_host = runs_of.tolist()
+    full_runs = sum(r < every for r in runs_on_host)
+    run_blocks = runs_of % every
     bk = frame.k.block
     slot = (run_blocks % Kb)[:, None] * bk + torch.arange(bk, device=device)  # (R, bk)
     key_ok = frame.k.valid[slot]
     if padded is not None:
         key_ok = key_ok & ~padded[(run_blocks // (kv_heads * Kb))[:, None], slot]
-    h = hk * group + g
     rows = ((b * H + h) * Sq + i).split(counts.tolist())
-    return (b, h, i, j), rows, run_blocks.tolist(), counts, key_ok
+    blocks = [r % every for r in runs_on_host]
+    return pair, rows, blocks, counts, full_runs, key_ok
 
 
 def _padding_masks(key_ok: Tensor, dtype: torch.dtype) -> list[Tensor | None]:
@@ -234,15 +261,16 @@ def _padding_masks(key_ok: Tensor, dtype: torch.dtype) -> list[Tensor | None]:
 
 
 def _partial_masks(
-    part: Pattern, frame: Frame, fine: Tensor, pair: tuple[Tensor, ...], factor: int,
+    part: Pattern, frame: Frame, fine: Tensor | None, pair: tuple[Tensor, ...], factor: int,
     block: int, shape: tuple[int, int, int, int], key_ok: Tensor, counts: Tensor,
     dtype: torch.dtype,
 ) -> tuple[list[Tensor], Tensor]:  # fmt: skip
     """PARTIAL runs' masks, (1, 1, n, bk) each, a row per query from its kernel blocks' states
-    and its keys' padding; and whether each row keeps a key (a keyless row must get weight 0)."""
-    b, h, i, j = pair
-    sub = fine[b, h, i // block, j] if factor > 1 else fine[b, h, i, j]  # (P, factor)
-    ok = _partial_pairs(part, frame, sub, pair, factor, shape)  # (P, bk)
+    (``fine``; the pairs' own states where a key block is one kernel block) and its keys'
+    padding; and whether each row keeps a key (a keyless row must get weight 0)."""
+    b, h, i, j, state = pair
+    sub = fine[b, h, i // block, j] if fine is not None else state[:, None]  # (P, factor)
+    ok = _partial_pairs(part, frame, sub, pair[:4], factor, shape)  # (P, bk)
     ok = ok & key_ok.repeat_interleave(counts, dim=0)
     masks = list(_additive(ok, dtype)[None, None].split(counts.tolist(), dim=2))  # views
     return masks, ok.any(-1)
