@@ -33,7 +33,7 @@
 #   moba         bench-moba.json: eval/configs/bench_goals_moba_gpu.yaml (goal b)
 #   profile      profile.json, profile.md: bench-profile of the goal cells and their twins
 #   profile_moba profile-moba/profile.{json,md}: bench-profile of MoBA on blocked at 16K
-#   decode       bench-decode.json: bench-decode beside sdpa_dense (goal c)
+#   decode       bench-decode.json: bench-decode beside sdpa_dense, each step profiled (goal c)
 #   compiles     compiles.json, compiles.md: bench-compiles, 20 distinct lengths (goal d)
 # Then (also when a signal stops the script) `python -m eval goals $OUT` writes $OUT/summary.md,
 # whose first lines say which goals hold. ARGS_<stage> adds key=value overrides to a stage's
@@ -273,11 +273,14 @@ all)
         "$PY" -m eval bench-profile eval/configs/bench_goals_moba_gpu.yaml "out=$OUT/profile-moba" \
         'variants=[moba]' 'backends=[blocked]' 'peers=[]' 'lengths=[16384]' 'passes=[fwd]' \
         'causal=[false,true]' warmup=1 repeats=2
-    # The zoo's decoding step (auto) and SDPA over the whole cache; bench-decode rewrites its JSON
-    # after every (variant, length), so a cut-short stage keeps the steps it timed.
+    # The zoo's decoding step (auto) and SDPA over the whole cache, each zoo step profiled too
+    # (its kernels, the host's gaps and functions: a causal step took 60-73 ms against SDPA's
+    # 0.06-0.4 ms on the H100); bench-decode rewrites its JSON after every (variant, length), so a
+    # cut-short stage keeps the steps it timed.
     run_stage decode "$(share_of decode)" "$OUT/decode.log" \
         "$PY" -m eval bench-decode eval/configs/bench_decode.yaml "out=$WORK/decode" \
-        'backends=[auto]' 'peers=[sdpa_dense]' 'lengths=[4096,16384,65536]' warmup=5 repeats=20
+        'backends=[auto]' 'peers=[sdpa_dense]' 'lengths=[4096,16384,65536]' warmup=5 repeats=20 \
+        profile=2
     collect
     run_stage compiles "$(share_of compiles)" "$OUT/compiles.log" \
         "$PY" -m eval bench-compiles "out=$OUT"

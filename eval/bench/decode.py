@@ -17,7 +17,11 @@ Peers, one query against all n cached keys and values of full attention:
   compile per length costs minutes and the CPU kernel pads the query to a whole block.
 
 The step is checked against the reference decoding backend on the same cache (max abs error).
-Writes ``bench-decode.json`` and ``bench-decode.md`` in ``out``.
+With ``profile`` = N > 0, each zoo cell also runs N steps under ``torch.profiler`` and N under
+cProfile after its timing (``eval.bench.profile.profile_calls``): its kernels, the host's gaps
+between them, the top kernels and the top host functions per step, so that a step's time on a
+GPU says where it goes (a step that took tens of ms against SDPA's tenths). Writes
+``bench-decode.json`` and ``bench-decode.md`` in ``out``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import zoo
 
 from ..harness.config import ConfigError, config_arguments, load_config
 from ..harness.distributed import device_name, pick_device
+from .profile import profile_calls
 
 PEERS = ("sdpa_dense", "flex_sliced")
 
@@ -57,6 +62,7 @@ class DecodeConfig:
     params: dict[str, dict] = field(default_factory=dict)
     device: str = "auto"
     out: str = "eval/results/bench-decode-{device}"
+    profile: int = 0  # steps of each zoo cell under the profiler (and as many under cProfile)
 
 
 def _timed(step, device: torch.device, warmup: int, repeats: int) -> float:
@@ -89,7 +95,8 @@ def measure(config: DecodeConfig, variant: str, n: int, device, dtype) -> list[d
     kv_heads = config.kv_heads or config.heads
     params = dict(config.params.get(variant, {}))
     gen = torch.Generator().manual_seed(0)
-    steps = config.warmup + config.repeats + 1
+    # The check's step, the timed ones, and the profiled ones (the first outside the profiler)
+    steps = config.warmup + config.repeats + 2 + 2 * config.profile
     cache = zoo.new_cache(variant, batch_size=config.batch, max_len=n + steps, device=device,
                           num_kv_heads=kv_heads, head_dim=config.head_dim, dtype=dtype,
                           **params)  # fmt: skip
@@ -124,7 +131,10 @@ def measure(config: DecodeConfig, variant: str, n: int, device, dtype) -> list[d
         def step(backend=backend, timed=timed):
             return zoo.attention(q, k, v, cache=timed, backend=backend, **kw)
 
-        cells.append({**cell, "ms": _timed(step, device, config.warmup, config.repeats)})
+        cell["ms"] = _timed(step, device, config.warmup, config.repeats)
+        if config.profile:
+            cell["profile"] = profile_calls(step, device, 0, config.profile)
+        cells.append(cell)
     for peer in config.peers:
         cells.append(_peer(peer, config, variant, params, n, device, dtype, gen, q))
     return cells
@@ -193,7 +203,36 @@ def markdown(header: dict, cells: list[dict]) -> str:
         lines.append(f"| {variant} | {impl} | " + " | ".join(ms + mib) + " |")
     worst = max((c.get("error", 0.0) for c in cells), default=0.0)
     lines += ["", f"Largest error of a zoo step against the reference decoding path: {worst:.1e}."]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _profile_lines(cells)) + "\n"
+
+
+def _profile_lines(cells: list[dict]) -> list[str]:
+    """Where each profiled step's time goes (``profile`` > 0): per step, in ms."""
+    profiled = [c for c in cells if c.get("profile", {}).get("steps")]
+    if not profiled:
+        return []
+    lines = [
+        "",
+        "## Where a step's time goes",
+        "",
+        "Per step under the profiler: its wall time, the time some kernel ran, the host's time "
+        "between kernels, before the first and after the last, kernels launched; the top "
+        f"kernels and host functions by time ({profiled[0]['profile']['activity']}).",
+        "",
+        "| variant | impl | n | step ms | kernel ms | gap ms | lead ms | tail ms | kernels "
+        "| top kernels (ms) | top host functions (ms) |",
+        "|" + "---|" * 11,
+    ]
+    for c in profiled:
+        p = c["profile"]
+        top = "; ".join(f"{k['name'][:50]} {k['ms']:.3f}" for k in p["top"][:3])
+        host = "; ".join(f"{h['function'][-50:]} {h['ms']:.3f}" for h in p.get("host", [])[:3])
+        lines.append(
+            f"| {c['variant']} | {c['impl']} | {c['n']} | {p['step_ms']:.3f} | "
+            f"{p['kernel_ms']:.3f} | {p['gap_ms']:.3f} | {p['lead_ms']:.3f} | {p['tail_ms']:.3f} "
+            f"| {p['kernels']:.0f} | {top} | {host} |"
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -160,33 +160,38 @@ def summarise(events: list[Any], on_device: bool) -> dict[str, Any]:
 
 def profile_steps(run, point: Point, warmup: int, repeats: int) -> dict[str, Any]:
     """Compile and warm up outside the profiler, then ``repeats`` profiled steps."""
+    return profile_calls(lambda: point.step(run), point.device, warmup, repeats)
+
+
+def profile_calls(step, device: torch.device, warmup: int, repeats: int) -> dict[str, Any]:
+    """``step()`` once and ``warmup`` times outside the profiler, then ``repeats`` times under
+    it (each in a ``STEP`` range, ended by a synchronisation), summarised (``summarise``), and
+    ``repeats`` more under cProfile (``host``)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    point.step(run)
-    for _ in range(warmup):
-        point.step(run)
-    synchronize(point.device)
+    for _ in range(1 + warmup):
+        step()
+    synchronize(device)
     on_device = (
-        point.device.type == "cuda"
-        and ProfilerActivity.CUDA in torch.profiler.supported_activities()
+        device.type == "cuda" and ProfilerActivity.CUDA in torch.profiler.supported_activities()
     )
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
     with profile(activities=activities) as prof:
         for _ in range(repeats):
             with record_function(STEP):
-                point.step(run)
-                synchronize(point.device)
+                step()
+                synchronize(device)
     result = summarise(list(prof.events()), on_device)
     result["activity"] = "CUDA kernels" if on_device else "outermost CPU ops"
     if on_device and not result.get("kernels"):  # no device activity recorded (no CUPTI)
         result = summarise(list(prof.events()), False)
         result["activity"] = "outermost CPU ops: the profiler recorded no CUDA activity"
-    result["host"] = host_functions(run, point, repeats)
+    result["host"] = host_functions(step, device, repeats)
     return result
 
 
-def host_functions(run, point: Point, repeats: int) -> list[dict[str, Any]]:
-    """The Python functions of ``repeats`` steps by own time (cProfile), per step."""
+def host_functions(step, device: torch.device, repeats: int) -> list[dict[str, Any]]:
+    """The Python functions of ``repeats`` calls of ``step()`` by own time (cProfile), per call."""
     import cProfile
     import pstats
 
@@ -194,8 +199,8 @@ def host_functions(run, point: Point, repeats: int) -> list[dict[str, Any]]:
     profiler.enable()
     try:
         for _ in range(repeats):
-            point.step(run)
-            synchronize(point.device)
+            step()
+            synchronize(device)
     finally:
         profiler.disable()
     stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, ..., tottime, cumtime, _)}

@@ -1,0 +1,36 @@
+"""``python -m eval bench-decode``: a step timed, checked against the reference, and with
+``profile`` its kernels and host functions per step, on a tiny CPU config."""
+
+from __future__ import annotations
+
+import json
+
+from eval.bench.decode import main
+
+TINY = ["variants=[causal,moba]", "lengths=[64]", "batch=2", "heads=4", "kv_heads=2",
+        "head_dim=8", "warmup=1", "repeats=2", "params={moba: {block_size: 16, top_k: 2}}",
+        "device=cpu"]  # fmt: skip
+
+
+def test_a_profiled_step_says_where_its_time_goes(tmp_path):
+    assert main([*TINY, "peers=[]", "profile=2", f"out={tmp_path}"]) == 0
+    cells = json.loads((tmp_path / "bench-decode.json").read_text())["cells"]
+    assert [c["variant"] for c in cells] == ["causal", "moba"]
+    for cell in cells:
+        assert cell["ms"] > 0 and cell["error"] < 1e-5
+        profile = cell["profile"]
+        assert profile["steps"] == 2 and profile["kernels"] > 0
+        assert 0 < profile["kernel_ms"] <= profile["step_ms"]
+        names = [k["name"] for k in profile["top"]]
+        assert any("scaled_dot_product_attention" in name for name in names), names
+        assert any("zoo/" in h["function"] for h in profile["host"]), profile["host"]
+    text = (tmp_path / "bench-decode.md").read_text()
+    assert "## Where a step's time goes" in text and "| moba | zoo:moba | 64 |" in text
+
+
+def test_without_profile_a_step_is_timed_only(tmp_path):
+    assert main([*TINY, "variants=[causal]", "peers=[sdpa_dense]", f"out={tmp_path}"]) == 0
+    cells = json.loads((tmp_path / "bench-decode.json").read_text())["cells"]
+    assert [c["impl"] for c in cells] == ["zoo:causal", "sdpa_dense"]
+    assert "profile" not in cells[0] and cells[1]["ms"] > 0
+    assert "Where a step's time goes" not in (tmp_path / "bench-decode.md").read_text()
