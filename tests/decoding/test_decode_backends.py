@@ -95,6 +95,33 @@ def test_moba_steps_read_only_the_chosen_keys(monkeypatch):
         assert torch.allclose(g, w, atol=1e-10, rtol=0)
 
 
+@pytest.mark.parametrize("variant", ["bigbird", "moba", "sliding_window"])
+def test_masked_steps_run_grouped_heads_as_query_rows(monkeypatch, variant):
+    """A masked step's grouped query heads reach SDPA as extra query rows of their key/value head
+    (no enable_gqa, which on CUDA sends a masked call to the math fallback, a copy of every key
+    per query head); unmasked steps keep enable_gqa. Outputs equal the reference decoding path."""
+    seen = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(q, k, v, attn_mask=None, **kwargs):
+        seen.append((q.shape[1], k.shape[1], attn_mask is not None, kwargs.get("enable_gqa")))
+        return original(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    torch.manual_seed(0)
+    attn = zoo.create_attention(variant, dim=24, num_heads=6, num_kv_heads=2, causal=True,
+                                backend="sdpa", **PARAMS[variant]).double().eval()  # fmt: skip
+    x = torch.randn(2, 30, 24, dtype=torch.float64)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    got = _decoded_rows(attn, x, [12, 5])[1]
+    masked = [call for call in seen if call[2]]
+    assert masked, seen
+    assert all(q_heads == k_heads and not gqa for q_heads, k_heads, _, gqa in masked), masked
+    assert all(q_heads == 3 * k_heads and gqa for q_heads, k_heads, m, gqa in seen if not m)
+    attn.backend = "reference"
+    for g, w in zip(got, _decoded_rows(attn, x, [12, 5])[1], strict=True):
+        assert torch.allclose(g, w, atol=1e-10, rtol=0)
+
+
 def test_cache_keeps_block_sums_of_its_keys():
     """The cache's running block sums (``KVCache.key_block_sums``) equal the sums of its kept
     keys computed at once, after a padded prefill and steps, and start over after ``reset``."""

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from .grouped_heads import fold_groups, unfold_groups
 from .reference import exp_and_mass
 
 if TYPE_CHECKING:  # the blocked backend's, which imports this module
@@ -108,24 +109,6 @@ def merged_attention(pieces: list[Piece], total: int, scale: float) -> Tensor:
             slots.append(seen[id(t)])
         layout.append((*slots, p.fresh, p.window, p.grid))
     return _Merged.apply(total, scale, tuple(layout), *tensors)
-
-
-def _fold(x: Tensor, groups: int) -> Tensor:
-    """(N, H, M, ...) -> (N, H / groups, groups * M, ...): the query heads that share a key/value
-    head as extra query rows. A mask or flag shared by the heads (dim 1 of size 1) is repeated
-    over the rows instead."""
-    if groups == 1:
-        return x
-    if x.shape[1] == 1:
-        return x.repeat(1, 1, groups, *([1] * (x.dim() - 3)))
-    return x.unflatten(1, (-1, groups)).flatten(2, 3)
-
-
-def _unfold(x: Tensor, groups: int) -> Tensor:
-    """The inverse of ``_fold`` for per-head tensors."""
-    if groups == 1:
-        return x
-    return x.unflatten(2, (groups, -1)).flatten(1, 2)
 
 
 def _flat(x: Tensor) -> Tensor:
@@ -299,7 +282,7 @@ def _piece_backward(
     """dq, dk, dv of one piece (dk, dv shaped as p.k, p.v) given the merged output and
     log-sum-exp of its rows (lse = inf where a row has no key): its softmax is the whole row's,
     restricted to its keys. g, out and lse are the piece's rows, q's heads folded to k's."""
-    q, mask = _fold(p.q, groups), _fold(p.mask, groups)
+    q, mask = fold_groups(p.q, groups), fold_groups(p.mask, groups)
     if p.window is None:
         return _rows_backward(g, q, *p.keys(), out, lse, mask, scale)
     n = q.shape[0]
@@ -407,10 +390,10 @@ class _Merged(torch.autograd.Function):
             lses, outs = [], []
             for p in members:
                 g = heads // p.k.shape[-3]
-                o, l = _piece_forward(_fold(p.q, g), *p.keys(), _fold(p.mask, g), scale)
-                outs.append(_unfold(o, g).to(dtype))
+                o, l = _piece_forward(fold_groups(p.q, g), *p.keys(), fold_groups(p.mask, g), scale)
+                outs.append(unfold_groups(o, g).to(dtype))
                 lses.append(
-                    _unfold(l, g).to(dtype).masked_fill(p.no_key, -math.inf)
+                    unfold_groups(l, g).to(dtype).masked_fill(p.no_key, -math.inf)
                 )  # the kernel says 0
             group_out, group_lse = combine(outs, lses)
             _merge_into(out, lse, members[0], group_out, group_lse)
@@ -442,8 +425,8 @@ class _Merged(torch.autograd.Function):
             g, o, piece_lse = rows_of[slots[5]]
             n = p.q.shape[1] // p.k.shape[-3]
             dq, dk, dv = _piece_backward(
-                p, _fold(g, n), _fold(o, n), _fold(piece_lse, n), n, ctx.scale
+                p, fold_groups(g, n), fold_groups(o, n), fold_groups(piece_lse, n), n, ctx.scale
             )
-            for slot, value in zip(slots[:3], (_unfold(dq, n), dk, dv), strict=True):
+            for slot, value in zip(slots[:3], (unfold_groups(dq, n), dk, dv), strict=True):
                 add(slot, value)
         return None, None, None, *grads

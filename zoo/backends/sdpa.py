@@ -23,6 +23,7 @@ from ..core.call import AttentionCall
 from .base import FLOATS, Backend, Capabilities, DecodeStep, step_bias
 from .blocked.index_rows import index_rows
 from .causal_prefix import causal_after_prefix
+from .grouped_heads import fold_groups, unfold_groups
 from .reference import attention_mask, score_bias
 
 
@@ -108,8 +109,9 @@ def sdpa_decode(step: DecodeStep) -> Tensor:
     than half of them allowed, the allowed keys gathered first (``gather_allowed``) to the width
     the host knows bounds them (``step.most_allowed``, ``zoo.backends.base.DecodeStep``);
     otherwise the slots as they are, without a mask where the host knows every query attends
-    every slot in use (``every_allowed``). No device value is read on the host (each would be a
-    synchronisation on a GPU)."""
+    every slot in use (``every_allowed``). With a mask, grouped query heads go in as extra query
+    rows of their key/value head (``grouped_heads``). No device value is read on the host (each
+    would be a synchronisation on a GPU)."""
     bias, scale, dropout_p = step.bias, step.score.scale, step.dropout_p
     q, q_pos = step.q, step.q_pos
     mask, keys, values, key_pos = used_prefix(
@@ -138,16 +140,20 @@ def sdpa_decode(step: DecodeStep) -> Tensor:
                 .to(q.dtype)
                 .masked_fill(~attn_mask, float("-inf"))
             )
+    # Grouped heads with a mask: as extra query rows, which the efficient kernel takes; SDPA
+    # would run them on its math fallback, which copies every key and value per query head.
+    fold = groups if attn_mask is not None else 1
     with without_cudnn(q):
         out = torch.nn.functional.scaled_dot_product_attention(
-            q,
+            fold_groups(q, fold),
             keys,
             values,
-            attn_mask=attn_mask,
+            attn_mask=fold_groups(attn_mask, fold) if attn_mask is not None else None,
             dropout_p=dropout_p,
             scale=scale,
-            enable_gqa=groups > 1,
+            enable_gqa=groups > fold,
         )
+    out = unfold_groups(out, fold)
     return out if has_key is None else out * has_key
 
 
@@ -159,9 +165,9 @@ def without_cudnn(q: Tensor) -> contextlib.AbstractContextManager:
     ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE`` is an opt-in for the same cost). FlashAttention and the
     efficient kernel build nothing per shape.
 
-    Only while the math backend stays enabled, which runs every step (grouped heads with a mask
-    take no other: FlashAttention takes no mask, the efficient kernel no grouped heads): a
-    caller who turned it off keeps cuDNN, so that no step is left without a kernel. The flags are
+    Only while the math backend stays enabled, which runs every step (a dtype or head size that
+    neither FlashAttention nor the efficient kernel takes): a caller who turned it off keeps
+    cuDNN, so that no step is left without a kernel. The flags are
     the process's, as ``sdpa_kernel`` sets them; the others it knows (for other devices) are off
     for the call. Eager only: under ``torch.compile`` the flags cannot be read, and the call is
     left as it is."""
