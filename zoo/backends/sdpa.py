@@ -6,9 +6,10 @@ last ones): on a GPU through ``causal_lower_right``, which FlashAttention and th
 kernel run without a mask; on a CPU, where that bias materialises its mask, as two kernel calls
 merged by log-sum-exp (``causal_prefix``).
 
-Grouped k and v go to SDPA as they are, with ``enable_gqa``: its FlashAttention and cuDNN kernels
-share each key/value head among its query heads; its math fallback (CPU, or a dense mask on some
-GPUs) repeats them inside the call."""
+Grouped k and v go to SDPA as they are: without a mask with ``enable_gqa`` (its FlashAttention
+and cuDNN kernels share each key/value head among its query heads); with a mask, the query heads
+of a key/value head as extra query rows (``masked_sdpa``), since SDPA on CUDA runs grouped heads
+with a mask on its math fallback, which repeats every key and value per query head."""
 
 from __future__ import annotations
 
@@ -77,16 +78,7 @@ class SdpaBackend(Backend):
         if call.bias is not None:
             bias = score_bias(call, call.q.dtype)
             mask = bias.masked_fill(~mask, float("-inf"))
-        out = scaled_dot_product_attention(
-            call.q,
-            call.k,
-            call.v,
-            attn_mask=mask,
-            dropout_p=call.dropout_p,
-            scale=call.scale,
-            enable_gqa=call.groups > 1,
-        )
-        return out * has_key, None
+        return masked_sdpa(call.q, call.k, call.v, mask, call.dropout_p, call.scale) * has_key, None
 
 
 def _causal_lower_right(call: AttentionCall) -> Tensor:
@@ -140,21 +132,30 @@ def sdpa_decode(step: DecodeStep) -> Tensor:
                 .to(q.dtype)
                 .masked_fill(~attn_mask, float("-inf"))
             )
-    # Grouped heads with a mask: as extra query rows, which the efficient kernel takes; SDPA
-    # would run them on its math fallback, which copies every key and value per query head.
-    fold = groups if attn_mask is not None else 1
     with without_cudnn(q):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            fold_groups(q, fold),
-            keys,
-            values,
-            attn_mask=fold_groups(attn_mask, fold) if attn_mask is not None else None,
-            dropout_p=dropout_p,
-            scale=scale,
-            enable_gqa=groups > fold,
-        )
-    out = unfold_groups(out, fold)
+        if attn_mask is None:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, keys, values, dropout_p=dropout_p, scale=scale, enable_gqa=groups > 1
+            )
+        else:
+            out = masked_sdpa(q, keys, values, attn_mask, dropout_p, scale)
     return out if has_key is None else out * has_key
+
+
+def masked_sdpa(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout_p: float, scale: float | None
+) -> Tensor:
+    """SDPA with a mask (bool or additive, broadcasting against (B, H, Lq, Lk)), grouped query
+    heads as extra query rows of their key/value head (``grouped_heads``): SDPA on CUDA runs
+    grouped heads with a mask on its math fallback, which copies every key and value per query
+    head and materialises the scores; folded, its efficient kernel takes them."""
+    groups = q.shape[1] // k.shape[1]
+    # Looked up at the call, not imported: tests record SDPA's calls by replacing it.
+    out = torch.nn.functional.scaled_dot_product_attention(
+        fold_groups(q, groups), k, v, attn_mask=fold_groups(mask, groups),
+        dropout_p=dropout_p, scale=scale,
+    )  # fmt: skip
+    return unfold_groups(out, groups)
 
 
 def without_cudnn(q: Tensor) -> contextlib.AbstractContextManager:
