@@ -194,6 +194,34 @@ def test_a_full_step_runs_without_a_mask(monkeypatch):
     assert seen == [(2, most, False)] and 2 * most < cache.keys.shape[2]
 
 
+@pytest.mark.parametrize("variant", ["causal", "sliding_window", "full"])
+def test_a_step_that_attends_every_slot_makes_no_mask_and_few_operations(monkeypatch, variant):
+    """A step whose every query attends every slot in use (rows at one length) never makes the
+    step's mask (``DecodeStep.mask``, made on first use) and writes its one token without the
+    bookkeeping of a longer call: at most 45 operations dispatched, views included (82 for
+    causal, 79 for sliding_window before; each is host work, a launch for most, on a GPU)."""
+    from zoo.backends.base import DecodeStep
+    from zoo.testing.shape_only_kernels import OperationCount
+
+    def no_mask(step):
+        raise AssertionError("the step made its mask")
+
+    attn = zoo.create_attention(variant, dim=64, num_heads=8, num_kv_heads=2, causal=True,
+                                backend="sdpa", **small(variant)).eval()  # fmt: skip
+    x = torch.randn(2, 30, 64)
+    with torch.no_grad():
+        cache = attn.new_cache(2, LENGTH)
+        attn(x[:, :10], cache=cache)
+        monkeypatch.setattr(DecodeStep, "mask", property(no_mask))
+        q, k, v = (torch.randn(2, heads, 1, 8) for heads in (8, 2, 2))
+        for i in range(3):
+            counted = OperationCount()
+            with counted:
+                zoo.attention(q, k, v, variant=variant, causal=True, cache=cache,
+                              backend="sdpa", **small(variant))  # fmt: skip
+            assert counted.count <= 45, (i, counted.count)
+
+
 STEP_VARIANTS = ["causal", "sliding_window", "longformer", "bigbird", "strided", "moba"]
 
 

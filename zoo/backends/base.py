@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -79,8 +80,8 @@ class DecodeStep:
     """New tokens' queries against a key-value cache, as ``zoo.decoding.decode`` prepares them
     for a backend's ``decode_step``: q (B, H, t, D), keys and values (B, H_kv, S, D) (the cache's
     slots, and the call's own tokens for a long call), positions q_pos (B, t) and key_pos (B, S),
-    key_ok (B, S) slots in use, valid (B, t) real queries, mask (B, 1 or H, t, S) the pairs the
-    pattern allows, a positional bias or None, the score and dropout."""
+    key_ok (B, S) slots in use, valid (B, t) real queries, a positional bias or None, the score
+    and dropout; ``mask``, the pairs the pattern allows, made on first use."""
 
     q: Tensor
     keys: Tensor
@@ -90,7 +91,6 @@ class DecodeStep:
     key_pos: Tensor
     key_ok: Tensor
     valid: Tensor
-    mask: Tensor
     bias: Callable | None
     score: object
     dropout_p: float
@@ -103,6 +103,21 @@ class DecodeStep:
     slots_in_use: int | None = None
     most_allowed: int | None = None
     every_allowed: bool = False
+
+    @functools.cached_property
+    def mask(self) -> Tensor:
+        """(B, 1, t, S) the pairs the queries may attend among the keys; (B, H, t, S) for a
+        pattern whose pairs differ per head (chosen by content, or drawn per head). Made on first
+        use: a step whose every query attends every slot in use (full or causal attention at
+        one length, a full window) runs on sdpa without it, some ten operations fewer, each a
+        launch on a GPU."""
+        q_pos, key_pos, pattern = self.q_pos, self.key_pos, self.pattern
+        b = torch.arange(q_pos.shape[0], device=q_pos.device)[:, None, None, None]
+        per_head = pattern.routed or pattern.per_head
+        heads = self.q.shape[1] if per_head else 1
+        h = torch.arange(heads, device=q_pos.device)[None, :, None, None]
+        allowed = pattern.allowed_at(b, h, q_pos[:, None, :, None], key_pos[:, None, None, :])
+        return allowed & self.key_ok[:, None, None, :] & self.valid[:, None, :, None]
 
 
 class Backend:

@@ -106,40 +106,36 @@ def sdpa_decode(step: DecodeStep) -> Tensor:
     would be a synchronisation on a GPU)."""
     bias, scale, dropout_p = step.bias, step.score.scale, step.dropout_p
     q, q_pos = step.q, step.q_pos
-    mask, keys, values, key_pos = used_prefix(
-        step.slots_in_use, step.mask, step.keys, step.values, step.key_pos
-    )
+    keys, values, key_pos = used_prefix(step.slots_in_use, step.keys, step.values, step.key_pos)
+    if bias is None and step.every_allowed:  # every slot in use and allowed: no mask at all
+        with without_cudnn(q):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, keys, values, dropout_p=dropout_p, scale=scale,
+                enable_gqa=q.shape[1] > keys.shape[1],
+            )  # fmt: skip
+    mask = step.mask
+    if mask.shape[-1] > keys.shape[2]:
+        mask = mask[..., : keys.shape[2]]
     most = step.most_allowed
-    every = step.every_allowed
     gathered = None
     if q.shape[2] == 1 and most is not None:
         gathered = gather_allowed(mask[:, :, 0], keys, values, key_pos[:, None], most)
     if gathered is not None:
         mask, keys, values, key_pos = gathered
-        mask, every = mask[:, :, None], False
+        mask = mask[:, :, None]
     else:
         key_pos = key_pos[:, None]  # (B, 1, S)
-    groups = q.shape[1] // keys.shape[1]
-    if bias is None and every:  # every slot in use and allowed: no mask at all
-        attn_mask = None
-        has_key = None
-    else:
-        has_key = mask.any(-1, keepdim=True)  # (B, 1 or H, t, 1)
-        attn_mask = mask | ~has_key  # SDPA gives NaN on a row of no keys
-        if bias is not None:
-            attn_mask = (
-                step_bias(bias, q.shape[1], q_pos, key_pos)
-                .to(q.dtype)
-                .masked_fill(~attn_mask, float("-inf"))
-            )
+    has_key = mask.any(-1, keepdim=True)  # (B, 1 or H, t, 1)
+    attn_mask = mask | ~has_key  # SDPA gives NaN on a row of no keys
+    if bias is not None:
+        attn_mask = (
+            step_bias(bias, q.shape[1], q_pos, key_pos)
+            .to(q.dtype)
+            .masked_fill(~attn_mask, float("-inf"))
+        )
     with without_cudnn(q):
-        if attn_mask is None:
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q, keys, values, dropout_p=dropout_p, scale=scale, enable_gqa=groups > 1
-            )
-        else:
-            out = masked_sdpa(q, keys, values, attn_mask, dropout_p, scale)
-    return out if has_key is None else out * has_key
+        out = masked_sdpa(q, keys, values, attn_mask, dropout_p, scale)
+    return out * has_key
 
 
 def masked_sdpa(
@@ -229,16 +225,16 @@ def gather_allowed(
     return packed, take(keys), take(values), key_pos.expand(B, L, S).gather(2, index)
 
 
-def used_prefix(width: int | None, mask: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
-    """The first ``width`` slots (views, no copy; all where None): a cache that fills its slots in
-    order (full, causal) is read only as far as the host knows it is filled."""
-    if width is None or width >= mask.shape[-1]:
-        return (mask, *tensors)
+def used_prefix(
+    width: int | None, keys: Tensor, values: Tensor, key_pos: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The first ``width`` slots of keys, values (B, H_kv, S, D) and key_pos (B, S) (views, no
+    copy; all where None): a cache that fills its slots in order (full, causal) is read only as
+    far as the host knows it is filled."""
+    if width is None or width >= keys.shape[2]:
+        return keys, values, key_pos
     width = max(width, 1)
-    return (
-        mask[..., :width],
-        *(t[..., :width] if t.dim() == 2 else t[:, :, :width] for t in tensors),
-    )
+    return keys[:, :, :width], values[:, :, :width], key_pos[:, :width]
 
 
 def _whole_rows(t: Tensor) -> Tensor:

@@ -276,32 +276,32 @@ class KVCache:
         slot = self.plan.slot(positions)  # (B, t), -1: not kept
         kept = valid & (slot >= 0)
         target = slot.clamp(min=0)
-        token = torch.arange(t, device=positions.device).expand(B, t)
-        if t == 1:
-            winner = torch.where(kept, 0, -1)
-        else:  # the call's last kept token in each slot (positions increase with the token)
-            last = torch.full((B, slots + 1), -1, dtype=torch.long, device=positions.device)
-            last.scatter_reduce_(1, torch.where(kept, slot, slots), torch.where(kept, token, -1),
-                                 "amax")  # fmt: skip
-            winner = last[:, :slots].gather(1, target)  # (B, t): -1 where the slot keeps its key
-        new = winner >= 0
-        pick = winner.clamp(min=0)
         rows = torch.arange(B, device=positions.device)[:, None].expand(B, t)
         tracked = k.requires_grad or v.requires_grad or self.keys.requires_grad
         grad = torch.is_grad_enabled() and tracked
         canonical = None
-        if grad and t > 1:  # one token per slot carries the gradient (the others write copies)
-            first = torch.full((B, slots), -1, dtype=torch.long, device=positions.device)
-            canonical = first.scatter_reduce_(1, target, token, "amax").gather(1, target) == token
+        if t == 1:  # a step: each row's one token, kept or not, ends its slot (no other shares it)
+            new, pick, ending = kept, None, (k.transpose(1, 2), v.transpose(1, 2))
+        else:  # the call's last kept token in each slot (positions increase with the token)
+            token = torch.arange(t, device=positions.device).expand(B, t)
+            last = torch.full((B, slots + 1), -1, dtype=torch.long, device=positions.device)
+            last.scatter_reduce_(1, torch.where(kept, slot, slots), torch.where(kept, token, -1),
+                                 "amax")  # fmt: skip
+            winner = last[:, :slots].gather(1, target)  # (B, t): -1 where the slot keeps its key
+            new, pick = winner >= 0, winner.clamp(min=0)
+            ending = (k.transpose(1, 2)[rows, pick], v.transpose(1, 2)[rows, pick])
+            if grad:  # one token per slot carries the gradient (the others write copies)
+                first = torch.full((B, slots), -1, dtype=torch.long, device=positions.device)
+                canonical = first.scatter_reduce_(1, target, token, "amax").gather(1, target)
+                canonical = canonical == token
 
         def ends_with(store: Tensor, x: Tensor) -> Tensor:  # (B, t, H_kv, D): each slot's end
-            end = torch.where(new[:, :, None, None], x.transpose(1, 2)[rows, pick],
-                              store[rows, :, target])  # fmt: skip
+            end = torch.where(new[:, :, None, None], x, store[rows, :, target])
             if canonical is not None:
                 end = torch.where(canonical[:, :, None, None], end, end.detach())
             return end
 
-        end_k, end_v = ends_with(self.keys, k), ends_with(self.values, v)
+        end_k, end_v = ends_with(self.keys, ending[0]), ends_with(self.values, ending[1])
         for sums in self._block_sums.values():  # a cache without a ring: each slot written once
             sums.add(rows, target, end_k, kept)
         if grad:
@@ -310,9 +310,8 @@ class KVCache:
         else:
             self.keys[rows, :, target] = end_k
             self.values[rows, :, target] = end_v
-        self.slot_pos[rows, target] = torch.where(
-            new, positions.gather(1, pick), self.slot_pos[rows, target]
-        )
+        written = positions if pick is None else positions.gather(1, pick)
+        self.slot_pos[rows, target] = torch.where(new, written, self.slot_pos[rows, target])
 
 
 def _put(store: Tensor, rows: Tensor, slots: Tensor, new: Tensor) -> Tensor:

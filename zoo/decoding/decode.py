@@ -215,10 +215,9 @@ def cache_attention(
             RouteInputs(q, keys, ~key_ok, causal=True, q_pos=positions,
                         block_sums=cache.key_block_sums)
         )  # fmt: skip
-    mask = step_mask(pattern, positions, key_pos, key_ok, valid, q.shape[1])
     bias = encoding.bias if encoding is not None and encoding.kind == "bias" else None
     step = DecodeStep(
-        q, keys, values, pattern, positions, key_pos, key_ok, valid, mask, bias, score, dropout_p,
+        q, keys, values, pattern, positions, key_pos, key_ok, valid, bias, score, dropout_p,
         slots_in_use=width, most_allowed=most, every_allowed=every,
     )  # fmt: skip
     out = backend.decode_step(step)
@@ -243,16 +242,3 @@ def _host_bounds(
     most, least = bounds
     every = even and least[after - 1] == width  # that many allowed keys fill the slots
     return min(most[after - 1], width), every
-
-
-def step_mask(
-    pattern: Pattern, q_pos: Tensor, key_pos: Tensor, key_ok: Tensor, valid: Tensor, heads: int
-) -> Tensor:
-    """(B, 1, t, S) the pairs a call's queries at q_pos (B, t) may attend among keys at key_pos
-    (B, S); (B, H, t, S) for a pattern whose pairs differ per head (chosen by content, or
-    drawn per head)."""
-    b = torch.arange(q_pos.shape[0], device=q_pos.device)[:, None, None, None]
-    per_head = pattern.routed or pattern.per_head
-    h = torch.arange(heads if per_head else 1, device=q_pos.device)[None, :, None, None]
-    allowed = pattern.allowed_at(b, h, q_pos[:, None, :, None], key_pos[:, None, None, :])
-    return allowed & key_ok[:, None, None, :] & valid[:, None, :, None]

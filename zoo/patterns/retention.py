@@ -54,6 +54,9 @@ class Retention:
     window: int  # the ring holds positions n - window .. n when query n runs
     ring: int  # slots len(pinned) .. len(pinned) + ring - 1
     pinned: Tensor  # (P,) the pinned positions, increasing; slot i holds pinned[i]
+    # Known on the host: the pinned positions are 0 .. P - 1 (full and causal attention pin
+    # every position but the last), so a slot needs no search among them.
+    prefix: bool = False
 
     @property
     def slots(self) -> int:
@@ -63,9 +66,15 @@ class Retention:
         """The slot of each key position (-1: not kept), in the positions' shape; elementwise on
         the positions' device (no value read on the host, no tensor made from host data)."""
         count = self.pinned.numel()
+        if count == 0:  # no pinned slot: the ring's, or none
+            return positions % self.ring if self.ring else torch.full_like(positions, -1)
+        if self.prefix and self.ring <= 1:  # position p < P at slot p, any later one at P or none
+            return (
+                positions.clamp(max=count) if self.ring else positions.where(positions < count, -1)
+            )
         in_ring = count + positions % self.ring if self.ring else torch.full_like(positions, -1)
-        if count == 0:
-            return in_ring
+        if self.prefix:
+            return torch.where(positions < count, positions, in_ring)
         pinned = self.pinned.to(positions)
         index = torch.searchsorted(pinned, positions.contiguous())
         return torch.where(pinned[index.clamp(max=count - 1)] == positions, index, in_ring)
@@ -101,10 +110,12 @@ def retention(pattern: Pattern, max_len: int) -> Retention:
     window = int(dying.max()) if dying.numel() else 0
     pinned = to_end & (life > window)
     ring = window + 1 if bool(((life >= 0) & ~pinned).any()) else 0
-    return Retention(max_len, window, ring, keys[pinned])
+    pinned = keys[pinned]
+    prefix = bool(torch.equal(pinned, torch.arange(pinned.numel())))
+    return Retention(max_len, window, ring, pinned, prefix)
 
 
 def keep_all(max_len: int) -> Retention:
     """Every position pinned, slot j holding position j: for a pattern chosen by content, or
     one per head whose heads are not known."""
-    return Retention(max_len, 0, 0, torch.arange(max_len))
+    return Retention(max_len, 0, 0, torch.arange(max_len), prefix=True)
