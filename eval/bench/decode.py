@@ -17,6 +17,8 @@ Peers, one query against all n cached keys and values of full attention:
   compile per length costs minutes and the CPU kernel pads the query to a whole block.
 
 The step is checked against the reference decoding backend on the same cache (max abs error).
+With ``compile: [false, true]`` each zoo step is also timed under ``torch.compile`` (impl
+``zoo:VARIANT+compile``; its warm-up steps compile, twice, after which the lengths are dynamic).
 With ``profile`` = N > 0, each zoo cell also runs N steps under ``torch.profiler`` and N under
 cProfile after its timing (``eval.bench.profile.profile_calls``): its kernels, the host's gaps
 between them, the top kernels and the top host functions per step, so that a step's time on a
@@ -26,6 +28,7 @@ GPU says where it goes (a step that took tens of ms against SDPA's tenths). Writ
 
 from __future__ import annotations
 
+import itertools
 import json
 import shlex
 import statistics
@@ -63,6 +66,8 @@ class DecodeConfig:
     device: str = "auto"
     out: str = "eval/results/bench-decode-{device}"
     profile: int = 0  # steps of each zoo cell under the profiler (and as many under cProfile)
+    # each zoo step eager (false) and/or under torch.compile (true, impl "...+compile")
+    compile: list[bool] = field(default_factory=lambda: [False])
 
 
 def _timed(step, device: torch.device, warmup: int, repeats: int) -> float:
@@ -113,8 +118,9 @@ def measure(config: DecodeConfig, variant: str, n: int, device, dtype) -> list[d
     ref = zoo.attention(q, k, v, cache=twin, backend="reference", **kw)
     error = float((out.float() - ref.float()).abs().max())
     cells = []
-    for backend in config.backends:
+    for backend, compiled in itertools.product(config.backends, config.compile):
         impl = f"zoo:{variant}" if backend == "auto" else f"zoo:{variant}:{backend}"
+        impl += "+compile" if compiled else ""
         cell = dict(impl=impl, variant=variant, n=n, bytes=cache.nbytes, slots=cache.keys.shape[2])
         if backend == "flex" and device.type != "cuda":
             cells.append({**cell, "ms": None, "status": "skipped: compiled flex is CUDA-only here"})
@@ -126,11 +132,14 @@ def measure(config: DecodeConfig, variant: str, n: int, device, dtype) -> list[d
             cell["error"] = float((got.float() - ref.float()).abs().max())
         else:
             cell["error"] = error
-        timed = _copy(cache) if len(config.backends) > 1 else cache  # each its own steps
+        several = len(config.backends) * len(config.compile) > 1
+        timed = _copy(cache) if several else cache  # each its own steps
 
         def step(backend=backend, timed=timed):
             return zoo.attention(q, k, v, cache=timed, backend=backend, **kw)
 
+        if compiled:  # the warm-up steps compile (twice: then the lengths are dynamic)
+            step = torch.compile(step)
         cell["ms"] = _timed(step, device, config.warmup, config.repeats)
         if config.profile:
             cell["profile"] = profile_calls(step, device, 0, config.profile)
@@ -273,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     for variant in config.variants:
         for n in config.lengths:
             cells += measure(config, variant, n, device, dtype)
-            print(json.dumps(cells[-len(config.backends) - len(config.peers)]), flush=True)
+            zoo_cells = len(config.backends) * len(config.compile)
+            print(json.dumps(cells[-zoo_cells - len(config.peers)]), flush=True)
             (out / "bench-decode.json").write_text(json.dumps({"header": header, "cells": cells}))
     (out / "bench-decode.md").write_text(markdown(header, cells))
     print(f"wrote {out / 'bench-decode.md'}")

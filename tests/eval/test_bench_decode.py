@@ -34,3 +34,12 @@ def test_without_profile_a_step_is_timed_only(tmp_path):
     assert [c["impl"] for c in cells] == ["zoo:causal", "sdpa_dense"]
     assert "profile" not in cells[0] and cells[1]["ms"] > 0
     assert "Where a step's time goes" not in (tmp_path / "bench-decode.md").read_text()
+
+
+def test_compiled_steps_are_cells_of_their_own(tmp_path):
+    """``compile=[false,true]``: each zoo step eager and under torch.compile, side by side."""
+    argv = [*TINY, "variants=[sliding_window]", "peers=[]", "compile=[false,true]"]
+    assert main([*argv, "params={sliding_window: {window_size: 8}}", f"out={tmp_path}"]) == 0
+    cells = json.loads((tmp_path / "bench-decode.json").read_text())["cells"]
+    assert [c["impl"] for c in cells] == ["zoo:sliding_window", "zoo:sliding_window+compile"]
+    assert all(c["ms"] > 0 and c["error"] < 1e-5 for c in cells)

@@ -1,0 +1,67 @@
+"""A decoding loop under ``torch.compile``: the module's steps with a cache compile a bounded
+number of times (the host's bookkeeping, widths read from Python ints the cache keeps, runs
+between graphs; the lengths become dynamic after one recompilation) and equal eager steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+import zoo
+
+VARIANTS = {
+    "causal": {},
+    "sliding_window": {"window_size": 8},
+    "longformer": {"window_size": 8, "global_tokens": 2},
+    "bigbird": {"block_size": 8, "random_blocks": 1},
+    "moba": {"block_size": 8, "top_k": 2},
+}
+
+
+def _pair(variant: str):
+    attn = zoo.create_attention(variant, dim=32, num_heads=4, num_kv_heads=2, causal=True,
+                                **VARIANTS[variant]).eval()  # fmt: skip
+    eager = zoo.create_attention(variant, dim=32, num_heads=4, num_kv_heads=2, causal=True,
+                                 **VARIANTS[variant]).eval()  # fmt: skip
+    eager.load_state_dict(attn.state_dict())
+    return attn, eager
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_compiled_steps_stop_compiling_and_equal_eager(variant):
+    """After the second step no frame compiles again over 20 more steps (each step's width one
+    slot more, rows of two lengths), and every output equals the eager module's."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    attn, eager = _pair(variant)
+    counter = CompileCounter()
+    compiled = torch.compile(attn, backend=counter)
+    x = torch.randn(2, 40, 32)
+    lens = torch.tensor([10, 7])
+    with torch.no_grad():
+        mine, theirs = attn.new_cache(2, 64), eager.new_cache(2, 64)
+        got = compiled(x[:, :10], cache=mine, valid_lens=lens)
+        assert torch.equal(got, eager(x[:, :10], cache=theirs, valid_lens=lens))
+        for i in range(10, 32):
+            if i == 12:
+                settled = counter.frame_count
+            got = compiled(x[:, i : i + 1], cache=mine)
+            assert torch.equal(got, eager(x[:, i : i + 1], cache=theirs)), i
+    assert counter.frame_count == settled, (settled, counter.frame_count)
+
+
+def test_inductor_steps_equal_eager():
+    """The same loop compiled by Inductor (causal), within float32 rounding."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    attn, eager = _pair("causal")
+    compiled = torch.compile(attn)
+    x = torch.randn(2, 20, 32)
+    with torch.no_grad():
+        mine, theirs = attn.new_cache(2, 32), eager.new_cache(2, 32)
+        compiled(x[:, :8], cache=mine)
+        eager(x[:, :8], cache=theirs)
+        for i in range(8, 16):
+            got, want = compiled(x[:, i : i + 1], cache=mine), eager(x[:, i : i + 1], cache=theirs)
+            assert (got - want).abs().max() < 1e-5, i
