@@ -10,7 +10,9 @@ stub call in turns, ``repeats`` of each, and reports medians and their differenc
 
 Each cell also counts the operations one call dispatches (views included, once, untimed):
 on a GPU each is host work (a dispatch, a kernel launch where it computes), so the count is
-the call's host cost in a form no machine's speed changes.
+the call's host cost in a form no machine's speed changes. A flex cell also gives its block
+mask's full and partial blocks per sequence and head (``FlexBackend.block_counts``): in a
+partial block the kernel evaluates the mask for every element.
 
 Backends: flex (``zoo.backends.flex_kernel``'s kernel stubbed), sdpa
 (``scaled_dot_product_attention`` stubbed), and blocked with its kernels with log-sum-exp
@@ -35,7 +37,8 @@ from unittest import mock
 import torch
 
 import zoo
-from zoo.backends import lse_kernel
+from zoo.backends import get_backend, lse_kernel
+from zoo.functional import prepare_call
 from zoo.testing.shape_only_kernels import OperationCount, ShapeOnlyEfficientOps
 
 from ..harness.config import ConfigError, config_arguments, load_config
@@ -106,11 +109,18 @@ def measure(config: OverheadConfig, variant: str, backend: str, n: int, device) 
             zoo_us.append((middle - start) * 1e6)
             stub_us.append((time.perf_counter() - middle) * 1e6)
     zoo_median, stub_median = statistics.median(zoo_us), statistics.median(stub_us)
-    return {
+    cell = {
         "variant": variant, "backend": backend, "n": n, "zoo_us": round(zoo_median, 2),
         "stub_us": round(stub_median, 2), "added_us": round(zoo_median - stub_median, 2),
         "ops": counted.count,
     }  # fmt: skip
+    if backend == "flex":  # its block mask: in a partial block the mask runs per element
+        call = prepare_call(
+            q, k, v, **{key: val for key, val in kwargs.items() if key != "backend"}
+        )
+        full, partial, blocks = get_backend("flex").block_counts(call)
+        cell["blocks"] = {"full": full, "partial": partial, "all": blocks}
+    return cell
 
 
 def markdown(data: dict) -> str:
@@ -122,13 +132,16 @@ def markdown(data: dict) -> str:
         f"H={h['config']['heads']}, D={h['config']['head_dim']}, float32, forward; medians of "
         f"{h['config']['repeats']} calls, the zoo call and the bare stub kernel in turns.",
         "",
-        "| variant | backend | n | zoo call (us) | bare kernel stub (us) | added (us) | ops |",
-        "|---|---|---|---|---|---|---|",
+        "| variant | backend | n | zoo call (us) | bare kernel stub (us) | added (us) | ops "
+        "| flex blocks: full / partial / all |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for c in data["cells"]:
+        b = c.get("blocks")
+        blocks = f"{b['full']:.4g} / {b['partial']:.4g} / {b['all']}" if b else "-"
         lines.append(
             f"| {c['variant']} | {c['backend']} | {c['n']} | {c['zoo_us']:.1f} | "
-            f"{c['stub_us']:.1f} | {c['added_us']:.1f} | {c.get('ops', '-')} |"
+            f"{c['stub_us']:.1f} | {c['added_us']:.1f} | {c.get('ops', '-')} | {blocks} |"
         )
     if any(c["backend"] == "blocked" for c in data["cells"]):
         lines += [

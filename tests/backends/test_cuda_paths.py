@@ -85,6 +85,18 @@ def test_explain_says_nothing_of_padding_where_heads_are_large_enough():
     assert "auto -> flex" in said and "pads" not in said
 
 
+def test_explain_counts_flexs_full_and_partial_blocks():
+    """Where auto takes flex, explain says how many of its blocks are partial (the mask_mod runs
+    per element there): block_local of 128 on whole blocks has none, BigBird of 64 mostly."""
+    with fake_cuda():
+        q = torch.randn(1, 2, 1024, 64, device="cuda")
+        aligned = zoo.explain(q, q, q, variant="block_local", block_size=128)
+        bigbird = zoo.explain(q, q, q, variant="bigbird", block_size=64)
+    assert "flex block mask of 128: 8 full and 0 partial of 64 blocks" in aligned, aligned
+    assert "auto -> flex" in bigbird and " partial of 64 blocks" in bigbird, bigbird
+    assert " and 0 partial" not in bigbird
+
+
 def test_zero_padded_heads_leave_output_and_gradients_unchanged(monkeypatch):
     """The padding itself, where values exist: q/k of 8 and v of 4 padded to 16 give the
     unpadded call's output and gradients (a dense kernel stands in for FlexAttention, which has

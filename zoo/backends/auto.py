@@ -101,6 +101,6 @@ def explain_choice(call: AttentionCall, backends: dict[str, Backend]) -> str:
             f" vs {entry['runner_up']} {entry['runner_up_ms']:.3g} ms ({entry['source']})"
         )
     where = f"{call.pattern.kind} pattern of {call.variant!r} on {call.device.type}"
-    notes = backend.capabilities.adaptations(call) if backend else []
+    notes = [*backend.capabilities.adaptations(call), backend.layout_note(call)] if backend else []
     adapted = "".join(f"; {backend.name} {note}" for note in notes)
     return f"{head} ({source}; order for a {where}: {order}{skipped}{adapted})"

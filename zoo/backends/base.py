@@ -163,6 +163,11 @@ class Backend:
         backend, the computed blocks' pairs for a sparse one."""
         return call.q_len * call.kv_len
 
+    def layout_note(self, call: AttentionCall) -> str:
+        """What the backend computes for this call, in words (for ``explain``)."""
+        scored, every = self.scored_pairs(call), call.q_len * call.kv_len
+        return f"computes {scored} scores per sequence and head, {scored / every:.3g} of Lq x Lk"
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 

@@ -29,10 +29,11 @@ from torch import Tensor
 
 from ..core.arguments import check_int
 from ..core.call import AttentionCall
+from ..core.device_build import has_no_data
 from ..core.shape_cache import concrete, per_shape
 from ..layout.block_layout import build_layout
 from ..layout.frames import Frame, build_frame
-from ..patterns import EMPTY, PARTIAL, Pattern, Tiles
+from ..patterns import EMPTY, FULL, PARTIAL, Pattern, Tiles
 from .base import FLOATS, Backend, Capabilities, DecodeStep
 from .flex_decode import flex_decode
 from .flex_kernel import _flex_module, flex_block_tensors, run_kernel
@@ -68,6 +69,21 @@ def _seq_lengths(frame: Frame, whole_blocks: bool) -> tuple[int, int]:
     if whole_blocks or not frame.q.identity:
         return frame.q.slots, frame.k.slots
     return frame.q.length, frame.k.length
+
+
+def _counts(state: Tensor) -> tuple[float, float, int]:
+    """(FULL, PARTIAL, all) blocks of a layout [..., Qb, Kb], per sequence and head (mean)."""
+    state = state.reshape(-1, *state.shape[-2:])
+    full, partial = ((state == kind).sum((1, 2)).double().mean() for kind in (FULL, PARTIAL))
+    return float(full), float(partial), state.shape[1] * state.shape[2]
+
+
+@per_shape(maxsize=128)
+def _fixed_block_counts(
+    pattern: Pattern, q_len: int, kv_len: int, block: int, device: torch.device
+) -> tuple[float, float, int]:
+    """``_counts`` of a fixed pattern's layout on flex's frame."""
+    return _counts(build_layout(pattern, flex_frame(pattern, q_len, kv_len, block, device)).state)
 
 
 @per_shape(maxsize=128)
@@ -214,15 +230,30 @@ class FlexBackend(Backend):
             )
         return _padded_block_mask(call, self.block_size, whole)
 
-    def scored_pairs(self, call: AttentionCall) -> int:
+    def block_counts(self, call: AttentionCall) -> tuple[float, float, int]:
+        """(FULL blocks, PARTIAL blocks, all blocks) of the call's block mask per sequence and
+        head (their mean where the layout differs per sequence or head), key padding aside. In
+        a PARTIAL block the kernel evaluates the mask_mod for every element."""
+        if not call.pattern.routed:  # per shape, built with values also for fake tensors
+            return _fixed_block_counts(
+                call.pattern, call.q_len, call.kv_len, self.block_size, call.device
+            )
         frame = flex_frame(call.pattern, call.q_len, call.kv_len, self.block_size, call.device)
-        if call.pattern.routed:  # per sequence and head: their mean
-            state = call.pattern.block_state(frame.q.spans().column(), frame.k.spans().row())
-            blocks = float((state != EMPTY).sum(dim=(-1, -2)).float().mean())
-            return round(blocks * self.block_size**2)
-        layout = build_layout(call.pattern, frame)
-        heads = layout.state.shape[1] if layout.state.dim() == 4 else 1  # a pattern per head
-        return layout.computed_blocks * self.block_size**2 // heads
+        return _counts(call.pattern.block_state(frame.q.spans().column(), frame.k.spans().row()))
+
+    def scored_pairs(self, call: AttentionCall) -> int:
+        full, partial, _ = self.block_counts(call)
+        return round((full + partial) * self.block_size**2)
+
+    def layout_note(self, call: AttentionCall) -> str:
+        if call.pattern.routed and has_no_data(call.q):
+            return f"block mask of {self.block_size}: chosen by content, counted per call"
+        full, partial, blocks = self.block_counts(call)
+        return (
+            f"block mask of {self.block_size}: {full:.4g} full and {partial:.4g} partial of "
+            f"{blocks} blocks per sequence and head (the mask_mod runs per element in partial "
+            f"ones)"
+        )
 
     def forward(self, call: AttentionCall) -> tuple[Tensor, None]:
         score_mod = None
