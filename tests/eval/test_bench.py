@@ -305,10 +305,16 @@ def test_backend_instances_are_built_with_their_options(tmp_path):
     built = backend_instances(config, path)
     assert built["blocked_bf16"].compute_dtype == torch.bfloat16
     assert bench.check_config(config, path, built)
-    for name in ("bench_goals_moba_gpu.yaml", "bench_goals_realization_gpu.yaml"):
+    for name in (
+        "bench_goals_moba_gpu.yaml",
+        "bench_goals_realization_gpu.yaml",
+        "bench_blocks_gpu.yaml",
+    ):
         shipped = str(bench.CONFIGS / name)
         config = load_config(BenchConfig, shipped, [])
-        assert bench.check_config(config, shipped, backend_instances(config, shipped))
+        built = backend_instances(config, shipped)
+        assert bench.check_config(config, shipped, built)
+    assert built["flex64"].block_size == 64  # bench_blocks_gpu: flex's blocks as the pattern's
 
 
 def test_shipped_configs_load_and_check():
