@@ -188,3 +188,23 @@ def test_block_counts_are_those_of_the_dense_mask(variant, params, n):
         assert full == want_full
     assert (partial == 0) == (variant == "block_local" and n % block == 0)
     assert backend.scored_pairs(call) == round((full + partial) * block**2)
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("shape", [(300, 300), (200, 333)])
+def test_a_strided_pattern_of_one_part_runs_regrouped(compile, causal, shape):
+    """Strided without its band (one part) runs with its tokens regrouped by position mod the
+    stride, where its blocks are whole (none partial where they are full of tokens; in the
+    natural order all 16384 blocks of 16K tokens were partial), and equals the reference,
+    padded keys and lengths that fit no block included (forward: compiled flex on a CPU has
+    no backward)."""
+    q_len, kv_len = shape
+    params = {"stride": 8, "window_size": 0}
+    check_against_reference(
+        "strided", FlexBackend(block_size=16, compile=compile), q_len=q_len, kv_len=kv_len,
+        causal=causal, padded=True, params=params, grads=False,
+    )  # fmt: skip
+    q = torch.randn(1, 1, 16384, 16)
+    call = prepare_call(q, q, q, variant="strided", stride=64, window_size=0)
+    assert FlexBackend(compile=False).block_counts(call) == (256.0, 0.0, 16384)

@@ -103,3 +103,17 @@ def test_a_choice_by_content_is_never_a_queries_by_blocks_layout(monkeypatch, ca
         out.sum().backward()
     assert torch.isfinite(q.grad).all()
     assert watch.largest < layout // 2, (watch.largest, layout)
+
+
+def test_sdpa_with_grouped_heads_does_not_copy_a_shared_mask_per_head():
+    """On a CPU a mask that the heads share goes to SDPA once, grouped heads and all
+    (``masked_sdpa`` folds them into query rows only on CUDA, or where the mask differs per
+    head): folded, a (1, 1, n, n) mask was copied per query head of a key/value head."""
+    n = 1024
+    q = torch.randn(1, 8, n, 16)
+    k, v = torch.randn(1, 2, n, 16), torch.randn(1, 2, n, 16)
+    watch = LargestTensor()
+    with watch:
+        out = zoo.attention(q, k, v, variant="sliding_window", window_size=64, backend="sdpa")
+    assert out.shape == q.shape
+    assert watch.largest <= n * n, (watch.largest, n * n)

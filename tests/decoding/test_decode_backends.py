@@ -97,26 +97,44 @@ def test_moba_steps_read_only_the_chosen_keys(monkeypatch):
 
 @pytest.mark.parametrize("variant", ["bigbird", "moba", "sliding_window"])
 def test_masked_steps_run_grouped_heads_as_query_rows(monkeypatch, variant):
-    """A masked step's grouped query heads reach SDPA as extra query rows of their key/value head
-    (no enable_gqa, which on CUDA sends a masked call to the math fallback, a copy of every key
-    per query head); unmasked steps keep enable_gqa. Outputs equal the reference decoding path."""
+    """On CUDA (fake tensors here) a masked step's grouped query heads reach SDPA as extra query
+    rows of their key/value head (no enable_gqa, which on CUDA sends a masked call to the math
+    fallback, a copy of every key per query head); on a CPU only a mask that differs per head
+    (a view), a shared one keeps enable_gqa (folding would copy it per head). Unmasked steps keep
+    enable_gqa. CPU outputs equal the reference decoding path."""
+    from zoo.testing.fake_cuda import FakeCudaUnavailable, fake_cuda
+
     seen = []
     original = torch.nn.functional.scaled_dot_product_attention
 
     def recording(q, k, v, attn_mask=None, **kwargs):
-        seen.append((q.shape[1], k.shape[1], attn_mask is not None, kwargs.get("enable_gqa")))
+        per_head = attn_mask is not None and attn_mask.shape[1] > 1
+        seen.append((q.is_cuda, q.shape[1], k.shape[1], attn_mask is not None, per_head,
+                     kwargs.get("enable_gqa")))  # fmt: skip
         return original(q, k, v, attn_mask=attn_mask, **kwargs)
 
-    torch.manual_seed(0)
-    attn = zoo.create_attention(variant, dim=24, num_heads=6, num_kv_heads=2, causal=True,
-                                backend="sdpa", **PARAMS[variant]).double().eval()  # fmt: skip
-    x = torch.randn(2, 30, 24, dtype=torch.float64)
+    def module():
+        return zoo.create_attention(variant, dim=24, num_heads=6, num_kv_heads=2, causal=True,
+                                    backend="sdpa", **PARAMS[variant]).eval()  # fmt: skip
+
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    torch.manual_seed(0)
+    attn = module().double()
+    x = torch.randn(2, 30, 24, dtype=torch.float64)
     got = _decoded_rows(attn, x, [12, 5])[1]
-    masked = [call for call in seen if call[2]]
-    assert masked, seen
-    assert all(q_heads == k_heads and not gqa for q_heads, k_heads, _, gqa in masked), masked
-    assert all(q_heads == 3 * k_heads and gqa for q_heads, k_heads, m, gqa in seen if not m)
+    try:
+        with fake_cuda(), torch.device("cuda"), torch.no_grad():
+            on_cuda, y = module(), torch.randn(2, 20, 24)
+            cache = on_cuda.new_cache(2, 32)
+            on_cuda(y[:, :12], cache=cache)
+            for i in range(12, 20):
+                on_cuda(y[:, i : i + 1], cache=cache)
+    except FakeCudaUnavailable as error:
+        pytest.skip(str(error))
+    for cuda, q_heads, k_heads, masked, per_head, gqa in seen:
+        folded = masked and (cuda or per_head)
+        assert (q_heads, bool(gqa)) == ((k_heads, False) if folded else (3 * k_heads, True))
+    assert any(cuda and masked for cuda, _, _, masked, _, _ in seen)  # CUDA's masked steps ran
     attn.backend = "reference"
     for g, w in zip(got, _decoded_rows(attn, x, [12, 5])[1], strict=True):
         assert torch.allclose(g, w, atol=1e-10, rtol=0)

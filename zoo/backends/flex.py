@@ -9,10 +9,13 @@ Block masks are cached per pattern and shape; a key padding mask makes the layou
 query head (``Pattern.per_head``) gives a block mask per head, cached per shape and number of
 heads like the others.
 
-Strided and dilated patterns run here in the natural token order, where their blocks are dense;
-the ``blocked`` backend runs them in their regrouped order. A 2-D pattern of one part runs in its
-grid's tiled order (``zoo.layout.tiles``): q, k and v are gathered into tiles, the mask_mod reads
-each slot's position, and the output is scattered back to the caller's order.
+A pattern of one part runs in the order where it is block-sparse (``flex_frame``): a 2-D pattern
+in its grid's tiles (``zoo.layout.tiles``), a strided or dilated one with its tokens regrouped by
+position mod its stride. q, k and v are gathered into that order, the mask_mod reads each slot's
+position, and the output is scattered back to the caller's order. A pattern of parts in different
+orders (``strided`` with its local band) runs in the natural order, where every block its strided
+part touches is partial: the kernel computes and masks all of them. ``blocked`` runs each part in
+its own order and merges them by log-sum-exp.
 
 Whole blocks on CPU. Compiled FlexAttention on CPU (torch 2.13) returned wrong values or NaN at
 lengths that are not a multiple of 16, differently from one process to the next (see
@@ -33,7 +36,7 @@ from ..core.device_build import has_no_data
 from ..core.shape_cache import concrete, per_shape
 from ..layout.block_layout import build_layout
 from ..layout.frames import Frame, build_frame
-from ..patterns import EMPTY, FULL, PARTIAL, Pattern, Tiles
+from ..patterns import EMPTY, FULL, PARTIAL, Pattern
 from .base import FLOATS, Backend, Capabilities, DecodeStep
 from .flex_decode import flex_decode
 from .flex_kernel import _flex_module, flex_block_tensors, run_kernel
@@ -41,8 +44,11 @@ from .flex_lookup import lookup_mask_mod, lookup_pays
 
 
 def flex_frame(pattern: Pattern, q_len: int, kv_len: int, block: int, device) -> Frame:
-    """The natural order, or the tiled order of a 2-D pattern of one part (blocks are tiles)."""
-    order = pattern.stride if isinstance(pattern.stride, Tiles) and len(pattern.parts()) == 1 else 1
+    """The order in which a pattern of one part is block-sparse: its grid's tiles (a 2-D
+    pattern), its tokens regrouped by position mod its stride (strided, dilated: in the natural
+    order every block they touch is partial, so the kernel computes and masks all n^2 pairs), or
+    the natural order."""
+    order = pattern.stride if len(pattern.parts()) == 1 else 1
     return build_frame(order, q_len, kv_len, block, block, device)
 
 

@@ -1,8 +1,9 @@
 """Grouped-query heads as extra query rows: the query heads that share a key/value head stacked
 along the query dimension, so that a kernel without grouped heads (PyTorch's memory-efficient
 SDPA kernel, which takes a mask; the CPU kernel with log-sum-exp) reads each key/value head once,
-and none is copied per query head (SDPA's math fallback for grouped heads with a mask repeats
-every key and value ``groups`` times)."""
+and no key or value is copied per query head (SDPA's math fallback for grouped heads with a mask
+repeats every key and value ``groups`` times). A mask or flag shared by the heads is repeated
+per query head instead: the caller weighs that copy."""
 
 from __future__ import annotations
 

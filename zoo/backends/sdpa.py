@@ -21,6 +21,7 @@ from torch.nn.functional import scaled_dot_product_attention
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..core.call import AttentionCall
+from ..core.shape_cache import concrete
 from .base import FLOATS, Backend, Capabilities, DecodeStep, step_bias
 from .blocked.index_rows import index_rows
 from .causal_prefix import causal_after_prefix
@@ -111,7 +112,7 @@ def sdpa_decode(step: DecodeStep) -> Tensor:
         with without_cudnn(q):
             return torch.nn.functional.scaled_dot_product_attention(
                 q, keys, values, dropout_p=dropout_p, scale=scale,
-                enable_gqa=q.shape[1] > keys.shape[1],
+                enable_gqa=concrete(q.shape[1] // keys.shape[1]) > 1,
             )  # fmt: skip
     mask = step.mask
     if mask.shape[-1] > keys.shape[2]:
@@ -141,17 +142,22 @@ def sdpa_decode(step: DecodeStep) -> Tensor:
 def masked_sdpa(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout_p: float, scale: float | None
 ) -> Tensor:
-    """SDPA with a mask (bool or additive, broadcasting against (B, H, Lq, Lk)), grouped query
-    heads as extra query rows of their key/value head (``grouped_heads``): SDPA on CUDA runs
-    grouped heads with a mask on its math fallback, which copies every key and value per query
-    head and materialises the scores; folded, its efficient kernel takes them."""
-    groups = q.shape[1] // k.shape[1]
+    """SDPA with a mask (bool or additive, broadcasting against (B, H, Lq, Lk)). On CUDA, or
+    where the mask differs per head (a view then), grouped query heads go in as extra query
+    rows of their key/value head (``grouped_heads``): SDPA on CUDA runs grouped heads with a
+    mask on its math fallback, which copies every key and value per query head and materialises
+    the scores; folded, its efficient kernel takes them. A mask shared by the heads is repeated
+    per query head when folded, so on a CPU, whose kernel takes grouped heads with a mask, it
+    is not (at 8K tokens, 8 heads on 2, that copy took 1 GB)."""
+    # concrete under torch.compile: SDPA takes a Python bool for enable_gqa
+    groups = concrete(q.shape[1] // k.shape[1])
+    fold = groups if q.is_cuda or concrete(mask.shape[1]) != 1 else 1
     # Looked up at the call, not imported: tests record SDPA's calls by replacing it.
     out = torch.nn.functional.scaled_dot_product_attention(
-        fold_groups(q, groups), k, v, attn_mask=fold_groups(mask, groups),
-        dropout_p=dropout_p, scale=scale,
+        fold_groups(q, fold), k, v, attn_mask=fold_groups(mask, fold),
+        dropout_p=dropout_p, scale=scale, enable_gqa=groups > fold,
     )  # fmt: skip
-    return unfold_groups(out, groups)
+    return unfold_groups(out, fold)
 
 
 def without_cudnn(q: Tensor) -> contextlib.AbstractContextManager:

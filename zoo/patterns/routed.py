@@ -89,7 +89,8 @@ def top_blocks(scores: Tensor, top_k: int, available: Tensor, forced: Tensor) ->
     # A stable descending sort puts the lower index first among equal scores.
     order = torch.sort(scores, dim=-1, descending=True, stable=True)
     best, ranked = order.indices[..., :top_k], order.values[..., :top_k]
-    return torch.where(ranked > float("-inf"), best, blocks).to(torch.int32)
+    # (A NaN score is kept, as an available block: NaN > -inf is False, NaN != -inf True.)
+    return torch.where(ranked != float("-inf"), best, blocks).to(torch.int32)
 
 
 def picks_mask(picks: Tensor, blocks: int) -> Tensor:
@@ -190,17 +191,14 @@ class ChosenBlocks(Pattern):
         k0 = (k.lo // self.block_size).clamp(0, blocks - 1)
         k1 = (k.hi // self.block_size).clamp(0, blocks - 1)
         if q.aligned == 1:
-            # One query per span (the runs by key block): the choice's mask at those queries
-            # only, read directly where each key span lies inside one block, else counted.
-            rows = torch.arange(q0.numel(), device=q0.device).view(q0.shape)
-            mask = self.mask(q0.flatten())  # (B, H, spans, blocks)
-            if k.aligned is not None and self.block_size % k.aligned == 0:
-                picked = _at(mask, rows, k0)
-                return state_from(picked, picked, q, k)
-            sums = mask.new_zeros((*mask.shape[:-1], blocks + 1), dtype=torch.int32)
-            sums[..., 1:] = mask
-            sums.cumsum_(-1)
-            count = _at(sums, rows, k1 + 1) - _at(sums, rows, k0)
+            # One query per span (the runs by key block, which ask a slice of queries at a
+            # time): each span's picks against the key spans, a pick slot at a time, so that
+            # nothing is as wide as the blocks (only the spans asked: k0 .. k1 blocks each).
+            picks = self.picks[:, :, q0.flatten()].view(*self.picks.shape[:2], *q0.shape, -1)
+            count = torch.zeros((), dtype=torch.int16, device=picks.device)
+            for slot in range(picks.shape[-1]):  # an empty slot (``blocks``) is past every k1
+                pick = picks[..., slot]
+                count = count + ((pick >= k0) & (pick <= k1)).to(torch.int16)
             return state_from(count > 0, count == k1 - k0 + 1, q, k)
         spans = q0.numel()
         sums, where = self._row_counts(torch.cat((q0.reshape(-1), q1.reshape(-1) + 1)))

@@ -138,7 +138,8 @@ def runs(
         if full_runs < len(blocks):
             kind_masks, keyed = _partial_masks(
                 part, frame, fine, tuple(x[full_rows:] for x in pair), factor, block, shape,
-                key_ok[full_runs:], counts[full_runs:], dtype,
+                key_ok[full_runs:], counts[full_runs:], [r.numel() for r in rows[full_runs:]],
+                dtype,
             )  # fmt: skip
             masks += kind_masks
             has_key.append(keyed)
@@ -222,7 +223,8 @@ def _pairs_by_key_block(
     (the pairs ordered by run, each run's flat (b, h, slot) rows, its flat (b, h_kv, key
     block), the runs' row counts, how many runs are FULL, their keys' validity (R, bk)); None
     without a pair. The query heads of a key/value head share its runs, so each key block is
-    read once per key/value head. One sort for both kinds, and one read of the runs on the host."""
+    read once per key/value head. One sort for both kinds, and one read of the runs (their key
+    blocks and sizes) on the host."""
     b, h, i, j, state = pair
     if b.numel() == 0:
         return None
@@ -235,7 +237,7 @@ def _pairs_by_key_block(
     pair, run = tuple(x[order] for x in pair), run[order]
     b, h, i, _, _ = pair
     runs_of, counts = torch.unique_consecutive(run, return_counts=True)
-    runs_on_host = runs_of.tolist()
+    runs_on_host, counts_on_host = torch.stack((runs_of, counts)).tolist()  # one read
     full_runs = sum(r < every for r in runs_on_host)
     run_blocks = runs_of % every
     bk = frame.k.block
@@ -243,7 +245,7 @@ def _pairs_by_key_block(
     key_ok = frame.k.valid[slot]
     if padded is not None:
         key_ok = key_ok & ~padded[(run_blocks // (kv_heads * Kb))[:, None], slot]
-    rows = ((b * H + h) * Sq + i).split(counts.tolist())
+    rows = ((b * H + h) * Sq + i).split(counts_on_host)
     blocks = [r % every for r in runs_on_host]
     return pair, rows, blocks, counts, full_runs, key_ok
 
@@ -263,7 +265,7 @@ def _padding_masks(key_ok: Tensor, dtype: torch.dtype) -> list[Tensor | None]:
 def _partial_masks(
     part: Pattern, frame: Frame, fine: Tensor | None, pair: tuple[Tensor, ...], factor: int,
     block: int, shape: tuple[int, int, int, int], key_ok: Tensor, counts: Tensor,
-    dtype: torch.dtype,
+    sizes: list[int], dtype: torch.dtype,
 ) -> tuple[list[Tensor], Tensor]:  # fmt: skip
     """PARTIAL runs' masks, (1, 1, n, bk) each, a row per query from its kernel blocks' states
     (``fine``; the pairs' own states where a key block is one kernel block) and its keys'
@@ -271,8 +273,8 @@ def _partial_masks(
     b, h, i, j, state = pair
     sub = fine[b, h, i // block, j] if fine is not None else state[:, None]  # (P, factor)
     ok = _partial_pairs(part, frame, sub, pair[:4], factor, shape)  # (P, bk)
-    ok = ok & key_ok.repeat_interleave(counts, dim=0)
-    masks = list(_additive(ok, dtype)[None, None].split(counts.tolist(), dim=2))  # views
+    ok = ok & key_ok.repeat_interleave(counts, dim=0, output_size=sum(sizes))  # no sync
+    masks = list(_additive(ok, dtype)[None, None].split(sizes, dim=2))  # views, ``counts``
     return masks, ok.any(-1)
 
 
