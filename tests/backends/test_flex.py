@@ -4,6 +4,8 @@ backward on GPU)."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from helpers import (
@@ -208,3 +210,84 @@ def test_a_strided_pattern_of_one_part_runs_regrouped(compile, causal, shape):
     q = torch.randn(1, 1, 16384, 16)
     call = prepare_call(q, q, q, variant="strided", stride=64, window_size=0)
     assert FlexBackend(compile=False).block_counts(call) == (256.0, 0.0, 16384)
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("pos", [None, "alibi"])
+def test_parts_in_their_own_orders_merge_to_the_reference(compile, causal, pos):
+    """``strided`` with its band (two parts: the band natural, the strided keys regrouped by
+    position mod the stride) runs each part in its own order and merges them by log-sum-exp:
+    equal to the reference forward, with padding, a positional bias, grouped heads and lengths
+    that fit no block; at 16K it computes 638 blocks of 128 where one natural-order call had
+    all 16384 partial."""
+    params = {"stride": 8, "window_size": 7}
+    backend = FlexBackend(block_size=16, compile=compile)
+    q = torch.randn(1, 1, 300, 16)
+    split = backend.own_orders(prepare_call(q, q, q, variant="strided", **params))
+    assert (split is not None) == (not compile)  # compiled on a CPU: no log-sum-exp, one call
+    encoding = None
+    if pos is not None:
+        torch.manual_seed(0)
+        encoding = zoo.build_encoding(pos, dim=64, num_heads=4, causal=causal)
+    check_against_reference(
+        "strided", backend, q_len=300, kv_len=333, causal=causal, padded=True, params=params,
+        pos=encoding, grads=False, heads=4, kv_heads=2,
+    )  # fmt: skip
+    q = torch.randn(1, 1, 16384, 16)
+    eager = FlexBackend(compile=False)
+    full, partial, blocks = eager.block_counts(prepare_call(q, q, q, variant="strided"))
+    assert (full + partial, blocks) == (638.0, 16384)
+
+
+def _dense_flex(
+    q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False, return_aux=None, **_
+):
+    """FlexAttention's semantics, dense and differentiable on a CPU (where flex has no
+    backward): the block mask's computed blocks, its mask_mod inside them, the score_mod."""
+    B, H, M, _ = q.shape
+    if enable_gqa:
+        k, v = (x.repeat_interleave(H // x.shape[1], dim=1) for x in (k, v))
+    b, h = torch.arange(B)[:, None, None, None], torch.arange(H)[None, :, None, None]
+    i, j = torch.arange(M)[:, None], torch.arange(k.shape[2])[None, :]
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if score_mod is not None:
+        scores = score_mod(scores, b, h, i, j)
+    size = block_mask.BLOCK_SIZE[0]
+    blocks = block_mask.to_dense().bool()  # (B, 1 or H, Qb, Kb): blocks computed
+    blocks = blocks.repeat_interleave(size, 2).repeat_interleave(size, 3)[..., :M, : k.shape[2]]
+    allowed = blocks & block_mask.mask_mod(b, h, i, j)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0)[..., None])
+    out = weights @ v
+    return (out, types.SimpleNamespace(lse=lse)) if return_aux is not None else out
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_parts_in_their_own_orders_differentiate_through_the_merge(causal, monkeypatch):
+    """The merge's backward, through each part's output and log-sum-exp, equals the reference's
+    gradients, with padding and grouped heads; a dense kernel of FlexAttention's semantics
+    stands in for it (flex has no backward on a CPU)."""
+    from zoo.backends import flex_kernel
+
+    monkeypatch.setattr(flex_kernel, "_kernel", lambda compiled, q=None: _dense_flex)
+    params = {"stride": 8, "window_size": 7}
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 300, 16, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 300, 16, dtype=torch.float64, requires_grad=True)
+            for _ in range(2))  # fmt: skip
+    padding = torch.zeros(2, 300, dtype=torch.bool)
+    padding[1, 250:] = True
+    call = prepare_call(q, k, v, variant="strided", causal=causal, key_padding_mask=padding,
+                        **params)  # fmt: skip
+    backend = FlexBackend(block_size=16, compile=False)
+    assert backend.own_orders(call) is not None
+    out = backend.forward(call)[0]
+    want = zoo.attention(q, k, v, variant="strided", causal=causal, key_padding_mask=padding,
+                         backend="reference", **params)  # fmt: skip
+    assert (out - want).abs().max() < 1e-10
+    g = torch.randn_like(out)
+    for got, ref in zip(torch.autograd.grad(out, (q, k, v), g),
+                        torch.autograd.grad(want, (q, k, v), g), strict=True):  # fmt: skip
+        assert (got - ref).abs().max() < 1e-10

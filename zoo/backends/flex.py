@@ -13,9 +13,11 @@ A pattern of one part runs in the order where it is block-sparse (``flex_frame``
 in its grid's tiles (``zoo.layout.tiles``), a strided or dilated one with its tokens regrouped by
 position mod its stride. q, k and v are gathered into that order, the mask_mod reads each slot's
 position, and the output is scattered back to the caller's order. A pattern of parts in different
-orders (``strided`` with its local band) runs in the natural order, where every block its strided
-part touches is partial: the kernel computes and masks all of them. ``blocked`` runs each part in
-its own order and merges them by log-sum-exp.
+orders (``strided`` with its local band) runs each part in its own order, one kernel call each
+with its log-sum-exp, merged by log-sum-exp (``own_orders``, ``lse_merge.merge``), where that
+computes at most half the blocks of one call in the natural order, where every block a strided
+part touches is partial (strided at 16K, blocks of 128: 638 blocks against all 16384). Compiled
+flex on a CPU returns no log-sum-exp: there such a pattern runs as one call.
 
 Whole blocks on CPU. Compiled FlexAttention on CPU (torch 2.13) returned wrong values or NaN at
 lengths that are not a multiple of 16, differently from one process to the next (see
@@ -26,6 +28,8 @@ block itself.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -41,6 +45,7 @@ from .base import FLOATS, Backend, Capabilities, DecodeStep
 from .flex_decode import flex_decode
 from .flex_kernel import _flex_module, flex_block_tensors, run_kernel
 from .flex_lookup import lookup_mask_mod, lookup_pays
+from .lse_merge import merge
 
 
 def flex_frame(pattern: Pattern, q_len: int, kv_len: int, block: int, device) -> Frame:
@@ -82,6 +87,19 @@ def _counts(state: Tensor) -> tuple[float, float, int]:
     state = state.reshape(-1, *state.shape[-2:])
     full, partial = ((state == kind).sum((1, 2)).double().mean() for kind in (FULL, PARTIAL))
     return float(full), float(partial), state.shape[1] * state.shape[2]
+
+
+@per_shape(maxsize=128)
+def _own_orders(
+    pattern: Pattern, q_len: int, kv_len: int, block: int, device: torch.device
+) -> tuple[Pattern, ...] | None:
+    """``FlexBackend.own_orders``, per shape."""
+    parts = pattern.parts()
+    if len(parts) < 2 or pattern.routed or all(part.stride == 1 for part in parts):
+        return None
+    one = sum(_fixed_block_counts(pattern, q_len, kv_len, block, device)[:2])
+    own = sum(sum(_fixed_block_counts(p, q_len, kv_len, block, device)[:2]) for p in parts)
+    return parts if 2 * own <= one else None
 
 
 @per_shape(maxsize=128)
@@ -237,15 +255,32 @@ class FlexBackend(Backend):
         return _padded_block_mask(call, self.block_size, whole)
 
     def block_counts(self, call: AttentionCall) -> tuple[float, float, int]:
-        """(FULL blocks, PARTIAL blocks, all blocks) of the call's block mask per sequence and
-        head (their mean where the layout differs per sequence or head), key padding aside. In
-        a PARTIAL block the kernel evaluates the mask_mod for every element."""
+        """(FULL blocks, PARTIAL blocks, all blocks) of the call's block masks per sequence and
+        head (their mean where the layout differs per sequence or head; summed over the parts
+        where they run each in its own order, ``own_orders``), key padding aside. In a PARTIAL
+        block the kernel evaluates the mask_mod for every element."""
+        parts = self.own_orders(call)
+        if parts is not None:
+            counts = [self.block_counts(replace(call, pattern=part)) for part in parts]
+            return sum(c[0] for c in counts), sum(c[1] for c in counts), counts[0][2]
         if not call.pattern.routed:  # per shape, built with values also for fake tensors
             return _fixed_block_counts(
                 call.pattern, call.q_len, call.kv_len, self.block_size, call.device
             )
         frame = flex_frame(call.pattern, call.q_len, call.kv_len, self.block_size, call.device)
         return _counts(call.pattern.block_state(frame.q.spans().column(), frame.k.spans().row()))
+
+    def own_orders(self, call: AttentionCall) -> tuple[Pattern, ...] | None:
+        """The parts of a fixed pattern whose parts are block-sparse in different token orders
+        (``strided`` with its local band), where running each part in its own order
+        (``flex_frame``) and merging them by log-sum-exp computes at most half the blocks of one
+        call in the natural order (in which every block a strided part touches is partial);
+        else None: one call. Not on a CPU under compilation, whose kernel returns no
+        log-sum-exp (torch 2.13: "torch.compile on CPU only supports inference and
+        return_lse is not supported yet")."""
+        if call.device.type == "cpu" and (self.compile or torch.compiler.is_compiling()):
+            return None
+        return _own_orders(call.pattern, call.q_len, call.kv_len, self.block_size, call.device)
 
     def scored_pairs(self, call: AttentionCall) -> int:
         full, partial, _ = self.block_counts(call)
@@ -255,13 +290,27 @@ class FlexBackend(Backend):
         if call.pattern.routed and has_no_data(call.q):
             return f"block mask of {self.block_size}: chosen by content, counted per call"
         full, partial, blocks = self.block_counts(call)
+        parts = self.own_orders(call)
+        split = f", {len(parts)} parts each in its own order" if parts is not None else ""
         return (
-            f"block mask of {self.block_size}: {full:.4g} full and {partial:.4g} partial of "
-            f"{blocks} blocks per sequence and head (the mask_mod runs per element in partial "
-            f"ones)"
+            f"block mask of {self.block_size}{split}: {full:.4g} full and {partial:.4g} partial "
+            f"of {blocks} blocks per sequence and head (the mask_mod runs per element in "
+            f"partial ones)"
         )
 
     def forward(self, call: AttentionCall) -> tuple[Tensor, None]:
+        parts = self.own_orders(call)
+        if parts is None:
+            return self._attend(call, lse=False), None
+        outs, lses = zip(
+            *(self._attend(replace(call, pattern=p), lse=True) for p in parts), strict=True
+        )
+        out, _ = merge(outs, lses)  # each part's share of every row (``lse_merge``)
+        return out.to(call.q.dtype), None
+
+    def _attend(self, call: AttentionCall, lse: bool):
+        """The kernel on the call's pattern in its order (``flex_frame``) -> output (B, H, Lq,
+        Dv) in the caller's order, with ``lse`` also its log-sum-exp (B, H, Lq)."""
         score_mod = None
         frame = flex_frame(call.pattern, call.q_len, call.kv_len, self.block_size, call.device)
         if call.bias is not None:
@@ -290,15 +339,20 @@ class FlexBackend(Backend):
                 q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         least = self.capabilities.head_padding(call.device, q.shape[-1], v.shape[-1])
         options = {"kernel_options": dict(self.kernel_options)} if self.kernel_options else {}
-        out = run_kernel(
-            self.compile, least, q, k, v, score_mod=score_mod, block_mask=self.block_mask(call),
-            scale=call.scale,
+        result = run_kernel(
+            self.compile, least, q, k, v, lse=lse, score_mod=score_mod,
+            block_mask=self.block_mask(call), scale=call.scale,
             enable_gqa=call.groups > 1,  # k and v shared by each group of query heads, not copied
             **options,
         )  # fmt: skip
+        out, out_lse = result if lse else (result, None)
         if not frame.q.identity:
-            return frame.q.scatter(out), None
-        return out[..., : call.q_len, :], None
+            out = frame.q.scatter(out)
+            out_lse = None if out_lse is None else frame.q.scatter(out_lse, dim=-1)
+        else:
+            out = out[..., : call.q_len, :]
+            out_lse = None if out_lse is None else out_lse[..., : call.q_len]
+        return (out, out_lse) if lse else out
 
     def decode_step(self, step: DecodeStep) -> Tensor:
         """A block mask over the step's query rows and the cache's slots (``flex_decode``)."""

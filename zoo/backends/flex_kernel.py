@@ -48,18 +48,39 @@ def _uncompiled(*args, **kwargs):
         module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = saved
 
 
-def run_kernel(compiled: bool, least_head: int | None, q: Tensor, k: Tensor, v: Tensor, **kwargs):
-    """The kernel on q, k, v; with ``least_head``, q/k and v heads padded with zeros to that
-    size first (Inductor's CUDA lowering refuses heads under 16: tl.dot's least) and the output
-    cropped back. Zero columns add nothing to a score, and the scale stays the true head's."""
+def run_kernel(
+    compiled: bool, least_head: int | None, q: Tensor, k: Tensor, v: Tensor, lse: bool = False,
+    **kwargs,
+):  # fmt: skip
+    """The kernel on q, k, v -> output, or with ``lse`` (output, log-sum-exp (B, H, Lq) in
+    float32, natural log, -inf on a row without a key); with ``least_head``, q/k and v heads
+    padded with zeros to that size first (Inductor's CUDA lowering refuses heads under 16:
+    tl.dot's least) and the output cropped back. Zero columns add nothing to a score, and the
+    scale stays the true head's."""
     kernel = _kernel(compiled, q)
-    if least_head is None:
-        return kernel(q, k, v, **kwargs)
-    if kwargs.get("scale") is None:
-        kwargs["scale"] = q.shape[-1] ** -0.5
+    if lse:
+        kwargs.update(_lse_request())
     width = v.shape[-1]
-    q, k, v = (_pad_head(x, least_head) for x in (q, k, v))
-    return narrowed(kernel(q, k, v, **kwargs), -1, 0, width)
+    if least_head is not None:
+        if kwargs.get("scale") is None:
+            kwargs["scale"] = q.shape[-1] ** -0.5
+        q, k, v = (_pad_head(x, least_head) for x in (q, k, v))
+    result = kernel(q, k, v, **kwargs)
+    out, aux = result if lse else (result, None)
+    if least_head is not None:
+        out = narrowed(out, -1, 0, width)
+    if not lse:
+        return out
+    return out, getattr(aux, "lse", aux)  # AuxOutput(lse=...), or the lse itself (older torch)
+
+
+def _lse_request() -> dict[str, object]:
+    """The kernel's argument for its log-sum-exp: ``return_aux`` where torch has it (2.9 on;
+    ``return_lse`` is deprecated there), else ``return_lse``."""
+    module = _flex_module()
+    if hasattr(module, "AuxRequest"):
+        return {"return_aux": module.AuxRequest(lse=True)}
+    return {"return_lse": True}
 
 
 def _pad_head(x: Tensor, least: int) -> Tensor:
