@@ -172,3 +172,21 @@ def test_a_sharded_call_runs_its_cuda_path_on_fake_cuda_tensors(backend, fake_ra
     with fake_cuda(), pytest.raises(ValueError, match="chooses its blocks by content: sharded"):
         q = torch.randn(1, 4, 64, 16, device="cuda")
         zoo.attention(q, q, q, variant="moba", backend=backend, cp_group=fake_ranks, block_size=16)
+
+
+def test_parts_in_their_own_orders_run_their_cuda_path_on_fake_cuda_tensors():
+    """strided with its band on flex, each part in its own order merged by log-sum-exp, on fake
+    CUDA tensors: padding, alibi, causal; the output on the call's device and dtype."""
+    from zoo.backends import get_backend
+    from zoo.functional import prepare_call
+
+    params = {"stride": 16, "window_size": 15}
+    with fake_cuda():
+        q = torch.randn(2, 4, 4000, 64, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(2, 2, 4000, 64, device="cuda", dtype=torch.bfloat16)
+        padding = torch.zeros(2, 4000, dtype=torch.bool, device="cuda")
+        call = prepare_call(q, k, k, variant="strided", key_padding_mask=padding, **params)
+        assert get_backend("flex").own_orders(call) is not None
+        for options in ({"key_padding_mask": padding}, {"pos": "alibi", "causal": True}):
+            out = zoo.attention(q, k, k, variant="strided", backend="flex", **params, **options)
+            assert (out.shape, out.device.type, out.dtype) == (q.shape, "cuda", torch.bfloat16)
