@@ -138,7 +138,10 @@ class KVCache:
     def slots_used(self, length: int) -> int:
         """How many of the first slots positions 0 .. length - 1 may occupy (pinned slots first,
         then the ring): a width known on the host."""
-        pinned = bisect_left(self._pins, length)  # pinned positions before ``length``
+        # pinned positions before ``length``: positions 0 .. P - 1 (full, causal) need no search
+        pinned = (
+            min(length, len(self._pins)) if self.plan.prefix else bisect_left(self._pins, length)
+        )
         if self.plan.ring and length > pinned:  # some position went to the ring
             return len(self._pins) + min(self.plan.ring, length)
         return pinned
