@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from .backends import Backend, explain_backend, resolve_backend
+from .core import call_plans
 from .core.call import AttentionCall, check_dropout, check_qkv, resolve_scale, unread_padding
 from .core.prepare import Encoding, attention_encoding, build_encoding, prepare_call
 from .core.resolve import (
@@ -104,6 +105,18 @@ def attention(
     and raise ``torch._dynamo.config.recompile_limit`` (8) above 8 lengths. A Pattern passed as
     ``variant`` must be made outside the compiled region (a module attribute, say).
     """
+    plain = (
+        cp_group is None and cache is None and key_padding_mask is None and score is None
+        and pos is None and edge_index is None and not return_weights
+        and isinstance(dropout_p, int | float) and dropout_p == 0
+    )  # fmt: skip
+    key = None
+    if plain:  # a later call of a signature runs the first one's plan (``zoo.core.call_plans``)
+        key = call_plans.signature(q, k, v, variant, backend, causal, scale, params)
+        plan = None if key is None else call_plans.find(key)
+        if plan is not None:
+            new_call()
+            return plan(q, k, v)
     if cp_group is not None:  # one sequence sharded over the group's ranks
         _check_shardable_options(cache, return_weights, edge_index)
         return context_parallel_attention(
@@ -159,6 +172,8 @@ def attention(
         **params,
     )
     runner = resolve_backend(backend, call)
+    if key is not None and not call.pattern.routed and call.order is None and call.q.shape[0]:
+        call_plans.keep(key, runner.plan(call))
     out, weights = _empty_batch(call) if call.q.shape[0] == 0 else runner.forward(call)
     if call.order is not None:  # a graph run in its node order: back to the caller's
         out = call.order.scatter(out)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from copy import copy
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from ..core.call import AttentionCall
+from ..core.call_plans import Plan
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -138,6 +140,13 @@ class Backend:
         """(output (B, H, Lq, Dv) in q's dtype, weights (B, H, Lq, Lk) or None)."""
         raise NotImplementedError
 
+    def plan(self, call: AttentionCall) -> Plan:
+        """The call's output as a function of new q, k and v with everything else the call's
+        (``zoo.core.call_plans``: ``zoo.attention`` keeps it for later calls of the same
+        signature). This one runs ``forward`` on the call with the new tensors; a backend whose
+        forward finds per-shape structures on every call returns one that holds them."""
+        return _Forward(self, call)
+
     def decode_reason_against(
         self, score_kind: str, dropout_p: float, dtype: torch.dtype | None
     ) -> str | None:
@@ -170,6 +179,19 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+class _Forward:
+    """``Backend.plan``'s default: ``forward`` on a copy of the call with new q, k and v."""
+
+    def __init__(self, backend: Backend, call: AttentionCall) -> None:
+        self.forward = backend.forward
+        self.call = replace(call, q=None, k=None, v=None)  # holds no tensors of the first call
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        call = copy(self.call)
+        call.q, call.k, call.v = q, k, v
+        return self.forward(call)[0]
 
 
 def key_keep(call: AttentionCall) -> Tensor | None:

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from ..core.arguments import check_int
 from ..core.call import AttentionCall
+from ..core.call_plans import Plan
 from ..core.device_build import has_no_data
 from ..core.shape_cache import concrete, per_shape
 from ..layout.block_layout import build_layout
@@ -303,18 +304,27 @@ class FlexBackend(Backend):
         )
 
     def forward(self, call: AttentionCall) -> tuple[Tensor, None]:
+        return self.plan(call)(call.q, call.k, call.v), None
+
+    def plan(self, call: AttentionCall) -> Plan:
+        """The kernel on the call's block mask, found once: the output of new q, k and v (the
+        forward pass runs it too)."""
         parts = self.own_orders(call)
         if parts is None:
-            return self._attend(call, lse=False), None
-        outs, lses = zip(
-            *(self._attend(replace(call, pattern=p), lse=True) for p in parts), strict=True
-        )
-        out, _ = merge(outs, lses)  # each part's share of every row (``lse_merge``)
-        return out.to(call.q.dtype), None
+            return self._kernel_call(call, lse=False)
+        runs = [self._kernel_call(replace(call, pattern=p), lse=True) for p in parts]
 
-    def _attend(self, call: AttentionCall, lse: bool):
-        """The kernel on the call's pattern in its order (``flex_frame``) -> output (B, H, Lq,
-        Dv) in the caller's order, with ``lse`` also its log-sum-exp (B, H, Lq)."""
+        def merged(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            outs, lses = zip(*(run(q, k, v) for run in runs), strict=True)
+            out, _ = merge(outs, lses)  # each part's share of every row (``lse_merge``)
+            return out.to(q.dtype)
+
+        return merged
+
+    def _kernel_call(self, call: AttentionCall, lse: bool):
+        """The kernel on the call's pattern in its order (``flex_frame``), as a function of q, k
+        and v -> output (B, H, Lq, Dv) in the caller's order, with ``lse`` also its
+        log-sum-exp (B, H, Lq)."""
         score_mod = None
         frame = flex_frame(call.pattern, call.q_len, call.kv_len, self.block_size, call.device)
         if call.bias is not None:
@@ -328,35 +338,41 @@ class FlexBackend(Backend):
                 return score + bias(h, q_pos[q_idx], k_pos[kv_idx]).to(score.dtype)
 
             score_mod = positional_bias if frame.q.identity else tiled_bias
-        q, k, v = call.q, call.k, call.v
-        if torch.compiler.is_compiling():
-            # Inductor's lowering of the kernel fails on sizes that dynamo made symbolic after a
-            # change of shape ("A subgraph argument ... has been modified"): one graph per shape.
-            for size in (*q.shape, *k.shape, *v.shape):
-                concrete(size)
-        if self.whole_blocks(call) or not frame.q.identity:
-            q, k, v = frame.q.gather(q), frame.k.gather(k), frame.k.gather(v)
-            if torch.compiler.is_compiling():
-                # Inductor's CPU lowering of the kernel reads q's layout as that of a stored
-                # tensor and fails on a view of another kernel's output (the heads of a
-                # projection, say): hand it stored tensors.
-                q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        least = self.capabilities.head_padding(call.device, q.shape[-1], v.shape[-1])
+        gather = self.whole_blocks(call) or not frame.q.identity
+        least = self.capabilities.head_padding(call.device, call.q.shape[-1], call.v.shape[-1])
         options = {"kernel_options": dict(self.kernel_options)} if self.kernel_options else {}
-        result = run_kernel(
-            self.compile, least, q, k, v, lse=lse, score_mod=score_mod,
-            block_mask=self.block_mask(call), scale=call.scale,
+        compiled, q_len = self.compile, call.q_len
+        kernel_args = dict(
+            score_mod=score_mod, block_mask=self.block_mask(call), scale=call.scale,
             enable_gqa=call.groups > 1,  # k and v shared by each group of query heads, not copied
             **options,
         )  # fmt: skip
-        out, out_lse = result if lse else (result, None)
-        if not frame.q.identity:
-            out = frame.q.scatter(out)
-            out_lse = None if out_lse is None else frame.q.scatter(out_lse, dim=-1)
-        else:
-            out = out[..., : call.q_len, :]
-            out_lse = None if out_lse is None else out_lse[..., : call.q_len]
-        return (out, out_lse) if lse else out
+
+        def run(q: Tensor, k: Tensor, v: Tensor):
+            if torch.compiler.is_compiling():
+                # Inductor's lowering of the kernel fails on sizes that dynamo made symbolic
+                # after a change of shape ("A subgraph argument ... has been modified"): one
+                # graph per shape.
+                for size in (*q.shape, *k.shape, *v.shape):
+                    concrete(size)
+            if gather:
+                q, k, v = frame.q.gather(q), frame.k.gather(k), frame.k.gather(v)
+                if torch.compiler.is_compiling():
+                    # Inductor's CPU lowering of the kernel reads q's layout as that of a stored
+                    # tensor and fails on a view of another kernel's output (the heads of a
+                    # projection, say): hand it stored tensors.
+                    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+            result = run_kernel(compiled, least, q, k, v, lse=lse, **kernel_args)
+            out, out_lse = result if lse else (result, None)
+            if not frame.q.identity:
+                out = frame.q.scatter(out)
+                out_lse = None if out_lse is None else frame.q.scatter(out_lse, dim=-1)
+            elif out.shape[-2] != q_len:
+                out = out[..., :q_len, :]
+                out_lse = None if out_lse is None else out_lse[..., :q_len]
+            return (out, out_lse) if lse else out
+
+        return run
 
     def decode_step(self, step: DecodeStep) -> Tensor:
         """A block mask over the step's query rows and the cache's slots (``flex_decode``)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TypeVar
 
 from .arguments import suggest
+from .shape_cache import clear_all
 
 T = TypeVar("T")
 
@@ -31,6 +32,8 @@ class Named(dict[str, T]):
                 f"{self.kind} {name!r} is already registered (by {_origin(taken)}); choose "
                 "another name or pass replace=True"
             )
+        if taken is not None and taken is not thing:
+            clear_all()  # a name's meaning changed: what was built with the old one goes
         self[name] = thing
         return thing
 

@@ -55,6 +55,7 @@ from typing import Any, TypeVar
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from . import call_plans
 from .device_build import device_build, needs_device_build
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -352,6 +353,8 @@ def stats() -> dict[str, int]:
 
 
 def clear_all() -> None:
-    """Forget the results of every ``@per_shape`` builder (graphs that used them recompile)."""
+    """Forget the results of every ``@per_shape`` builder (graphs that used them recompile),
+    and the call plans that hold some of them (``zoo.core.call_plans``)."""
     for cache in list(_CACHES.values()):
         cache.clear()
+    call_plans.clear()

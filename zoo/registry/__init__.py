@@ -63,7 +63,7 @@ from pathlib import Path
 import yaml
 
 from ..core.arguments import NotImportable, suggest
-from ..core.shape_cache import outside_graph
+from ..core.shape_cache import clear_all, outside_graph
 from ..patterns.families import VariantInfo, code_variants, on_variant
 from .encoding_spec import EncodingSpec
 from .mechanism_spec import MechanismSpec
@@ -342,6 +342,8 @@ class Registry:
             spec.validate()  # its defaults build a pattern
         except (TypeError, ValueError) as error:
             raise ValueError(f"{info.source}: variant {name!r}: {error}") from error
+        if taken is not None:
+            clear_all()  # what was built with the entry it replaces (patterns, plans)
         self.variants[name] = spec
 
     def entry(self, name: str, sections: tuple[str, ...]) -> Spec | Unavailable | Invalid | None:
