@@ -8,7 +8,7 @@ from torch import Tensor
 from .backends import Backend, explain_backend, resolve_backend
 from .core import call_plans
 from .core.call import AttentionCall, check_dropout, check_qkv, resolve_scale, unread_padding
-from .core.prepare import Encoding, attention_encoding, build_encoding, prepare_call
+from .core.prepare import Encoding, attention_encoding, build_encoding, plan_of, prepare_call
 from .core.resolve import (
     CALL_OPTIONS,
     concrete_params,
@@ -97,6 +97,12 @@ def attention(
     score, 0 * NaN in the weighted sum of values). Non-finite data that must not be read is
     padding: pass it as such.
 
+    A call without key padding, dropout, an additive score, weights, a cache, a graph or an
+    encoding with learned parameters, with the backend given by name, is checked and resolved
+    once per signature (variant, options, q, k and v's shapes, dtypes and devices, whether it
+    records gradients): later calls of that signature run the plan the first one kept
+    (``zoo.core.call_plans``), with little host work around the kernel.
+
     Under ``torch.compile`` (``fullgraph=True`` works for every variant on sdpa, flex, blocked
     and auto) the pattern, its block layout, masks and the auto choice are built once per shape
     outside the traced graph (``zoo.core.shape_cache``). Lengths are static: a compiled model keeps
@@ -107,12 +113,12 @@ def attention(
     """
     plain = (
         cp_group is None and cache is None and key_padding_mask is None and score is None
-        and pos is None and edge_index is None and not return_weights
+        and edge_index is None and not return_weights
         and isinstance(dropout_p, int | float) and dropout_p == 0
     )  # fmt: skip
     key = None
     if plain:  # a later call of a signature runs the first one's plan (``zoo.core.call_plans``)
-        key = call_plans.signature(q, k, v, variant, backend, causal, scale, params)
+        key = call_plans.signature(q, k, v, variant, backend, causal, scale, pos, params)
         plan = None if key is None else call_plans.find(key)
         if plan is not None:
             new_call()
@@ -172,8 +178,9 @@ def attention(
         **params,
     )
     runner = resolve_backend(backend, call)
-    if key is not None and not call.pattern.routed and call.order is None and call.q.shape[0]:
-        call_plans.keep(key, runner.plan(call))
+    plan = None if key is None else plan_of(call, runner, attention_encoding(pos, q, k, causal))
+    if plan is not None:
+        call_plans.keep(key, plan)
     out, weights = _empty_batch(call) if call.q.shape[0] == 0 else runner.forward(call)
     if call.order is not None:  # a graph run in its node order: back to the caller's
         out = call.order.scatter(out)

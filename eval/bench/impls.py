@@ -207,9 +207,13 @@ class ZooImpl:
         (call, backend), build_ms = timed_once(build, point.device)
         block, density = block_density(backend, call)
 
+        # By name where it has one, as a user calls it ("auto" chooses again, and a plain
+        # call runs its plan, ``zoo.core.call_plans``); an instance as it is.
+        by_name = self.backend if isinstance(self.backend, str) else backend
+
         def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             return zoo.attention(
-                q, k, v, variant=self.variant, backend=backend, causal=point.causal, **self.params
+                q, k, v, variant=self.variant, backend=by_name, causal=point.causal, **self.params
             )
 
         select = None

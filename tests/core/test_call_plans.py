@@ -120,13 +120,13 @@ def test_another_signature_takes_the_checked_path_and_gets_its_own_plan():
     "options",
     [
         {"key_padding_mask": torch.zeros(1, 40, dtype=torch.bool)},
-        {"pos": "alibi"},
+        {"pos": zoo.build_encoding("t5", dim=32, num_heads=2)},  # learned: in no plan
         {"dropout_p": 0.1},
         {"return_weights": True, "backend": "reference"},
         {"variant": "moba", "block_size": 8, "top_k": 2},  # chosen by content: bound to the data
         {"backend": ReferenceBackend()},  # an instance may change: only names are planned
     ],
-    ids=["padding", "encoding", "dropout", "weights", "routed", "backend_instance"],
+    ids=["padding", "learned_encoding", "dropout", "weights", "routed", "backend_instance"],
 )
 def test_a_call_that_is_not_plain_is_checked_every_time(options):
     q, k, v = torch.randn(3, 1, 2, 40, 16).unbind(0)
@@ -135,6 +135,39 @@ def test_a_call_that_is_not_plain_is_checked_every_time(options):
     assert not call_plans._PLANS
     with _checked_path_refused(), pytest.raises(AssertionError, match="the checked path ran"):
         zoo.attention(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("encoding", ["rope", "alibi", "rope_instance"])
+@pytest.mark.parametrize("backend", ["auto", "sdpa", "blocked", "flex_eager"])
+def test_a_planned_call_with_a_positional_encoding_computes_what_the_checked_path_does(
+    encoding, backend
+):
+    """A rotary encoding turns q and k in the plan, a bias is in the backend's plan: output
+    and gradients equal the checked path's, bit for bit, at queries aligned to the keys' end."""
+    pos = (
+        zoo.build_encoding("rope", dim=64, num_heads=4) if encoding == "rope_instance" else encoding
+    )
+    grads = backend != "flex_eager"
+    first, second = (
+        [t if grads else t.detach() for t in random_qkv(2, 4, 30, 45, head_dim=16, seed=s)]
+        for s in (0, 1)
+    )
+    grad_out = torch.randn(2, 4, 30, 16, generator=torch.Generator().manual_seed(2))
+
+    def results(tensors):
+        def run(q, k, v):
+            return zoo.attention(
+                q, k, v, variant="local", window_size=6, causal=True, backend=backend, pos=pos
+            )
+
+        return outputs_and_grads(run, tensors, grad_out) if grads else [run(*tensors)]
+
+    results(first)
+    with _checked_path_refused():
+        planned = results(second)
+    clear_caches()
+    for got, want in zip(planned, results(second), strict=True):
+        assert torch.equal(got, want)
 
 
 def test_fake_tensors_are_checked_every_time():

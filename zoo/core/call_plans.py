@@ -9,11 +9,14 @@ gradients. On a GPU that work is host time, which at a few thousand tokens is lo
 sparse kernel. A plan (``Backend.plan``) is the call's computation with everything but q, k
 and v fixed; the first call of a signature makes it, later ones run it directly.
 
-Only plain calls have a signature: no key padding, dropout, positional encoding, additive
-score, weights, cache, graph, sharding or ``torch.compile`` tracing (a traced call is made once
-per graph anyway), a backend given by name, and q, k and v plain tensors that hold data (fake
-and meta tensors take the checked path, which builds on the device under the caller's mode).
-A pattern chosen by content (MoBA) binds to each call's data and has no plan.
+Only plain calls have a signature: no key padding, dropout, additive score, weights, cache,
+graph, sharding or ``torch.compile`` tracing (a traced call is made once per graph anyway), a
+backend given by name, and q, k and v plain tensors that hold data (fake and meta tensors take
+the checked path, which builds on the device under the caller's mode). A positional encoding
+is part of the signature (a name, or an instance by identity): a rotary one turns q and k in
+the plan (at positions found once), a bias is in the backend's plan; one with learned
+parameters (a T5 table) has no plan. A pattern chosen by content (MoBA) binds to each call's
+data and has no plan either (``zoo.core.prepare.plan_of`` makes the plans).
 
 The plans are few and least recently used first out (``MAX_PLANS``). A plan holds its
 structures (a flex block mask, say) whether or not the per-shape caches still do, so
@@ -41,8 +44,9 @@ _LOCK = threading.Lock()
 
 
 def signature(
-    q: Any, k: Any, v: Any, variant: Any, backend: Any, causal: Any, scale: Any, params: dict
-) -> tuple | None:
+    q: Any, k: Any, v: Any, variant: Any, backend: Any, causal: Any, scale: Any, pos: Any,
+    params: dict,
+) -> tuple | None:  # fmt: skip
     """The call's signature, or None where the call has none (see the module docstring). The
     caller has checked the options that are off in a plain call."""
     if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
@@ -51,7 +55,7 @@ def signature(
         return None
     grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     return (
-        variant, backend, causal, scale, tuple(params.items()), q.shape, k.shape, v.shape,
+        variant, backend, causal, scale, pos, tuple(params.items()), q.shape, k.shape, v.shape,
         q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, grads,
     )  # fmt: skip
 

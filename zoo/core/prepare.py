@@ -1,8 +1,11 @@
 """The checked call: ``zoo.attention``'s arguments checked and bound into the ``AttentionCall`` a
 backend receives (inputs, the pattern at this shape, encodings, padding, routed choices bound to
-this call's q and k, a graph's node order)."""
+this call's q and k, a graph's node order); and its plan, which later calls of its signature run
+without the checks (``zoo.core.call_plans``)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -19,8 +22,12 @@ from .call import (
     resolve_scale,
     unread_padding,
 )
+from .call_plans import Plan
 from .resolve import call_pattern, concrete_params, resolved_params
 from .scores import AdditiveScore, DotProduct
+
+if TYPE_CHECKING:
+    from ..backends.base import Backend
 from .shape_cache import new_call, per_shape
 
 Encoding = str | PositionalEncoding | None
@@ -87,6 +94,12 @@ def attention_encoding(
     return pos
 
 
+def call_positions(q_len: int, kv_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(query positions (Lq,), key positions (Lk,)) of a call: queries aligned to the keys'
+    end, as ``zoo.attention`` documents."""
+    return query_positions(q_len, kv_len, device), torch.arange(kv_len, device=device)
+
+
 def prepare_call(
     q: Tensor,
     k: Tensor,
@@ -113,8 +126,7 @@ def prepare_call(
     )
     encoding = attention_encoding(pos, q, k, causal)
     if encoding is not None and encoding.kind == "rotate":
-        q_pos = query_positions(q.shape[2], k.shape[2], q.device)
-        q, k = encoding.rotate(q, k, q_pos, torch.arange(k.shape[2], device=k.device))
+        q, k = encoding.rotate(q, k, *call_positions(q.shape[2], k.shape[2], q.device))
     key_padding_mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
     if key_padding_mask is not None:
         k, v = unread_padding(k, key_padding_mask), unread_padding(v, key_padding_mask)
@@ -148,3 +160,29 @@ def prepare_call(
         variant_params=resolved_params(variant, params),
         order=order,
     )
+
+
+def plan_of(
+    call: AttentionCall, backend: Backend, encoding: PositionalEncoding | None
+) -> Plan | None:
+    """The plan of a checked call (``encoding``: the one that acts inside it), or None where it
+    has none: a pattern chosen by content, a graph in its node order, no sequences, or an
+    encoding with learned parameters."""
+    if call.pattern.routed or call.order is not None or not call.q.shape[0] or call.learned:
+        return None
+    plan = backend.plan(call)
+    if encoding is not None and encoding.kind == "rotate":
+        return _Rotated(encoding, call, plan)
+    return plan
+
+
+class _Rotated:
+    """A plan whose q and k are turned first by a rotary encoding, at the call's positions."""
+
+    def __init__(self, encoding: PositionalEncoding, call: AttentionCall, plan: Plan) -> None:
+        self.rotate, self.plan = encoding.rotate, plan
+        self.positions = call_positions(call.q_len, call.kv_len, call.device)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        q, k = self.rotate(q, k, *self.positions)
+        return self.plan(q, k, v)
