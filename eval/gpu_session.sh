@@ -31,6 +31,7 @@
 #   realization  bench-realization.json: eval/configs/bench_goals_realization_gpu.yaml (goal e)
 #   goals        bench-goals.json: eval/configs/bench_goals_gpu.yaml, the goal cells (goal a)
 #   moba         bench-moba.json: eval/configs/bench_goals_moba_gpu.yaml (goal b)
+#   overhead     overhead.json, overhead.md: bench-overhead, the host time around the kernel
 #   profile      profile.json, profile.md: bench-profile of the goal cells and their twins
 #   profile_moba profile-moba/profile.{json,md}: bench-profile of MoBA on blocked at 16K
 #   decode       bench-decode.json: bench-decode beside sdpa_dense, each step profiled (goal c)
@@ -91,11 +92,11 @@ print("xformers:", get_backend("xformers").unavailable() or "runs")
 
 # ---- stage lists (all, findings): each stage under its own limit ----------------------------
 # Shares of LIMIT in percent, in order; the rest (14%) is left for the summary and for stages
-# that overrun by their SIGKILL grace. At 540 s: env 32, tests 75, realization 38, goals 119,
-# moba 43, profile 43, profile_moba 21, decode 54, compiles 38. env has 6%: importing torch and the zoo on a cold
-# machine took more than 10.6 s.
+# that overrun by their SIGKILL grace. At 540 s: env 32, tests 75, realization 38, goals 103,
+# moba 43, overhead 16, profile 43, profile_moba 21, decode 54, compiles 38. env has 6%:
+# importing torch and the zoo on a cold machine took more than 10.6 s.
 # ZOO_GPU_SESSION_SHARES replaces them (the same "stage:percent" words; a stage not named gets none).
-read -ra SHARES <<<"${ZOO_GPU_SESSION_SHARES:-env:6 tests:14 realization:7 goals:22 moba:8 profile:8 profile_moba:4 decode:10 compiles:7}"
+read -ra SHARES <<<"${ZOO_GPU_SESSION_SHARES:-env:6 tests:14 realization:7 goals:19 moba:8 overhead:3 profile:8 profile_moba:4 decode:10 compiles:7}"
 RESERVE_PCT=5  # kept for the summary by every stage's cut (at least 3 s)
 
 now_ms() {
@@ -262,6 +263,11 @@ all)
             "$PY" -m eval bench "$config" "out=$WORK/bench-$name"
         collect
     done
+    # The host time the zoo's call adds around a stubbed kernel on this machine's host, with
+    # CUDA tensors (26 us on a 2-core EPYC before call plans, 6 us with them).
+    run_stage overhead "$(share_of overhead)" "$OUT/overhead.log" \
+        "$PY" -m eval bench-overhead device=cuda 'lengths=[8192]' 'backends=[flex,sdpa]' \
+        'variants=[local,longformer,block_local,bigbird,causal,full]' "out=$OUT"
     # The goal cells' kernels and host work beside their twins': 8K then 16K (where host time
     # decides: auto took 1.97x flex_standard's time at 8K on the H100), forward, non-causal.
     run_stage profile "$(share_of profile)" "$OUT/profile.log" \

@@ -643,6 +643,23 @@ def profile_section(folders: list[Path], problems: list[str]) -> list[str]:
     return lines
 
 
+def overhead_line(folders: list[Path], problems: list[str]) -> str:
+    """The host time a call adds around its stubbed kernel (``bench-overhead``), its range over
+    the measured cells per backend: what no GPU kernel's speed changes."""
+    for folder in folders:
+        data = _read_json(folder / "overhead.json", problems)
+        cells = (data or {}).get("cells", [])
+        if not cells:
+            continue
+        ranges = []
+        for backend in sorted({c["backend"] for c in cells}):
+            added = [c["added_us"] for c in cells if c["backend"] == backend]
+            ranges.append(f"{backend} {min(added):.3g}-{max(added):.3g} us over {len(added)} cells")
+        device = data.get("header", {}).get("device", "?")
+        return f"- host time a call adds around its kernel ({device}): {'; '.join(ranges)}"
+    return "- host time a call adds around its kernel: not measured"
+
+
 def device_of(folders: list[Path]) -> str:
     for folder in folders:
         path = folder / "environment.txt"
@@ -668,7 +685,9 @@ def summarise(folders: list[Path], bandwidth: float | None = None, with_goals: b
     title = "GPU campaign: which goals hold" if with_goals else "GPU session: its stages"
     lines = [f"# {title}", ""]
     if with_goals:
-        lines += [tests_line(folders, stages), *[g.line(stages) for g in goals], ""]
+        lines += [tests_line(folders, stages), *[g.line(stages) for g in goals]]
+        overhead = overhead_line(folders, problems)
+        lines += [overhead, ""]
         lines.append(f"{held} of {len(goals)} goals held.")
     lines += [
         f"From {', '.join(map(str, folders))}; {device_of(folders)}. Made by `python -m eval "
@@ -695,6 +714,7 @@ def summarise(folders: list[Path], bandwidth: float | None = None, with_goals: b
     data = {
         "goals": {g.key: {"verdict": g.verdict, "summary": g.summary} for g in goals},
         "tests": tests_line(folders, stages)[2:] if with_goals else None,
+        "overhead": overhead[2:] if with_goals else None,
         "stages": stages,
         "problems": problems,
     }

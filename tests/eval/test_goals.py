@@ -229,3 +229,19 @@ def test_the_tests_line_names_failures_and_counts_a_stopped_run(tmp_path):
     assert goals.tests_line([tmp_path], []) == (
         "- GPU tests: 1 failed, 4 passed; failed: tests/d.py::test_five"
     )
+
+
+def test_the_host_time_around_the_kernel_in_the_first_lines(tmp_path):
+    text, data = goals.summarise([tmp_path])
+    assert "- host time a call adds around its kernel: not measured" in text.splitlines()
+    cells = [
+        {"variant": v, "backend": b, "n": 8192, "added_us": us, "zoo_us": us + 1, "stub_us": 1}
+        for v, b, us in (("local", "flex", 9.5), ("causal", "flex", 12.25), ("full", "sdpa", 7))
+    ]
+    (tmp_path / "overhead.json").write_text(
+        json.dumps({"header": {"device": H100}, "cells": cells})
+    )
+    text, data = goals.summarise([tmp_path])
+    line = f"- host time a call adds around its kernel ({H100}): flex 9.5-12.2 us over 2 cells; "
+    assert line + "sdpa 7-7 us over 1 cells" in text.splitlines()
+    assert data["overhead"].startswith("host time")
