@@ -97,11 +97,12 @@ def attention(
     score, 0 * NaN in the weighted sum of values). Non-finite data that must not be read is
     padding: pass it as such.
 
-    A call without key padding, dropout, an additive score, weights, a cache, a graph or an
-    encoding with learned parameters, with the backend given by name, is checked and resolved
-    once per signature (variant, options, q, k and v's shapes, dtypes and devices, whether it
-    records gradients): later calls of that signature run the plan the first one kept
-    (``zoo.core.call_plans``), with little host work around the kernel.
+    A call without key padding, dropout, an additive score, weights, a cache, a graph, a
+    pattern chosen by content or an encoding with learned parameters, on plain tensors that hold
+    data, with the backend given by name, is checked and resolved once per signature (variant,
+    options, q, k and v's shapes, dtypes and devices, whether it records gradients): later calls
+    of that signature run the plan the first one kept (``zoo.core.call_plans``), with little host
+    work around the kernel.
 
     Under ``torch.compile`` (``fullgraph=True`` works for every variant on sdpa, flex, blocked
     and auto) the pattern, its block layout, masks and the auto choice are built once per shape
@@ -113,7 +114,7 @@ def attention(
     """
     plain = (
         cp_group is None and cache is None and key_padding_mask is None and score is None
-        and edge_index is None and not return_weights
+        and edge_index is None and not return_weights and not isinstance(dropout_p, bool)
         and isinstance(dropout_p, int | float) and dropout_p == 0
     )  # fmt: skip
     key = None
@@ -123,6 +124,7 @@ def attention(
         if plan is not None:
             new_call()
             return plan(q, k, v)
+        made_in = call_plans.generation()
     if cp_group is not None:  # one sequence sharded over the group's ranks
         _check_shardable_options(cache, return_weights, edge_index)
         return context_parallel_attention(
@@ -179,8 +181,10 @@ def attention(
     )
     runner = resolve_backend(backend, call)
     plan = None if key is None else plan_of(call, runner, attention_encoding(pos, q, k, causal))
-    if plan is not None:
-        call_plans.keep(key, plan)
+    if plan is not None:  # the first call runs the plan too (on q and k before any rotation)
+        out = plan(q, k, v)
+        call_plans.keep(key, plan, made_in)  # once it has run
+        return out
     out, weights = _empty_batch(call) if call.q.shape[0] == 0 else runner.forward(call)
     if call.order is not None:  # a graph run in its node order: back to the caller's
         out = call.order.scatter(out)

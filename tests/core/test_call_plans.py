@@ -5,6 +5,7 @@ meaning take the checked path."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import weakref
 from unittest import mock
@@ -12,16 +13,31 @@ from unittest import mock
 import pytest
 import torch
 from helpers import FIXED_VARIANTS, outputs_and_grads, random_qkv, small_params
+from xformers_emulation import EmulatedKernels
 
 import zoo
 import zoo.backends
-from zoo.backends import FlexBackend, ReferenceBackend, clear_caches, get_backend
+from zoo.backends import FlexBackend, ReferenceBackend, XformersBackend, clear_caches, get_backend
 from zoo.core import call_plans
 from zoo.functional import prepare_call
 
+
+class EmulatedXformers(XformersBackend):
+    """xFormers' backend with its kernels emulated on a CPU (tests/xformers_emulation.py)."""
+
+    name = "xformers_emulated"
+    capabilities = dataclasses.replace(
+        XformersBackend.capabilities, devices=("cpu",), backward=("cpu",)
+    )
+
+    def __init__(self) -> None:
+        super().__init__(EmulatedKernels())
+
+
 # Eager flex (its kernel in plain PyTorch) runs every path of the flex plan on a CPU, parts in
 # their own orders included; the compiled kernel shares that plan (FlexBackend.forward runs it).
-BACKENDS = {"flex_eager": FlexBackend(compile=False)}
+BACKENDS = {"flex_eager": FlexBackend(compile=False), "xformers_emulated": EmulatedXformers()}
+ALL = ("auto", "reference", "sdpa", "blocked", "flex_eager", "xformers_emulated")
 CHECKED_PATH = "zoo.functional.prepare_call"
 
 
@@ -44,7 +60,7 @@ def _able(variant: str, causal: bool, params: dict, tensors) -> list[tuple[str, 
     for grads in (True, False):
         inputs = tensors if grads else [t.detach() for t in tensors]
         call = prepare_call(*inputs, variant=variant, causal=causal, **params)
-        for name in ("auto", "reference", "sdpa", "blocked", "flex_eager"):
+        for name in ALL:
             known = any(n == name for n, _ in able)
             if not known and (name == "auto" or get_backend(name).reason_against(call) is None):
                 able.append((name, grads))
@@ -233,10 +249,11 @@ def test_a_variant_registered_again_with_replace_drops_the_plans():
 
 
 def test_plans_are_few_and_hold_no_tensor_of_the_call_that_made_them():
-    for n in range(10, 10 + call_plans.MAX_PLANS + 8):
-        q = torch.randn(1, 1, n, 8)
-        zoo.attention(q, q, q, variant="local", window_size=3, backend="flex_eager")
-    assert len(call_plans._PLANS) == call_plans.MAX_PLANS
+    with mock.patch.object(call_plans, "MAX_PLANS", 8):
+        for n in range(10, 30):
+            q = torch.randn(1, 1, n, 8)
+            zoo.attention(q, q, q, variant="local", window_size=3, backend="flex_eager")
+        assert len(call_plans._PLANS) == 8
     for backend, grads in (("sdpa", True), ("blocked", True), ("flex_eager", False)):
         q = torch.randn(1, 1, 33, 8, requires_grad=grads)
         out = zoo.attention(q, q, q, variant="local", window_size=3, backend=backend)
@@ -247,3 +264,51 @@ def test_plans_are_few_and_hold_no_tensor_of_the_call_that_made_them():
         del q
         gc.collect()
         assert gone() is None, backend
+
+
+@pytest.mark.parametrize(
+    "refused",
+    [
+        {"causal": 1},
+        {"window_size": True},
+        {"window_size": 1.0},
+        {"scale": True},
+        {"dropout_p": False},
+    ],
+    ids=["causal_1", "window_true", "window_float", "scale_true", "dropout_false"],
+)
+def test_a_value_the_checks_refuse_is_refused_after_an_equal_one_of_another_type_ran(refused):
+    """1, 1.0 and True are equal keys: no cache (plans, patterns, the registry's builds) may
+    answer for a value whose check raises, from the call of an equal value that passed."""
+    q = torch.randn(1, 1, 30, 8)
+    kwargs = {"variant": "local", "window_size": 1, "causal": True, "scale": 1, "dropout_p": 0}
+    for _ in range(2):
+        zoo.attention(q, q, q, **kwargs)
+    with pytest.raises((TypeError, ValueError), match=f"{next(iter(refused))} must be"):
+        zoo.attention(q, q, q, **{**kwargs, **refused})
+
+
+def test_a_first_call_that_raises_or_sees_a_clear_keeps_no_plan():
+    """A plan is kept once its first call has run, and only if nothing cleared the plans while
+    it ran (a name registered anew meanwhile: that call resolved the old meaning)."""
+    q = torch.randn(1, 1, 30, 8)
+    with (
+        mock.patch.object(
+            ReferenceBackend, "call_plan", return_value=mock.Mock(side_effect=MemoryError)
+        ),
+        pytest.raises(MemoryError),
+    ):
+        zoo.attention(q, q, q, variant="full", backend="reference")
+    assert not call_plans._PLANS
+    made = zoo.core.prepare.plan_of
+
+    def cleared_meanwhile(*args):
+        plan = made(*args)
+        clear_caches()  # as register_backend(..., replace=True) from another thread would
+        return plan
+
+    with mock.patch("zoo.functional.plan_of", cleared_meanwhile):
+        zoo.attention(q, q, q, variant="full", backend="reference")
+    assert not call_plans._PLANS
+    zoo.attention(q, q, q, variant="full", backend="reference")
+    assert len(call_plans._PLANS) == 1

@@ -30,8 +30,8 @@ _BACKENDS: Named[Backend] = Named(
 
 def clear_caches() -> None:
     """Forget every shape-dependent structure the zoo caches (specialised patterns, frames, block
-    layouts, blocked plans, flex block masks, dense masks: every ``zoo.core.shape_cache`` builder),
-    and the device memory they hold."""
+    layouts, blocked plans, flex block masks, dense masks: every ``zoo.core.shape_cache`` builder;
+    and the plans of calls, ``zoo.core.call_plans``), and the device memory they hold."""
     from ..core.shape_cache import clear_all
 
     clear_all()

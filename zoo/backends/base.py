@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ..core.call import AttentionCall
-from ..core.call_plans import Plan
+from ..core.call_plans import PlannedCall
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -140,12 +140,12 @@ class Backend:
         """(output (B, H, Lq, Dv) in q's dtype, weights (B, H, Lq, Lk) or None)."""
         raise NotImplementedError
 
-    def plan(self, call: AttentionCall) -> Plan:
+    def call_plan(self, call: AttentionCall) -> PlannedCall:
         """The call's output as a function of new q, k and v with everything else the call's
         (``zoo.core.call_plans``: ``zoo.attention`` keeps it for later calls of the same
         signature). This one runs ``forward`` on the call with the new tensors; a backend whose
         forward finds per-shape structures on every call returns one that holds them."""
-        return _Forward(self, call)
+        return _ForwardPlan(self, call)
 
     def decode_reason_against(
         self, score_kind: str, dropout_p: float, dtype: torch.dtype | None
@@ -181,8 +181,8 @@ class Backend:
         return f"{type(self).__name__}()"
 
 
-class _Forward:
-    """``Backend.plan``'s default: ``forward`` on a copy of the call with new q, k and v."""
+class _ForwardPlan:
+    """``Backend.call_plan``'s default: ``forward`` on a copy of the call with new q, k and v."""
 
     def __init__(self, backend: Backend, call: AttentionCall) -> None:
         self.forward = backend.forward

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ..core.arguments import check_int
 from ..core.call import AttentionCall
-from ..core.call_plans import Plan
+from ..core.call_plans import PlannedCall
 from ..core.device_build import has_no_data
 from ..core.shape_cache import concrete, per_shape
 from ..layout.block_layout import build_layout
@@ -304,15 +304,15 @@ class FlexBackend(Backend):
         )
 
     def forward(self, call: AttentionCall) -> tuple[Tensor, None]:
-        return self.plan(call)(call.q, call.k, call.v), None
+        return self.call_plan(call)(call.q, call.k, call.v), None
 
-    def plan(self, call: AttentionCall) -> Plan:
+    def call_plan(self, call: AttentionCall) -> PlannedCall:
         """The kernel on the call's block mask, found once: the output of new q, k and v (the
         forward pass runs it too)."""
         parts = self.own_orders(call)
         if parts is None:
-            return self._kernel_call(call, lse=False)
-        runs = [self._kernel_call(replace(call, pattern=p), lse=True) for p in parts]
+            return self._kernel_plan(call, lse=False)
+        runs = [self._kernel_plan(replace(call, pattern=p), lse=True) for p in parts]
 
         def merged(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             outs, lses = zip(*(run(q, k, v) for run in runs), strict=True)
@@ -321,7 +321,7 @@ class FlexBackend(Backend):
 
         return merged
 
-    def _kernel_call(self, call: AttentionCall, lse: bool):
+    def _kernel_plan(self, call: AttentionCall, lse: bool):
         """The kernel on the call's pattern in its order (``flex_frame``), as a function of q, k
         and v -> output (B, H, Lq, Dv) in the caller's order, with ``lse`` also its
         log-sum-exp (B, H, Lq)."""

@@ -7,6 +7,15 @@ import importlib
 from collections.abc import Iterable
 
 
+def typed(value: object) -> object:
+    """A value with its type, and a tuple's items with theirs: a cache key in which 1, 1.0 and
+    True differ. They are equal keys, but a check accepts some and refuses others
+    (``causal=1``, ``window_size=True``), and a cache hit would skip the check."""
+    if isinstance(value, tuple):
+        return tuple(typed(item) for item in value)
+    return value, type(value)
+
+
 def close_matches(name: str, known: Iterable[str], cutoff: float = 0.5) -> list[str]:
     """The known names closest to a misspelt one, best first (at most three)."""
     return difflib.get_close_matches(name, sorted(known), n=3, cutoff=cutoff)

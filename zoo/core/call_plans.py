@@ -6,7 +6,7 @@ parameters, specialising the pattern, choosing the backend, looking up the per-s
 structures) depends only on its signature: the variant, the backend's name, causal, the scale,
 the parameters, and q, k and v's shapes, dtypes and devices, and whether the call records
 gradients. On a GPU that work is host time, which at a few thousand tokens is longer than a
-sparse kernel. A plan (``Backend.plan``) is the call's computation with everything but q, k
+sparse kernel. A plan (``Backend.call_plan``) is the call's computation with everything but q, k
 and v fixed; the first call of a signature makes it, later ones run it directly.
 
 Only plain calls have a signature: no key padding, dropout, additive score, weights, cache,
@@ -18,11 +18,14 @@ the plan (at positions found once), a bias is in the backend's plan; one with le
 parameters (a T5 table) has no plan. A pattern chosen by content (MoBA) binds to each call's
 data and has no plan either (``zoo.core.prepare.plan_of`` makes the plans).
 
-The plans are few and least recently used first out (``MAX_PLANS``). A plan holds its
-structures (a flex block mask, say) whether or not the per-shape caches still do, so
-``zoo.clear_caches()`` forgets the plans too, and so does a name given a new meaning (a
-backend, pattern family or variant registered again with ``replace=True``), which also clears
-every per-shape cache. A new name needs nothing: no plan can use it yet.
+The plans are least recently used first out (``MAX_PLANS``: a plan per layer where each layer
+has an encoding instance of its own, for a few lengths). A plan holds its structures (a flex
+block mask, say) whether or not the per-shape caches still do, and its encoding instance or
+pattern (the key holds them) until it is dropped: ``zoo.clear_caches()`` forgets the plans too,
+and so does a name given a new meaning (a backend, pattern family or variant registered again
+with ``replace=True``), which also clears every per-shape cache. A plan is kept only if no
+clear happened while its first call ran (``generation``): a call that resolved the old meaning
+of a name keeps nothing.
 """
 
 from __future__ import annotations
@@ -35,12 +38,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-Plan = Callable[[Tensor, Tensor, Tensor], Tensor]
+from .arguments import typed
 
-MAX_PLANS = 32
+PlannedCall = Callable[[Tensor, Tensor, Tensor], Tensor]
 
-_PLANS: OrderedDict[tuple, Plan] = OrderedDict()
+MAX_PLANS = 256
+
+_PLANS: OrderedDict[tuple, PlannedCall] = OrderedDict()
 _LOCK = threading.Lock()
+_GENERATION = [0]  # how many times the plans were cleared
 
 
 def signature(
@@ -54,18 +60,21 @@ def signature(
     if not isinstance(backend, str) or q.device.type == "meta" or torch.compiler.is_compiling():
         return None
     grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    return (
-        variant, backend, causal, scale, pos, tuple(params.items()), q.shape, k.shape, v.shape,
+    options = tuple((name, typed(value)) for name, value in params.items())
+    key = (
+        variant, backend, typed(causal), typed(scale), pos, options, q.shape, k.shape, v.shape,
         q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, grads,
     )  # fmt: skip
-
-
-def find(key: tuple) -> Plan | None:
-    """The plan of this signature, or None (none yet, or a signature that cannot be a key)."""
     try:
-        plan = _PLANS.get(key)
-    except TypeError:  # unhashable: a parameter given as a list, say
+        hash(key)
+    except TypeError:  # a parameter given as a list, say: no signature
         return None
+    return key
+
+
+def find(key: tuple) -> PlannedCall | None:
+    """The plan of this signature, or None."""
+    plan = _PLANS.get(key)
     if plan is not None:
         with _LOCK:
             if key in _PLANS:
@@ -73,12 +82,17 @@ def find(key: tuple) -> Plan | None:
     return plan
 
 
-def keep(key: tuple, plan: Plan) -> None:
-    try:
-        hash(key)
-    except TypeError:
-        return
+def generation() -> int:
+    """Read before a call resolves its names; ``keep`` takes it back."""
+    return _GENERATION[0]
+
+
+def keep(key: tuple, plan: PlannedCall, made_in: int) -> None:
+    """Keep the plan of a signature, unless the plans were cleared since ``made_in``
+    (``generation()`` before the call resolved its names)."""
     with _LOCK:
+        if made_in != _GENERATION[0]:
+            return
         _PLANS[key] = plan
         _PLANS.move_to_end(key)
         while len(_PLANS) > MAX_PLANS:
@@ -89,3 +103,4 @@ def clear() -> None:
     """Forget every plan (what a name means changed, or the caches were cleared)."""
     with _LOCK:
         _PLANS.clear()
+        _GENERATION[0] += 1

@@ -32,9 +32,9 @@ class Named(dict[str, T]):
                 f"{self.kind} {name!r} is already registered (by {_origin(taken)}); choose "
                 "another name or pass replace=True"
             )
+        self[name] = thing
         if taken is not None and taken is not thing:
             clear_all()  # a name's meaning changed: what was built with the old one goes
-        self[name] = thing
         return thing
 
     def lookup(self, name: str) -> T:

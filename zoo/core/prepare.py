@@ -22,13 +22,13 @@ from .call import (
     resolve_scale,
     unread_padding,
 )
-from .call_plans import Plan
+from .call_plans import PlannedCall
 from .resolve import call_pattern, concrete_params, resolved_params
 from .scores import AdditiveScore, DotProduct
+from .shape_cache import new_call, per_shape
 
 if TYPE_CHECKING:
     from ..backends.base import Backend
-from .shape_cache import new_call, per_shape
 
 Encoding = str | PositionalEncoding | None
 
@@ -164,13 +164,13 @@ def prepare_call(
 
 def plan_of(
     call: AttentionCall, backend: Backend, encoding: PositionalEncoding | None
-) -> Plan | None:
+) -> PlannedCall | None:
     """The plan of a checked call (``encoding``: the one that acts inside it), or None where it
     has none: a pattern chosen by content, a graph in its node order, no sequences, or an
     encoding with learned parameters."""
     if call.pattern.routed or call.order is not None or not call.q.shape[0] or call.learned:
         return None
-    plan = backend.plan(call)
+    plan = backend.call_plan(call)
     if encoding is not None and encoding.kind == "rotate":
         return _Rotated(encoding, call, plan)
     return plan
@@ -179,7 +179,9 @@ def plan_of(
 class _Rotated:
     """A plan whose q and k are turned first by a rotary encoding, at the call's positions."""
 
-    def __init__(self, encoding: PositionalEncoding, call: AttentionCall, plan: Plan) -> None:
+    def __init__(
+        self, encoding: PositionalEncoding, call: AttentionCall, plan: PlannedCall
+    ) -> None:
         self.rotate, self.plan = encoding.rotate, plan
         self.positions = call_positions(call.q_len, call.kv_len, call.device)
 

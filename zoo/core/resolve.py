@@ -15,7 +15,7 @@ from ..layout.block_layout import specialized, with_heads
 from ..mechanisms.dispatch import is_mechanism, mechanism_params
 from ..patterns import Pattern, made_causal
 from ..registry import get_spec
-from .arguments import check_parameters, close_matches, did_you_mean
+from .arguments import check_parameters, close_matches, did_you_mean, typed
 from .shape_cache import concrete, per_shape
 
 # zoo.attention's keyword options (a test holds them to its signature): a parameter of a variant
@@ -57,9 +57,13 @@ def resolve_pattern(
             options_of=options_of,
         )
         pattern = spec.build(**params)
+    _check_causal(causal)
+    return made_causal(pattern) if causal else pattern
+
+
+def _check_causal(causal: object) -> None:
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
-    return made_causal(pattern) if causal else pattern
 
 
 def resolved_params(variant: str | Pattern, params: dict[str, object]) -> dict[str, object]:
@@ -87,6 +91,7 @@ def call_pattern(
     per shape and number of heads."""
     if not isinstance(variant, str | Pattern):
         get_spec(variant)  # a TypeError that names what variant takes
+    _check_causal(causal)  # before the caches, whose keys take 1 for True
     frozen = _frozen_params(params)
     if isinstance(variant, Pattern) and variant.one_call:  # not kept by the caches
         return resolve_call_pattern(variant, causal, params).specialize(q_len, kv_len, device)
@@ -94,7 +99,7 @@ def call_pattern(
         pattern = resolve_call_pattern(variant, causal, params)
         pattern = specialized(pattern, q_len, kv_len, device)
     else:
-        pattern = _call_pattern(variant, causal, frozen, q_len, kv_len, device)
+        pattern = _call_pattern(variant, causal, frozen, typed(frozen), q_len, kv_len, device)
     return with_heads(pattern, heads) if pattern.per_head else pattern
 
 
@@ -103,10 +108,13 @@ def _call_pattern(
     variant: str | Pattern,
     causal: bool,
     params: tuple,
+    typed_params: tuple,
     q_len: int,
     kv_len: int,
     device: torch.device,
 ) -> Pattern:
+    """``typed_params``: ``params`` with their types, in the key only (a parameter of 1 and one
+    of True are equal keys; the checks refuse True)."""
     pattern = resolve_call_pattern(variant, causal, dict(params))
     return specialized(pattern, q_len, kv_len, device)
 

@@ -342,9 +342,9 @@ class Registry:
             spec.validate()  # its defaults build a pattern
         except (TypeError, ValueError) as error:
             raise ValueError(f"{info.source}: variant {name!r}: {error}") from error
-        if taken is not None:
-            clear_all()  # what was built with the entry it replaces (patterns, plans)
         self.variants[name] = spec
+        if taken is not None:
+            clear_all()  # what was built with the entry it replaced (patterns, plans)
 
     def entry(self, name: str, sections: tuple[str, ...]) -> Spec | Unavailable | Invalid | None:
         """The entry of that name in one of the sections, available, unavailable or invalid."""

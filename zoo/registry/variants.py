@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from ..core.arguments import check_parameters, close_matches, did_you_mean
+from ..core.arguments import check_parameters, close_matches, did_you_mean, typed
 from ..patterns import Intersection, Pattern, Union, build_family, made_causal, resolve_family
 from ..patterns.families import family_parameters, list_families, replacements
 
@@ -42,8 +42,8 @@ class VariantSpec:
         try:
             hash(frozen)
         except TypeError:  # a value of no parameter's type (a set, an array): its check says so
-            return _build_cached.__wrapped__(self, frozen, replacements())
-        return _build_cached(self, frozen, replacements())
+            return _build_cached.__wrapped__(self, frozen, None, replacements())
+        return _build_cached(self, frozen, typed(frozen), replacements())
 
     def __hash__(self) -> int:
         return hash((self.name, self.source))
@@ -68,8 +68,11 @@ def _freeze(value: object) -> object:
 
 
 @lru_cache(maxsize=512)
-def _build_cached(spec: VariantSpec, frozen_params: tuple, replaced: int) -> Pattern:
-    # ``replaced``: a family replaced by another factory builds anew (register_pattern)
+def _build_cached(
+    spec: VariantSpec, frozen_params: tuple, typed_params: tuple | None, replaced: int
+) -> Pattern:
+    # ``typed_params``: the parameters with their types (1 and True are equal keys, and the
+    # checks refuse True); ``replaced``: a family replaced by another factory builds anew
     params = dict(frozen_params)
     if isinstance(spec.pattern, str):
         return build_family(spec.pattern, params)
