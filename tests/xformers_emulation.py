@@ -7,9 +7,12 @@ keys); computed in float32 throughout, it had scored 0.0199 and hidden it."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
+
+from zoo.backends import XformersBackend
 
 
 def slice_allowed(mask, rows: int, keys: int) -> torch.Tensor:
@@ -96,3 +99,15 @@ class EmulatedKernels:
         dk = torch.einsum("bhmn,bmhk->bnhk", d_scores, q.float()) * scale
         dk, dv = _summed(dk, kv_heads), _summed(dv, kv_heads)
         return dq.to(q.dtype), dk.to(k_dtype), dv.to(k_dtype)
+
+
+class EmulatedXformers(XformersBackend):
+    """The backend's plans and merging on a CPU, with xFormers' kernels emulated."""
+
+    name = "xformers-emulated"
+    capabilities = dataclasses.replace(
+        XformersBackend.capabilities, devices=("cpu",), backward=("cpu",)
+    )
+
+    def __init__(self) -> None:
+        super().__init__(EmulatedKernels())

@@ -5,18 +5,16 @@ working operators, the real kernels equal the reference for every pattern it cla
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 
 import pytest
 import torch
 from helpers import check_against_reference, gpu, naive_attention, padding_mask, random_qkv
-from xformers_emulation import EmulatedKernels, flash_allowed, slice_allowed
+from xformers_emulation import EmulatedKernels, EmulatedXformers, flash_allowed, slice_allowed
 
 import zoo
 from zoo.backends import get_backend
 from zoo.backends.xformers import (
-    XformersBackend,
     _PieceAttention,
     attention_bias,
     kernel_reason,
@@ -64,18 +62,6 @@ def gpu_lengths(variant):
     if variant == "block_local":
         return [(256, 256), (250, 250)]
     return [(256, 256), (200, 300), (300, 200)]
-
-
-class EmulatedXformers(XformersBackend):
-    """The backend's plans and merging on a CPU, with xFormers' kernels emulated."""
-
-    name = "xformers-emulated"
-    capabilities = dataclasses.replace(
-        XformersBackend.capabilities, devices=("cpu",), backward=("cpu",)
-    )
-
-    def __init__(self) -> None:
-        super().__init__(EmulatedKernels())
 
 
 def piece_pairs(piece: Piece, q_len: int, kv_len: int, kept_only: bool = False) -> torch.Tensor:

@@ -5,7 +5,6 @@ meaning take the checked path."""
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import weakref
 from unittest import mock
@@ -13,31 +12,18 @@ from unittest import mock
 import pytest
 import torch
 from helpers import FIXED_VARIANTS, outputs_and_grads, random_qkv, small_params
-from xformers_emulation import EmulatedKernels
+from xformers_emulation import EmulatedXformers
 
 import zoo
 import zoo.backends
-from zoo.backends import FlexBackend, ReferenceBackend, XformersBackend, clear_caches, get_backend
+from zoo.backends import FlexBackend, ReferenceBackend, clear_caches, get_backend
 from zoo.core import call_plans
 from zoo.functional import prepare_call
 
-
-class EmulatedXformers(XformersBackend):
-    """xFormers' backend with its kernels emulated on a CPU (tests/xformers_emulation.py)."""
-
-    name = "xformers_emulated"
-    capabilities = dataclasses.replace(
-        XformersBackend.capabilities, devices=("cpu",), backward=("cpu",)
-    )
-
-    def __init__(self) -> None:
-        super().__init__(EmulatedKernels())
-
-
 # Eager flex (its kernel in plain PyTorch) runs every path of the flex plan on a CPU, parts in
 # their own orders included; the compiled kernel shares that plan (FlexBackend.forward runs it).
-BACKENDS = {"flex_eager": FlexBackend(compile=False), "xformers_emulated": EmulatedXformers()}
-ALL = ("auto", "reference", "sdpa", "blocked", "flex_eager", "xformers_emulated")
+BACKENDS = {"flex_eager": FlexBackend(compile=False), "xformers-emulated": EmulatedXformers()}
+ALL = ("auto", "reference", "sdpa", "blocked", "flex_eager", "xformers-emulated")
 CHECKED_PATH = "zoo.functional.prepare_call"
 
 
