@@ -168,7 +168,8 @@ def plan_of(
     """The plan of a checked call (``encoding``: the one that acts inside it), or None where it
     has none: a pattern chosen by content, a graph in its node order, no sequences, or an
     encoding with learned parameters."""
-    if call.pattern.routed or call.order is not None or not call.q.shape[0] or call.learned:
+    chosen = call.pattern.routed or call.pattern.one_call
+    if chosen or call.order is not None or call.learned or not call.q.shape[0]:
         return None
     plan = backend.call_plan(call)
     if encoding is not None and encoding.kind == "rotate":
