@@ -97,10 +97,11 @@ def attention(
     score, 0 * NaN in the weighted sum of values). Non-finite data that must not be read is
     padding: pass it as such.
 
-    A call without key padding, dropout, an additive score, weights, a cache, a graph, a
+    A call without dropout, an additive score, weights, a cache, a graph, a
     pattern chosen by content or an encoding with learned parameters, on plain tensors that hold
     data, with the backend given by name, is checked and resolved once per signature (variant,
-    options, q, k and v's shapes, dtypes and devices, whether it records gradients): later calls
+    options, the shapes, dtypes and devices of q, k, v and the padding mask, whether it records
+    gradients): later calls
     of that signature run the plan the first one kept (``zoo.core.call_plans``), with little host
     work around the kernel.
 
@@ -113,17 +114,19 @@ def attention(
     ``variant`` must be made outside the compiled region (a module attribute, say).
     """
     plain = (
-        cp_group is None and cache is None and key_padding_mask is None and score is None
-        and edge_index is None and not return_weights and not isinstance(dropout_p, bool)
+        cp_group is None and cache is None and score is None and edge_index is None
+        and not return_weights and not isinstance(dropout_p, bool)
         and isinstance(dropout_p, int | float) and dropout_p == 0
     )  # fmt: skip
     key = None
     if plain:  # a later call of a signature runs the first one's plan (``zoo.core.call_plans``)
-        key = call_plans.signature(q, k, v, variant, backend, causal, scale, pos, params)
+        key = call_plans.signature(
+            q, k, v, variant, backend, causal, scale, pos, key_padding_mask, params
+        )
         plan = None if key is None else call_plans.find(key)
         if plan is not None:
             new_call()
-            return plan(q, k, v)
+            return plan(q, k, v, key_padding_mask)
         made_in = call_plans.generation()
     if cp_group is not None:  # one sequence sharded over the group's ranks
         _check_shardable_options(cache, return_weights, edge_index)
@@ -181,8 +184,8 @@ def attention(
     )
     runner = resolve_backend(backend, call)
     plan = None if key is None else plan_of(call, runner, attention_encoding(pos, q, k, causal))
-    if plan is not None:  # the first call runs the plan too (on q and k before any rotation)
-        out = plan(q, k, v)
+    if plan is not None:  # the first call runs the plan too (on q, k, v as the caller gave them)
+        out = plan(q, k, v, key_padding_mask)
         call_plans.keep(key, plan, made_in)  # once it has run
         return out
     out, weights = _empty_batch(call) if call.q.shape[0] == 0 else runner.forward(call)

@@ -11,7 +11,7 @@ from unittest import mock
 
 import pytest
 import torch
-from helpers import FIXED_VARIANTS, outputs_and_grads, random_qkv, small_params
+from helpers import FIXED_VARIANTS, outputs_and_grads, padding_mask, random_qkv, small_params
 from xformers_emulation import EmulatedXformers
 
 import zoo
@@ -39,13 +39,15 @@ def _checked_path_refused():
     return mock.patch(CHECKED_PATH, side_effect=AssertionError("the checked path ran"))
 
 
-def _able(variant: str, causal: bool, params: dict, tensors) -> list[tuple[str, bool]]:
+def _able(variant: str, causal: bool, params: dict, tensors, mask) -> list[tuple[str, bool]]:
     """(backend, with gradients) for each CPU backend that runs the call: with gradients where
     it has a backward pass on a CPU (eager flex declares none), else without."""
     able = []
     for grads in (True, False):
         inputs = tensors if grads else [t.detach() for t in tensors]
-        call = prepare_call(*inputs, variant=variant, causal=causal, **params)
+        call = prepare_call(
+            *inputs, variant=variant, causal=causal, key_padding_mask=mask, **params
+        )
         for name in ALL:
             known = any(n == name for n, _ in able)
             if not known and (name == "auto" or get_backend(name).reason_against(call) is None):
@@ -53,34 +55,45 @@ def _able(variant: str, causal: bool, params: dict, tensors) -> list[tuple[str, 
     return able
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize("variant", FIXED_VARIANTS)
-def test_a_planned_call_computes_what_the_checked_path_computes(variant, causal):
+def test_a_planned_call_computes_what_the_checked_path_computes(variant, causal, padded):
     """Every fixed variant on every CPU backend that runs it, at lengths no block divides, with
-    grouped heads: the second call of a signature runs its plan (the checked path refuses to run)
-    and its output and gradients equal, bit for bit, those of the checked path on the same
+    grouped heads, with and without key padding (another mask on the second call, and NaN in
+    its padded keys): the second call of a signature runs its plan (the checked path refuses to
+    run) and its output and gradients equal, bit for bit, those of the checked path on the same
     inputs."""
     params = small_params(variant)
+    masks = [None, None]
+    if padded:
+        masks = [padding_mask(2, 70), torch.zeros(2, 70, dtype=torch.bool)]
+        masks[1][0, 50:] = True
     first = random_qkv(2, 4, 70, 70, head_dim=16, v_dim=8, kv_heads=2, seed=0)
     second = random_qkv(2, 4, 70, 70, head_dim=16, v_dim=8, kv_heads=2, seed=1)
     grad_out = torch.randn(2, 4, 70, 8, generator=torch.Generator().manual_seed(2))
-    backends = _able(variant, causal, params, first)
+    backends = _able(variant, causal, params, first, masks[0])
     assert {"auto", "reference", "flex_eager"} <= {name for name, _ in backends}
     for backend, grads in backends:
 
-        def run(q, k, v, backend=backend):
-            return zoo.attention(q, k, v, variant=variant, backend=backend, causal=causal, **params)
+        def results(tensors, mask, backend=backend, grads=grads):
+            def run(q, k, v):
+                if mask is not None:  # padded keys may hold anything
+                    k = torch.where(mask[:, None, :, None], float("nan"), k)
+                return zoo.attention(
+                    q, k, v, variant=variant, backend=backend, causal=causal,
+                    key_padding_mask=mask, **params,
+                )  # fmt: skip
 
-        def results(tensors, run=run, grads=grads):
             if grads:
                 return outputs_and_grads(run, tensors, grad_out)
             return [run(*(t.detach() for t in tensors))]
 
-        results(first)  # the checked path, which keeps the plan
+        results(first, masks[0])  # the checked path, which keeps the plan
         with _checked_path_refused():
-            planned = results(second)
+            planned = results(second, masks[1])
         clear_caches()
-        checked = results(second)
+        checked = results(second, masks[1])
         for name, got, want in zip(("out", "dq", "dk", "dv"), planned, checked, strict=False):
             assert torch.equal(got, want), f"{backend}: {name} of the plan differs"
 
@@ -121,14 +134,13 @@ def test_another_signature_takes_the_checked_path_and_gets_its_own_plan():
 @pytest.mark.parametrize(
     "options",
     [
-        {"key_padding_mask": torch.zeros(1, 40, dtype=torch.bool)},
         {"pos": zoo.build_encoding("t5", dim=32, num_heads=2)},  # learned: in no plan
         {"dropout_p": 0.1},
         {"return_weights": True, "backend": "reference"},
         {"variant": "moba", "block_size": 8, "top_k": 2},  # chosen by content: bound to the data
         {"backend": ReferenceBackend()},  # an instance may change: only names are planned
     ],
-    ids=["padding", "learned_encoding", "dropout", "weights", "routed", "backend_instance"],
+    ids=["learned_encoding", "dropout", "weights", "routed", "backend_instance"],
 )
 def test_a_call_that_is_not_plain_is_checked_every_time(options):
     q, k, v = torch.randn(3, 1, 2, 40, 16).unbind(0)

@@ -141,10 +141,11 @@ class Backend:
         raise NotImplementedError
 
     def call_plan(self, call: AttentionCall) -> PlannedCall:
-        """The call's output as a function of new q, k and v with everything else the call's
-        (``zoo.core.call_plans``: ``zoo.attention`` keeps it for later calls of the same
-        signature). This one runs ``forward`` on the call with the new tensors; a backend whose
-        forward finds per-shape structures on every call returns one that holds them."""
+        """The call's output as a function of new q, k, v and key padding (k and v zero where
+        it is True) with everything else the call's (``zoo.core.call_plans``: ``zoo.attention``
+        keeps it for later calls of the same signature). This one runs ``forward`` on the call
+        with the new tensors; a backend whose forward finds per-shape structures on every call
+        returns one that holds them."""
         return _ForwardPlan(self, call)
 
     def decode_reason_against(
@@ -186,11 +187,12 @@ class _ForwardPlan:
 
     def __init__(self, backend: Backend, call: AttentionCall) -> None:
         self.forward = backend.forward
-        self.call = replace(call, q=None, k=None, v=None)  # holds no tensors of the first call
+        # holds no tensors of the first call
+        self.call = replace(call, q=None, k=None, v=None, key_padding_mask=None)
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, padding: Tensor | None) -> Tensor:
         call = copy(self.call)
-        call.q, call.k, call.v = q, k, v
+        call.q, call.k, call.v, call.key_padding_mask = q, k, v, padding
         return self.forward(call)[0]
 
 

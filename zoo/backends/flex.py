@@ -304,17 +304,25 @@ class FlexBackend(Backend):
         )
 
     def forward(self, call: AttentionCall) -> tuple[Tensor, None]:
-        return self.call_plan(call)(call.q, call.k, call.v), None
+        return self._kernels(call)(call.q, call.k, call.v), None
 
     def call_plan(self, call: AttentionCall) -> PlannedCall:
-        """The kernel on the call's block mask, found once: the output of new q, k and v (the
-        forward pass runs it too)."""
+        """The kernels on the call's block masks, found once (``_kernels``). With key padding,
+        whose block mask is made from each call's mask, the forward pass per call
+        (``Backend.call_plan``)."""
+        if call.key_padding_mask is not None:
+            return super().call_plan(call)
+        return self._kernels(call)
+
+    def _kernels(self, call: AttentionCall):
+        """The call's kernel calls, as a function of q, k and v: one call, or one per part in
+        its own order (``own_orders``) merged by log-sum-exp."""
         parts = self.own_orders(call)
         if parts is None:
             return self._kernel_plan(call, lse=False)
         runs = [self._kernel_plan(replace(call, pattern=p), lse=True) for p in parts]
 
-        def merged(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        def merged(q: Tensor, k: Tensor, v: Tensor, padding: None = None) -> Tensor:
             outs, lses = zip(*(run(q, k, v) for run in runs), strict=True)
             out, _ = merge(outs, lses)  # each part's share of every row (``lse_merge``)
             return out.to(q.dtype)
@@ -348,7 +356,7 @@ class FlexBackend(Backend):
             **options,
         )  # fmt: skip
 
-        def run(q: Tensor, k: Tensor, v: Tensor):
+        def run(q: Tensor, k: Tensor, v: Tensor, padding: None = None):
             if torch.compiler.is_compiling():
                 # Inductor's lowering of the kernel fails on sizes that dynamo made symbolic
                 # after a change of shape ("A subgraph argument ... has been modified"): one

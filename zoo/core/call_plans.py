@@ -9,10 +9,12 @@ gradients. On a GPU that work is host time, which at a few thousand tokens is lo
 sparse kernel. A plan (``Backend.call_plan``) is the call's computation with everything but q, k
 and v fixed; the first call of a signature makes it, later ones run it directly.
 
-Only plain calls have a signature: no key padding, dropout, additive score, weights, cache,
-graph, sharding or ``torch.compile`` tracing (a traced call is made once per graph anyway), a
-backend given by name, and q, k and v plain tensors that hold data (fake and meta tensors take
-the checked path, which builds on the device under the caller's mode). A positional encoding
+Only plain calls have a signature: no dropout, additive score, weights, cache, graph, sharding
+or ``torch.compile`` tracing (a traced call is made once per graph anyway), a backend given by
+name, and q, k and v plain tensors that hold data (fake and meta tensors take the checked path,
+which builds on the device under the caller's mode). Key padding is data: its shape, dtype and
+device are in the signature, and a plan takes the mask with q, k and v (checked and applied as
+the checked path does; the backend reads it per call). A positional encoding
 is part of the signature (a name, or an instance by identity): a rotary one turns q and k in
 the plan (at positions found once), a bias is in the backend's plan; one with learned
 parameters (a T5 table) has no plan. A pattern chosen by content (MoBA) binds to each call's
@@ -40,7 +42,8 @@ from torch import Tensor
 
 from .arguments import typed
 
-PlannedCall = Callable[[Tensor, Tensor, Tensor], Tensor]
+# (q, k, v, key_padding_mask or None) -> the output
+PlannedCall = Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]
 
 MAX_PLANS = 256
 
@@ -51,7 +54,7 @@ _GENERATION = [0]  # how many times the plans were cleared
 
 def signature(
     q: Any, k: Any, v: Any, variant: Any, backend: Any, causal: Any, scale: Any, pos: Any,
-    params: dict,
+    padding: Any, params: dict,
 ) -> tuple | None:  # fmt: skip
     """The call's signature, or None where the call has none (see the module docstring). The
     caller has checked the options that are off in a plain call."""
@@ -59,11 +62,16 @@ def signature(
         return None  # tensor subclasses (fake tensors, DTensor) and non-tensors: checked path
     if not isinstance(backend, str) or q.device.type == "meta" or torch.compiler.is_compiling():
         return None
+    padded = None
+    if padding is not None:  # its form is in the key, its values are data
+        if type(padding) is not Tensor:
+            return None
+        padded = (padding.shape, padding.dtype, padding.device)
     grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     options = tuple((name, typed(value)) for name, value in params.items())
     key = (
-        variant, backend, typed(causal), typed(scale), pos, options, q.shape, k.shape, v.shape,
-        q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, grads,
+        variant, backend, typed(causal), typed(scale), pos, padded, options, q.shape, k.shape,
+        v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, grads,
     )  # fmt: skip
     try:
         hash(key)

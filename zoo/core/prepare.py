@@ -167,14 +167,30 @@ def plan_of(
 ) -> PlannedCall | None:
     """The plan of a checked call (``encoding``: the one that acts inside it), or None where it
     has none: a pattern chosen by content, a graph in its node order, no sequences, or an
-    encoding with learned parameters."""
+    encoding with learned parameters. It does what ``prepare_call`` does to q, k and v (turn
+    them, zero padded keys), then the backend's plan."""
     chosen = call.pattern.routed or call.pattern.one_call
     if chosen or call.order is not None or call.learned or not call.q.shape[0]:
         return None
     plan = backend.call_plan(call)
+    if call.key_padding_mask is not None:
+        plan = _Padded(plan, call)
     if encoding is not None and encoding.kind == "rotate":
-        return _Rotated(encoding, call, plan)
+        plan = _Rotated(encoding, call, plan)
     return plan
+
+
+class _Padded:
+    """A plan whose key padding is checked and whose padded keys and values are zeroed first,
+    as ``prepare_call`` does."""
+
+    def __init__(self, plan: PlannedCall, call: AttentionCall) -> None:
+        self.plan, self.batch, self.kv_len = plan, call.q.shape[0], call.kv_len
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, padding: Tensor | None) -> Tensor:
+        padding = check_key_padding_mask(padding, self.batch, self.kv_len, q.device)
+        k, v = unread_padding(k, padding), unread_padding(v, padding)
+        return self.plan(q, k, v, padding)
 
 
 class _Rotated:
@@ -186,6 +202,6 @@ class _Rotated:
         self.rotate, self.plan = encoding.rotate, plan
         self.positions = call_positions(call.q_len, call.kv_len, call.device)
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, padding: Tensor | None) -> Tensor:
         q, k = self.rotate(q, k, *self.positions)
-        return self.plan(q, k, v)
+        return self.plan(q, k, v, padding)
