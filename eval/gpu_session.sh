@@ -264,7 +264,7 @@ all)
         collect
     done
     # The host time the zoo's call adds around a stubbed kernel on this machine's host, with
-    # CUDA tensors (26-33 us on a 2-core EPYC before call plans, 6-7 us with them).
+    # CUDA tensors (25-33 us on a 2-core EPYC before call plans, 6-7 us with them).
     run_stage overhead "$(share_of overhead)" "$OUT/overhead.log" \
         "$PY" -m eval bench-overhead device=cuda 'lengths=[8192]' 'backends=[flex,sdpa]' \
         'variants=[local,longformer,block_local,bigbird,causal,full]' "out=$OUT"
