@@ -27,7 +27,9 @@ pattern (the key holds them) until it is dropped: ``zoo.clear_caches()`` forgets
 and so does a name given a new meaning (a backend, pattern family or variant registered again
 with ``replace=True``), which also clears every per-shape cache. A plan is kept only if no
 clear happened while its first call ran (``generation``): a call that resolved the old meaning
-of a name keeps nothing.
+of a name keeps nothing. A plan copies what it needs of its backend (flex's block size,
+``compile``, kernel options): a registered backend changed in place is seen by new signatures
+only; register it again with ``replace=True`` (or call ``zoo.clear_caches()``) after a change.
 """
 
 from __future__ import annotations
