@@ -125,6 +125,13 @@ def test_a_cell_over_two_processes_runs_under_torchrun_in_its_task(cluster, tmp_
     assert record["environment"]["world_size"] == 2
 
 
+def _default_interrupt() -> None:
+    """In the child, before it starts: Ctrl-C's default action, as a terminal gives it. An
+    ignored signal stays ignored across exec, and the pytest-xdist worker that runs this test
+    under the whole suite had SIGINT ignored: the sweep then ran to its end (exit status 0)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_cancels_the_tasks_and_leaves_whole_records(tmp_path):
     out = tmp_path / "interrupted"
     slow = ["train={steps: 400, batch_size: 8, eval_samples: 16, eval_batch_size: 8}",
@@ -133,6 +140,7 @@ def test_ctrl_c_cancels_the_tasks_and_leaves_whole_records(tmp_path):
         [sys.executable, "-m", "eval", "run", QUICK, *TINY, *slow, f"out={out}",
          "launcher=ray", "--no-progress", "--no-report"],
         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_default_interrupt,
     )  # fmt: skip
     deadline = time.time() + subprocess_timeout(120)
     results = out / "results.jsonl"
