@@ -194,6 +194,29 @@ def test_fake_tensors_are_checked_every_time():
     assert not call_plans._PLANS
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "blocked"])
+def test_a_plan_runs_on_fake_cuda_tensors_with_rotation_and_padding(backend):
+    """What a plan does beyond its backend (turn q and k at positions it holds, check the
+    padding mask and move it to q's device, zero padded keys) on CUDA tensors, faked on a
+    machine without a GPU: no device mix, the output on q's device. The padding mask is a CPU
+    tensor, as a data loader gives it."""
+    from zoo.core.prepare import attention_encoding, plan_of
+    from zoo.testing.fake_cuda import fake_cuda
+
+    mask = torch.zeros(2, 45, dtype=torch.bool)
+    mask[1, 30:] = True
+    with fake_cuda():
+        q = torch.randn(2, 4, 30, 16, device="cuda")
+        k, v = torch.randn(2, 2, 45, 16, device="cuda"), torch.randn(2, 2, 45, 8, device="cuda")
+        kwargs = dict(variant="local", window_size=6, causal=True, pos="rope")
+        call = prepare_call(q, k, v, key_padding_mask=mask, **kwargs)
+        encoding = attention_encoding("rope", q, k, True)
+        plan = plan_of(call, get_backend(backend), encoding)
+        out = plan(q, k, v, mask)
+    assert type(plan).__name__ == "_Rotated" and out.device.type == "cuda"
+    assert tuple(out.shape) == (2, 4, 30, 8)
+
+
 def test_a_name_given_a_new_meaning_drops_the_plans():
     """Registering a backend under a taken name (``replace=True``) or clearing the caches
     forgets the plans: the next call runs the new backend."""
