@@ -33,7 +33,7 @@
 #   moba         bench-moba.json: eval/configs/bench_goals_moba_gpu.yaml (goal b)
 #   overhead     overhead.json, overhead.md: bench-overhead, the host time around the kernel
 #   profile      profile.json, profile.md: bench-profile of the goal cells and their twins
-#   profile_moba profile-moba/profile.{json,md}: bench-profile of MoBA on blocked at 16K
+#   profile_moba profile-moba/profile.{json,md}: bench-profile of MoBA on flex and blocked at 16K
 #   decode       bench-decode.json: bench-decode beside sdpa_dense, each step profiled (goal c)
 #   compiles     compiles.json, compiles.md: bench-compiles, 20 distinct lengths (goal d)
 # Then (also when a signal stops the script) `python -m eval goals $OUT` writes $OUT/summary.md,
@@ -273,11 +273,12 @@ all)
     run_stage profile "$(share_of profile)" "$OUT/profile.log" \
         "$PY" -m eval bench-profile eval/configs/bench_goals_gpu.yaml "out=$OUT" \
         'lengths=[8192,16384]' 'passes=[fwd]' 'causal=[false]' warmup=2 repeats=3
-    # MoBA's kernels and host work on blocked at 16K, forward (50.8 ms on the H100, where
-    # block_local at its density took 0.42 ms: where does it go?).
+    # MoBA's kernels and host work on flex (its queries gathered by chosen key block: about 190
+    # operations around one kernel call, eval/results/moba-gathered-cpu) and on blocked at 16K,
+    # forward (blocked took 50.8 ms on the H100, block_local at its density 0.42 ms).
     run_stage profile_moba "$(share_of profile_moba)" "$OUT/profile-moba.log" \
         "$PY" -m eval bench-profile eval/configs/bench_goals_moba_gpu.yaml "out=$OUT/profile-moba" \
-        'variants=[moba]' 'backends=[blocked]' 'peers=[]' 'lengths=[16384]' 'passes=[fwd]' \
+        'variants=[moba]' 'backends=[flex,blocked]' 'peers=[]' 'lengths=[16384]' 'passes=[fwd]' \
         'causal=[false,true]' warmup=1 repeats=2
     # The zoo's decoding step (auto) and SDPA over the whole cache, each zoo step profiled too
     # (its kernels, the host's gaps and functions: a causal step took 60-73 ms against SDPA's

@@ -46,8 +46,9 @@ class DeviceReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _stub_kernel(compiled, least, q, k, v, **kwargs):
-    return q.new_zeros(*q.shape[:-1], v.shape[-1])
+def _stub_kernel(compiled, least, q, k, v, lse=False, **kwargs):
+    out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+    return (out, q.new_zeros(q.shape[:-1], dtype=torch.float32)) if lse else out
 
 
 @pytest.fixture
@@ -80,6 +81,22 @@ def test_a_forward_call_on_cuda_reads_no_device_value(variant, backend, tagged):
         )  # fmt: skip
         params = small_params(variant)
         zoo.attention(k, k, k, variant=variant, backend=backend, causal=True, **params)
+    assert out.device.type == "cuda"
+    assert watch.reads == [], f"device values read on the host: {watch.reads}"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_moba_on_flex_rows_gathered_by_key_block_read_no_device_value(causal, tagged):
+    """The gathered rows (``flex_chosen``): their count is a bound fixed by the shapes."""
+    q = tagged(torch.randn(1, 4, 1900, 16))
+    k = tagged(torch.randn(1, 2, 2000, 16))
+    padding = tagged(torch.zeros(1, 2000, dtype=torch.bool))
+    backend = flex.FlexBackend()
+    kw = dict(variant="moba", block_size=256, top_k=3, causal=causal, key_padding_mask=padding)
+    assert backend.gathers(zoo.core.prepare.prepare_call(q, k, k, **kw))
+    watch = DeviceReads()
+    with watch:
+        out = zoo.attention(q, k, k, backend=backend, **kw)
     assert out.device.type == "cuda"
     assert watch.reads == [], f"device values read on the host: {watch.reads}"
 

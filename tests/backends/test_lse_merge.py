@@ -148,6 +148,24 @@ def test_gradients_through_the_blocked_merge_equal_the_concatenated_softmax(seed
         torch.testing.assert_close(got, want)
 
 
+def test_merge_along_a_stacked_axis_equals_merge_with_its_gradient():
+    """The stacked form (a query's chosen key blocks, ``flex_chosen``): the list form's output
+    and log-sum-exp, a part without a key and a row without any included, and a gradcheck."""
+    q, k, v, allowed, part_of = inputs()
+    ps = parts(q, k, v, allowed, part_of)
+    outs, lses = [p.output for p in ps], [p.lse() for p in ps]
+    out, lse = lse_merge.merge_along(torch.stack(outs, dim=-2), torch.stack(lses, dim=-1))
+    want_out, want_lse = lse_merge.merge(outs, lses)
+    check(out, lse, want_out, want_lse)
+    assert (out[:, :, 0] == 0).all() and (lse[:, :, 0] == -math.inf).all()
+    generator = torch.Generator().manual_seed(4)
+    stacked = torch.randn(2, 4, 3, 5, generator=generator, dtype=torch.float64)
+    weights = torch.randn(2, 4, 3, generator=generator, dtype=torch.float64)
+    weights[0, 0, 1] = -math.inf  # a part without a key
+    inputs_ = (stacked.requires_grad_(), weights.requires_grad_())
+    assert torch.autograd.gradcheck(lambda o, w: lse_merge.merge_along(o, w)[0], inputs_)
+
+
 def test_merge_passes_gradcheck():
     generator = torch.Generator().manual_seed(3)
     outs = [torch.randn(2, 4, 3, generator=generator, dtype=torch.float64) for _ in range(3)]

@@ -72,13 +72,15 @@ def test_a_choice_by_content_is_never_a_queries_by_blocks_layout(monkeypatch, ca
     flex's block mask read the per-query layout a slice of queries at a time: with the slices
     made small, no tensor reaches half the (B, H, Lq, key blocks) mask that the choice was
     (n^2 / block: 537 MB at 128K tokens, 16 heads, blocks of 512), in the choice, blocked's
-    runs, flex's block mask, and (bidirectional: FULL runs, no masks) blocked's forward and
-    backward. Causal MoBA's PARTIAL runs (each query's own block) carry a (queries, 512) mask,
-    linear in n and larger than this layout at 32K: that call is not watched whole."""
+    runs, flex's block mask (over the queries gathered by chosen block), and (bidirectional:
+    FULL runs, no masks) blocked's forward and backward. Causal MoBA's PARTIAL runs (each
+    query's own block) carry a (queries, 512) mask, linear in n and larger than this layout at
+    32K: that call is not watched whole."""
     import zoo.backends.blocked.by_key as by_key
     import zoo.patterns.moba as moba
     import zoo.patterns.routed as routed
     from zoo.backends import BlockedBackend, FlexBackend
+    from zoo.backends.flex_chosen import gathered_rows
     from zoo.functional import prepare_call
 
     for module, name in ((moba, "CHOICE_ELEMENTS"), (routed, "COUNT_CHUNK"),
@@ -95,7 +97,9 @@ def test_a_choice_by_content_is_never_a_queries_by_blocks_layout(monkeypatch, ca
         mask = FlexBackend(compile=False).block_mask(call)
     assert watch.largest < layout // 2, (watch.largest, layout)
     assert n * 3 * block * 0.9 < scored <= n * 3 * block
-    assert mask.kv_num_blocks.shape == (1, heads, n // 128)
+    # flex's mask is over the (query, chosen block) rows (``flex_chosen``): n * top_k of them
+    # and a partly filled kernel block per segment, not the queries x blocks layout
+    assert mask.kv_num_blocks.shape == (1, heads, gathered_rows(n, 3, n // block, 128) // 128)
     if causal:
         return
     with watch:

@@ -19,6 +19,11 @@ computes at most half the blocks of one call in the natural order, where every b
 part touches is partial (strided at 16K, blocks of 128: 638 blocks against all 16384). Compiled
 flex on a CPU returns no log-sum-exp: there such a pattern runs as one call.
 
+A layout chosen by content (MoBA) runs with its queries gathered by chosen key block where that
+scores fewer pairs (``gathers``, ``flex_chosen``): one kernel call on FULL blocks, each query's
+rows merged by log-sum-exp; else as the union of a query block's choices, the per-query choice
+in the mask_mod.
+
 Whole blocks on CPU. Compiled FlexAttention on CPU (torch 2.13) returned wrong values or NaN at
 lengths that are not a multiple of 16, differently from one process to the next (see
 ``tests/backends/test_flex_lengths.py`` for the torch-only reproduction). On CPU the backend
@@ -43,10 +48,17 @@ from ..layout.block_layout import build_layout
 from ..layout.frames import Frame, build_frame
 from ..patterns import EMPTY, FULL, PARTIAL, Pattern
 from .base import FLOATS, Backend, Capabilities, DecodeStep
+from .flex_chosen import (
+    chosen_parts,
+    gather_queries,
+    gathered_pays,
+    gathered_rows_of,
+    rows_per_query,
+)
 from .flex_decode import flex_decode
 from .flex_kernel import _flex_module, flex_block_tensors, run_kernel
 from .flex_lookup import lookup_mask_mod, lookup_pays
-from .lse_merge import merge
+from .lse_merge import merge, merge_along
 
 
 def flex_frame(pattern: Pattern, q_len: int, kv_len: int, block: int, device) -> Frame:
@@ -246,6 +258,11 @@ class FlexBackend(Backend):
         return compiled and call.device.type == "cpu"
 
     def block_mask(self, call: AttentionCall):
+        """The BlockMask the kernel runs on: over the queries gathered by chosen key block where
+        they are (``gathers``), else over the call's queries (of its one part: see
+        ``own_orders``)."""
+        if self.gathers(call):
+            return gathered_rows_of(call, self.block_size).block_mask
         whole = self.whole_blocks(call)
         if call.pattern.routed:
             return _routed_block_mask(call, self.block_size, whole)
@@ -264,6 +281,11 @@ class FlexBackend(Backend):
         if parts is not None:
             counts = [self.block_counts(replace(call, pattern=part)) for part in parts]
             return sum(c[0] for c in counts), sum(c[1] for c in counts), counts[0][2]
+        if self.gathers(call):  # over the gathered rows
+            mask = self.block_mask(call)
+            full, partial = (float(n.sum(-1).double().mean()) for n in (
+                mask.full_kv_num_blocks, mask.kv_num_blocks))  # fmt: skip
+            return full, partial, mask.kv_indices.shape[-2] * mask.kv_indices.shape[-1]
         if not call.pattern.routed:  # per shape, built with values also for fake tensors
             return _fixed_block_counts(
                 call.pattern, call.q_len, call.kv_len, self.block_size, call.device
@@ -287,6 +309,19 @@ class FlexBackend(Backend):
             return None
         return _own_orders(call.pattern, call.q_len, call.kv_len, self.block_size, call.device)
 
+    def gathers(self, call: AttentionCall) -> bool:
+        """Whether a layout chosen by content runs on its queries gathered by key block
+        (``flex_chosen``): one ``ChosenBlocks``, alone or intersected with fixed patterns, where
+        its rows score fewer pairs than the union's block mask can, and the kernel returns its
+        log-sum-exp (not compiled on a CPU; not on fake tensors that record gradients: see
+        ``own_orders``)."""
+        if not call.pattern.routed or self.whole_blocks(call):
+            return False
+        if call.needs_grad and has_no_data(call.q):
+            return False
+        parts = chosen_parts(call.pattern)
+        return parts is not None and gathered_pays(call, parts[0], self.block_size)
+
     def scored_pairs(self, call: AttentionCall) -> int:
         full, partial, _ = self.block_counts(call)
         return round((full + partial) * self.block_size**2)
@@ -297,6 +332,8 @@ class FlexBackend(Backend):
         full, partial, blocks = self.block_counts(call)
         parts = self.own_orders(call)
         split = f", {len(parts)} parts each in its own order" if parts is not None else ""
+        if self.gathers(call):
+            split = ", queries gathered by chosen key block"
         return (
             f"block mask of {self.block_size}{split}: {full:.4g} full and {partial:.4g} partial "
             f"of {blocks} blocks per sequence and head (the mask_mod runs per element in "
@@ -315,8 +352,11 @@ class FlexBackend(Backend):
         return self._kernels(call)
 
     def _kernels(self, call: AttentionCall):
-        """The call's kernel calls, as a function of q, k and v: one call, or one per part in
-        its own order (``own_orders``) merged by log-sum-exp."""
+        """The call's kernel calls, as a function of q, k and v: one call, one on the queries
+        gathered by chosen key block (``gathers``), or one per part in its own order
+        (``own_orders``), each merged by log-sum-exp."""
+        if self.gathers(call):
+            return self._gathered_plan(call)
         parts = self.own_orders(call)
         if parts is None:
             return self._kernel_plan(call, lse=False)
@@ -328,6 +368,35 @@ class FlexBackend(Backend):
             return out.to(q.dtype)
 
         return merged
+
+    def _gathered_plan(self, call: AttentionCall):
+        """The kernel on the rows of (query, chosen key block) pairs (``flex_chosen``), each
+        query's rows merged by log-sum-exp, as a function of q, k and v."""
+        rows = gathered_rows_of(call, self.block_size)
+        score_mod = None
+        if call.bias is not None:
+            bias, row_query = call.bias, rows.row_query
+            offset = call.kv_len - call.q_len
+
+            def gathered_bias(score, b, h, q_idx, kv_idx):
+                return score + bias(h, row_query[b, h, q_idx] + offset, kv_idx).to(score.dtype)
+
+            score_mod = gathered_bias
+        least = self.capabilities.head_padding(call.device, call.q.shape[-1], call.v.shape[-1])
+        options = {"kernel_options": dict(self.kernel_options)} if self.kernel_options else {}
+        kernel_args = dict(
+            score_mod=score_mod, block_mask=rows.block_mask, scale=call.scale,
+            enable_gqa=call.groups > 1, **options,
+        )  # fmt: skip
+        compiled = self.compile
+
+        def run(q: Tensor, k: Tensor, v: Tensor, padding: None = None) -> Tensor:
+            out, lse = run_kernel(compiled, least, gather_queries(q, rows), k, v, lse=True,
+                                  **kernel_args)  # fmt: skip
+            out, _ = merge_along(rows_per_query(out, rows), rows_per_query(lse, rows))
+            return out.to(q.dtype)
+
+        return run
 
     def _kernel_plan(self, call: AttentionCall, lse: bool):
         """The kernel on the call's pattern in its order (``flex_frame``), as a function of q, k

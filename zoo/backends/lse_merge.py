@@ -160,6 +160,21 @@ def merge(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tensor, Tenso
     return out, torch.where(has_key, peak + torch.log(total), -math.inf)
 
 
+def merge_along(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
+    """``merge`` of partials stacked on the last axis of ``lses`` (..., P) and the one before
+    the values' of ``outs`` (..., P, Dv): one operation each over all P, not one per partial
+    (the partials of a query's chosen key blocks, ``flex_chosen``)."""
+    peak = lses.amax(dim=-1, keepdim=True).detach()
+    peak = torch.where(torch.isfinite(peak), peak, 0)
+    shares = torch.exp(lses - peak)
+    total = shares.sum(dim=-1, keepdim=True)
+    has_key = total > 0
+    total = torch.where(has_key, total, 1)
+    out = ((shares / total)[..., None] * outs).sum(dim=-2)
+    lse = torch.where(has_key, peak + torch.log(total), -math.inf)
+    return out, lse[..., 0]
+
+
 def partial(scores: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """One partial attention from its scores (..., M, m), -inf where a pair is not allowed, and
     values (..., m, Dv): (out (..., M, Dv), lse (..., M)), differentiable, for ``merge``. A row

@@ -47,8 +47,10 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-# Block spans and their states live in spans.py, which derived.py imports (as base.py imports
-# derived.py); named here too for the modules that take them from the pattern protocol.
+from .derived import derived_block_state
+
+# Block spans and their states live in spans.py, which derived.py imports too; named here for
+# the modules that take them from the pattern protocol.
 from .spans import EMPTY, FULL, PARTIAL, Box, Spans, state_from  # noqa: F401
 
 
@@ -124,8 +126,6 @@ class Pattern:
     def block_state(self, q: Spans, k: Spans) -> Tensor:
         """Derived from ``allowed`` on every pair of each block (``zoo.patterns.derived``: exact,
         and n^2 evaluations once per shape); families override it with formulas on the spans."""
-        from .derived import derived_block_state
-
         return derived_block_state(self, q, k)
 
     def dense(self, q_len: int, kv_len: int) -> Tensor:

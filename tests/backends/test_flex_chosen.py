@@ -1,0 +1,188 @@
+"""flex on key blocks chosen by content (``zoo.backends.flex_chosen``): the queries gathered by
+chosen key block, one kernel call, merged by log-sum-exp. Forward through eager FlexAttention on
+a CPU; gradients through an emulated kernel that reads the block mask as the GPU kernel does
+(tests/flex_emulation.py: a block claimed FULL is scored whole, so a false claim shows); the
+scores it computes are those of the choice, not of the union per query block."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from flex_emulation import emulated_flex
+from helpers import check_against_reference, gpu
+
+import zoo
+from zoo.backends import flex as flex_module
+from zoo.backends import flex_kernel
+from zoo.backends.flex import FlexBackend
+from zoo.backends.flex_chosen import gathered_rows_of
+from zoo.core.prepare import prepare_call
+from zoo.layout.frames import build_frame
+from zoo.patterns.local import Local
+from zoo.patterns.moba import Moba
+
+# (q_len, kv_len, MoBA's block, the kernel's block): lengths no block divides; a MoBA block the
+# kernel's divides, and one it does not (24 keys straddle kernel blocks of 16)
+SHAPES = [(300, 300, 32, 16), (150, 300, 24, 16), (201, 201, 16, 16)]
+
+
+def _inputs(q_len, kv_len, padded, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 4, q_len, 16, generator=g)
+    k = torch.randn(2, 2, kv_len, 16, generator=g)  # grouped: 2 query heads per key head
+    v = torch.randn(2, 2, kv_len, 8, generator=g)
+    padding = None
+    if padded:
+        padding = torch.zeros(2, kv_len, dtype=torch.bool)
+        padding[1, kv_len - 70 :] = True
+        k[1, :, kv_len - 70 :] = float("nan")  # padded keys must not reach any output
+        v[1, :, kv_len - 70 :] = float("nan")
+    return q, k, v, padding
+
+
+class _Differentiable(FlexBackend):
+    """flex with a backward on a CPU: its kernel emulated (tests/flex_emulation.py)."""
+
+    capabilities = replace(FlexBackend.capabilities, backward=("cpu", "cuda"))
+
+
+@pytest.fixture
+def gathered(monkeypatch):
+    """Counts the calls that ran on gathered rows."""
+    calls = []
+    original = flex_module.gathered_rows_of
+
+    def counted(*args):
+        calls.append(args[0].variant)
+        return original(*args)
+
+    monkeypatch.setattr(flex_module, "gathered_rows_of", counted)
+    return calls
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gathered_rows_give_moba_forward_on_eager_flex(shape, causal, padded, gathered):
+    q_len, kv_len, size, block = shape
+    q, k, v, padding = _inputs(q_len, kv_len, padded)
+    kw = dict(variant="moba", block_size=size, top_k=3, causal=causal, key_padding_mask=padding)
+    got = zoo.attention(q, k, v, backend=FlexBackend(block_size=block, compile=False), **kw)
+    want = zoo.attention(q, k, v, backend="reference", **kw)
+    assert gathered == ["moba"]
+    assert not got.isnan().any()
+    assert (got - want).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gathered_rows_give_moba_gradients_through_the_kernel_and_the_merge(
+    shape, causal, padded, gathered, monkeypatch
+):
+    """The kernel emulated on a CPU as the GPU's reads the block mask (FULL blocks unasked): the
+    output and the gradients of q, k and v through the gather, the kernel's output and
+    log-sum-exp, and the merge equal the reference's."""
+    monkeypatch.setattr(flex_kernel, "_kernel", lambda compiled, q=None: emulated_flex)
+    q_len, kv_len, size, block = shape
+    q, k, v, padding = _inputs(q_len, kv_len, padded)
+    if padding is not None:  # NaN gradients would flow to padded keys through 0 * NaN otherwise
+        k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)
+    kw = dict(variant="moba", block_size=size, top_k=3, causal=causal, key_padding_mask=padding)
+    outs, grads = [], []
+    for backend in (_Differentiable(block_size=block, compile=False), "reference"):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = zoo.attention(*leaves, backend=backend, **kw)
+        g = torch.Generator().manual_seed(1)
+        out.backward(torch.randn(out.shape, generator=g))
+        outs.append(out)
+        grads.append([x.grad for x in leaves])
+    assert gathered == ["moba"]
+    assert (outs[0] - outs[1]).abs().max() < 1e-5
+    for got, want in zip(*grads, strict=True):
+        assert (got - want).abs().max() < 1e-5
+
+
+def test_the_kernel_scores_the_chosen_pairs_not_their_union_per_query_block():
+    """At 4K tokens, blocks of 256, top 3, random inputs: the rows' kernel blocks score at most
+    the chosen pairs plus one partly filled kernel block per chosen block, under a third of the
+    union's block mask (in which a kernel query block's 128 queries chose most blocks)."""
+    q, k, v, _ = _inputs(4096, 4096, padded=False)
+    q, k, v = q[:1, :2], k[:1, :1], v[:1, :1]
+    flex = FlexBackend(block_size=128, compile=False)
+    call = prepare_call(q, k, v, variant="moba", block_size=256, top_k=3)
+    assert flex.gathers(call)
+    full, partial, _ = flex.block_counts(call)
+    chosen = 4096 * 3 * 256
+    assert partial == 0  # MoBA's blocks are whole kernel blocks: nothing asks the mask_mod
+    assert full * 128 * 128 <= chosen + 16 * 128 * 256
+    frame = build_frame(1, call.q_len, call.kv_len, 128, 128, call.device)
+    union = flex_module._counts(
+        call.pattern.block_state(frame.q.spans().column(), frame.k.spans().row())
+    )
+    assert (full + partial) < (union[0] + union[1]) / 3
+    assert "queries gathered by chosen key block" in flex.layout_note(call)
+
+
+@pytest.mark.parametrize("case", ["compiled on a cpu", "union with a fixed pattern", "dense"])
+def test_calls_that_the_rows_would_not_serve_keep_the_union(case):
+    q, k, v, _ = _inputs(300, 300, padded=False)
+    flex = FlexBackend(block_size=16, compile=case == "compiled on a cpu")
+    kw = dict(variant="moba", block_size=32, top_k=3)
+    if case == "union with a fixed pattern":
+        kw = dict(variant=Moba(block_size=32, top_k=3) | Local((8, 0)))
+    if case == "dense":  # every query chooses all 4 blocks: its rows would score every key
+        kw.update(block_size=80, top_k=4)
+    assert not flex.gathers(prepare_call(q, k, v, **kw))
+
+
+def test_the_rows_trace_as_one_graph():
+    """No graph break where the rows are made (a count read on the host would be one): a model
+    compiled on a GPU holds MoBA's whole layout in its graph, and equal rows come out."""
+    q, k, _, _ = _inputs(1900, 2000, padded=False)
+    call = prepare_call(q, k, k, variant="moba", block_size=256, top_k=3, causal=True)
+
+    def rows_of(q, k):
+        rows = gathered_rows_of(replace(call, q=q, k=k, v=k), 128)
+        mask = rows.block_mask
+        return rows.row_query, rows.pair_row, mask.kv_num_blocks, mask.full_kv_indices
+
+    traced = torch.compile(rows_of, fullgraph=True, backend="eager")(q, k)
+    for got, want in zip(traced, rows_of(q, k), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_gathered_rows_run_on_fake_cuda_tensors(gathered):
+    """The rows' count is fixed by the shapes: the CUDA path runs on fake tensors, no device mix
+    (a CPU padding mask moved to the keys' device)."""
+    from zoo.testing.fake_cuda import FakeCudaUnavailable, fake_cuda
+
+    try:
+        with fake_cuda():
+            q = torch.randn(2, 4, 1900, 16, device="cuda")
+            k = torch.randn(2, 2, 2000, 16, device="cuda")
+            v = torch.randn(2, 2, 2000, 8, device="cuda")
+            padding = torch.zeros(2, 2000, dtype=torch.bool)
+            out = zoo.attention(q, k, v, variant="moba", block_size=256, top_k=3, causal=True,
+                                backend="flex", key_padding_mask=padding)  # fmt: skip
+    except FakeCudaUnavailable as error:
+        pytest.skip(str(error))
+    assert gathered == ["moba"]
+    assert out.device.type == "cuda" and out.shape == (2, 4, 1900, 8)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_gpu_gathered_moba_forward_backward_matches_reference(causal, dtype, gathered):
+    """The compiled kernel's log-sum-exp and its gradient (the merge's), grouped heads, lengths
+    no block divides, key padding, by the tolerance convention."""
+    for padded, (q_len, kv_len) in [(False, (1000, 1000)), (True, (900, 1000))]:
+        check_against_reference(
+            "moba", "flex", q_len=q_len, kv_len=kv_len, causal=causal, padded=padded,
+            params={"block_size": 128, "top_k": 3}, dtype=dtype, device="cuda", head_dim=64,
+            heads=4, kv_heads=2,
+        )  # fmt: skip
+    assert "moba" in gathered
