@@ -184,6 +184,43 @@ def test_functional_form_matches_the_full_call():
     assert "on sdpa" in said and f"{cache.keys.shape[2]} slots" in said
 
 
+@pytest.mark.parametrize("variant", ["causal", "sliding_window", "longformer"])
+def test_a_step_the_host_knows_whole_writes_without_reading_its_slots(variant):
+    """A one-token step of every row (no padding) into a cache that keeps every position: each
+    token is written as it is, without reading what its slot held (an indexing op and a select
+    that a GPU launches on every step), and the step equals the full call's last row; with
+    padding, the padded row's slot keeps what it held (read and selected)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class SlotReads(TorchDispatchMode):
+        def __init__(self, stores):
+            super().__init__()
+            self.stores, self.count = stores, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.index.Tensor and any(args[0] is s for s in self.stores):
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 21, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    kw = dict(variant=variant, causal=True, **small(variant))
+    padding = torch.tensor([[False], [True]])
+    for mask, reads in ((None, 0), (padding, 3)):  # keys, values and the slots' positions
+        cache = zoo.new_cache(variant, batch_size=2, max_len=32, num_kv_heads=2, head_dim=8,
+                              dtype=torch.float64, **small(variant))  # fmt: skip
+        zoo.attention(q[:, :, :20], k[:, :, :20], v[:, :, :20], cache=cache, **kw)
+        watch = SlotReads((cache.keys, cache.values, cache.slot_pos))
+        with watch:
+            out = zoo.attention(q[:, :, 20:], k[:, :, 20:], v[:, :, 20:], cache=cache,
+                                key_padding_mask=mask, **kw)  # fmt: skip
+        assert watch.count == reads
+        want = zoo.attention(q, k, v, **kw)[:, :, 20:]
+        assert torch.allclose(out[0], want[0], atol=1e-10, rtol=0)
+        if mask is None:
+            assert torch.allclose(out[1], want[1], atol=1e-10, rtol=0)
+
+
 def _state(cache):
     return [t.clone() for t in (cache.keys, cache.values, cache.slot_pos, cache.lengths)]
 

@@ -240,8 +240,9 @@ class KVCache:
             return
         on_host = self._lengths.device.type == "cpu"  # values read without waiting for a device
         longest, _ = self.host_lengths()
-        after = self._lengths + counts
-        if (on_host or longest + steps > self.max_len) and bool((after > self.max_len).any()):
+        if (on_host or longest + steps > self.max_len) and bool(
+            ((after := self._lengths + counts) > self.max_len).any()
+        ):
             row = int(torch.argmax((after > self.max_len).int()))
             raise ValueError(
                 f"step too long: row {row} holds {int(self._lengths[row])} tokens and adds "
@@ -264,10 +265,14 @@ class KVCache:
                 f"{positions[row, : int(counts[row])].tolist()}"
             )
 
-    def write(self, k: Tensor, v: Tensor, positions: Tensor, valid: Tensor) -> None:
+    def write(
+        self, k: Tensor, v: Tensor, positions: Tensor, valid: Tensor, every_kept: bool = False
+    ) -> None:
         """Store the valid new keys k, v (B, H_kv, t, D) at their positions (B, t), as far as the
         plan keeps them: a ring slot takes the last of the positions that map to it. In place,
-        or into new tensors when autograd needs the earlier ones.
+        or into new tensors when autograd needs the earlier ones. ``every_kept``: the host knows
+        that every token is valid and has a slot (``Retention.keeps_below``), so a step's tokens
+        are written as they are, without reading what their slots held.
 
         Without a host synchronisation: every token (b, j) of the call writes its slot (slot 0
         where the plan keeps it nowhere) with the value that slot ends with, the call's last
@@ -277,14 +282,14 @@ class KVCache:
         B, t = positions.shape
         slots = self.plan.slots
         slot = self.plan.slot(positions)  # (B, t), -1: not kept
-        kept = valid & (slot >= 0)
-        target = slot.clamp(min=0)
+        kept, target = (valid, slot) if every_kept else (valid & (slot >= 0), slot.clamp(min=0))
         rows = torch.arange(B, device=positions.device)[:, None].expand(B, t)
         tracked = k.requires_grad or v.requires_grad or self.keys.requires_grad
         grad = torch.is_grad_enabled() and tracked
         canonical = None
         if t == 1:  # a step: each row's one token, kept or not, ends its slot (no other shares it)
-            new, pick, ending = kept, None, (k.transpose(1, 2), v.transpose(1, 2))
+            new = None if every_kept else kept  # None: every token is new to its slot
+            pick, ending = None, (k.transpose(1, 2), v.transpose(1, 2))
         else:  # the call's last kept token in each slot (positions increase with the token)
             token = torch.arange(t, device=positions.device).expand(B, t)
             last = torch.full((B, slots + 1), -1, dtype=torch.long, device=positions.device)
@@ -299,6 +304,8 @@ class KVCache:
                 canonical = canonical == token
 
         def ends_with(store: Tensor, x: Tensor) -> Tensor:  # (B, t, H_kv, D): each slot's end
+            if new is None:
+                return x
             end = torch.where(new[:, :, None, None], x, store[rows, :, target])
             if canonical is not None:
                 end = torch.where(canonical[:, :, None, None], end, end.detach())
@@ -314,7 +321,9 @@ class KVCache:
             self.keys[rows, :, target] = end_k
             self.values[rows, :, target] = end_v
         written = positions if pick is None else positions.gather(1, pick)
-        self.slot_pos[rows, target] = torch.where(new, written, self.slot_pos[rows, target])
+        if new is not None:
+            written = torch.where(new, written, self.slot_pos[rows, target])
+        self.slot_pos[rows, target] = written
 
 
 def _put(store: Tensor, rows: Tensor, slots: Tensor, new: Tensor) -> Tensor:

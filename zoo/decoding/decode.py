@@ -197,8 +197,9 @@ def cache_attention(
     # has a slot for it), or a cache without a ring. A longer call into a ring attends the slots
     # and its own keys, and is written after.
     write_first = t == 1 or cache.plan.ring == 0
+    every_kept = full and cache.plan.keeps_below(after)  # known here: no token to leave out
     if write_first:
-        cache.write(k, v, positions, valid)
+        cache.write(k, v, positions, valid, every_kept)
         keys, values, key_pos = cache.keys, cache.values, cache.slot_pos
         key_ok = key_pos >= 0
         width = cache.slots_used(after)
@@ -222,9 +223,9 @@ def cache_attention(
     )  # fmt: skip
     out = backend.decode_step(step)
     if not write_first:
-        cache.write(k, v, positions, valid)
+        cache.write(k, v, positions, valid, every_kept)
     cache.advance(counts, t, full)
-    return out * valid[:, None, :, None]
+    return out if full else out * valid[:, None, :, None]
 
 
 def _host_bounds(

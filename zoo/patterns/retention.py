@@ -62,6 +62,12 @@ class Retention:
     def slots(self) -> int:
         return self.pinned.numel() + self.ring
 
+    def keeps_below(self, length: int) -> bool:
+        """Whether every position below ``length`` has a slot, known on the host: any position
+        has one where there is a ring; with none, the pinned prefix 0 .. P - 1 holds those below
+        P."""
+        return self.ring > 0 or (self.prefix and length <= self.pinned.numel())
+
     def slot(self, positions: Tensor) -> Tensor:
         """The slot of each key position (-1: not kept), in the positions' shape; elementwise on
         the positions' device (no value read on the host, no tensor made from host data)."""
