@@ -105,6 +105,42 @@ def test_gathered_rows_give_moba_gradients_through_the_kernel_and_the_merge(
         assert (got - want).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_random_shapes_and_intersections_on_the_rows(seed, monkeypatch):
+    """Any batch, lengths (fewer or more queries than keys), block sizes (a MoBA block smaller
+    or larger than the kernel's, dividing it or not), top_k, padding (rows wholly padded too)
+    and fixed members (a window, causal): the rows, taken even where they would not pay, give
+    the reference's output and gradients through the emulated kernel."""
+    monkeypatch.setattr(flex_kernel, "_kernel", lambda compiled, q=None: emulated_flex)
+    monkeypatch.setattr(flex_module, "gathered_pays", lambda *args: True)
+    g = torch.Generator().manual_seed(seed)
+
+    def pick(*options):
+        return options[int(torch.randint(len(options), (1,), generator=g))]
+
+    B, q_len, kv_len = pick(1, 2, 3), pick(5, 33, 70), pick(9, 40, 90)
+    size, block, top_k = pick(3, 8, 12, 33), pick(4, 8, 16), pick(1, 2, 3, 5)
+    pattern = Moba(block_size=size, top_k=top_k)
+    fixed = pick(None, Local((7, 3)), Local((20, 0)))
+    kw = dict(variant=pattern if fixed is None else pattern & fixed, causal=bool(seed % 2))
+    q = torch.randn(B, 2, q_len, 8, generator=g)
+    k, v = (torch.randn(B, 1, kv_len, 8, generator=g) for _ in range(2))
+    padding = torch.rand(B, kv_len, generator=g) < pick(0.0, 0.3, 0.9)
+    padding[0] = seed % 3 == 0  # a row of padding only, now and then
+    kw["key_padding_mask"] = padding
+    flex = _Differentiable(block_size=block, compile=False)
+    assert flex.gathers(prepare_call(q, k, v, **kw))
+    results = []
+    for backend in (flex, "reference"):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = zoo.attention(*leaves, backend=backend, **kw)
+        out.backward(torch.ones_like(out))
+        results.append([out, *(x.grad for x in leaves)])
+    for got, want in zip(*results, strict=True):
+        assert not got.isnan().any()
+        assert (got - want).abs().max() < 1e-5
+
+
 def test_the_kernel_scores_the_chosen_pairs_not_their_union_per_query_block():
     """At 4K tokens, blocks of 256, top 3, random inputs: the rows' kernel blocks score at most
     the chosen pairs plus one partly filled kernel block per chosen block, under a third of the
@@ -152,6 +188,32 @@ def test_the_rows_trace_as_one_graph():
     traced = torch.compile(rows_of, fullgraph=True, backend="eager")(q, k)
     for got, want in zip(traced, rows_of(q, k), strict=True):
         assert torch.equal(got, want)
+
+
+def test_a_compiled_model_runs_the_rows_without_compiling_again(monkeypatch):
+    """Three calls of a compiled function (new inputs, so a new choice each time): one graph.
+    On a CPU the rows run only eagerly (compiled flex there has no log-sum-exp), so the test
+    takes the GPU's side of ``whole_blocks``; dynamo's eager backend runs the graph."""
+    import torch._dynamo
+
+    monkeypatch.setattr(FlexBackend, "whole_blocks", lambda self, call: False)
+    flex = FlexBackend(block_size=16, compile=False)
+
+    def layer(q, k, v):
+        return zoo.attention(q, k, v, backend=flex, variant="moba", block_size=32, top_k=3,
+                             causal=True)  # fmt: skip
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="eager")
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for seed in range(3):
+                q, k, v, _ = _inputs(300, 300, padded=False, seed=seed)
+                call = prepare_call(q, k, v, variant="moba", block_size=32, top_k=3, causal=True)
+                assert flex.gathers(call)
+                assert (compiled(q, k, v) - layer(q, k, v)).abs().max() < 1e-5
+    finally:
+        torch._dynamo.reset()
 
 
 def test_gathered_rows_run_on_fake_cuda_tensors(gathered):

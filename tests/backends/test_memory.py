@@ -99,7 +99,8 @@ def test_a_choice_by_content_is_never_a_queries_by_blocks_layout(monkeypatch, ca
     assert n * 3 * block * 0.9 < scored <= n * 3 * block
     # flex's mask is over the (query, chosen block) rows (``flex_chosen``): n * top_k of them
     # and a partly filled kernel block per segment, not the queries x blocks layout
-    assert mask.kv_num_blocks.shape == (1, heads, gathered_rows(n, 3, n // block, 128) // 128)
+    rows = gathered_rows(n, 3, n // block, 128, fixed=causal)
+    assert mask.kv_num_blocks.shape == (1, heads, rows // 128)
     if causal:
         return
     with watch:

@@ -70,6 +70,15 @@ def flex_frame(pattern: Pattern, q_len: int, kv_len: int, block: int, device) ->
     return build_frame(order, q_len, kv_len, block, block, device)
 
 
+def _one_graph_per_shape(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """Under torch.compile, q's, k's and v's sizes made concrete: Inductor's lowering of the
+    kernel failed on sizes that dynamo made symbolic after a change of shape ("A subgraph
+    argument ... has been modified")."""
+    if torch.compiler.is_compiling():
+        for size in (*q.shape, *k.shape, *v.shape):
+            concrete(size)
+
+
 def _slot_mask(pattern: Pattern, frame: Frame, q_len: int, kv_len: int):
     """The mask_mod on the frame's slots: in the natural order the pattern's own, or on a GPU a
     table lookup where the pattern is constant on squares of positions and its own evaluates
@@ -275,8 +284,10 @@ class FlexBackend(Backend):
     def block_counts(self, call: AttentionCall) -> tuple[float, float, int]:
         """(FULL blocks, PARTIAL blocks, all blocks) of the call's block masks per sequence and
         head (their mean where the layout differs per sequence or head; summed over the parts
-        where they run each in its own order, ``own_orders``), key padding aside. In a PARTIAL
-        block the kernel evaluates the mask_mod for every element."""
+        where they run each in its own order, ``own_orders``), key padding aside; over the rows
+        of (query, chosen block) pairs where they are gathered (``gathers``: then key padding
+        included, and all blocks those of the rows' grid). In a PARTIAL block the kernel
+        evaluates the mask_mod for every element."""
         parts = self.own_orders(call)
         if parts is not None:
             counts = [self.block_counts(replace(call, pattern=part)) for part in parts]
@@ -312,9 +323,9 @@ class FlexBackend(Backend):
     def gathers(self, call: AttentionCall) -> bool:
         """Whether a layout chosen by content runs on its queries gathered by key block
         (``flex_chosen``): one ``ChosenBlocks``, alone or intersected with fixed patterns, where
-        its rows score fewer pairs than the union's block mask can, and the kernel returns its
-        log-sum-exp (not compiled on a CPU; not on fake tensors that record gradients: see
-        ``own_orders``)."""
+        its rows' bound of scored pairs is under the whole grid (``gathered_pays``), and the
+        kernel returns its log-sum-exp (not compiled on a CPU; not on fake tensors that record
+        gradients, which take the union's mask: see ``own_orders``)."""
         if not call.pattern.routed or self.whole_blocks(call):
             return False
         if call.needs_grad and has_no_data(call.q):
@@ -391,6 +402,7 @@ class FlexBackend(Backend):
         compiled = self.compile
 
         def run(q: Tensor, k: Tensor, v: Tensor, padding: None = None) -> Tensor:
+            _one_graph_per_shape(q, k, v)
             out, lse = run_kernel(compiled, least, gather_queries(q, rows), k, v, lse=True,
                                   **kernel_args)  # fmt: skip
             out, _ = merge_along(rows_per_query(out, rows), rows_per_query(lse, rows))
@@ -426,12 +438,7 @@ class FlexBackend(Backend):
         )  # fmt: skip
 
         def run(q: Tensor, k: Tensor, v: Tensor, padding: None = None):
-            if torch.compiler.is_compiling():
-                # Inductor's lowering of the kernel fails on sizes that dynamo made symbolic
-                # after a change of shape ("A subgraph argument ... has been modified"): one
-                # graph per shape.
-                for size in (*q.shape, *k.shape, *v.shape):
-                    concrete(size)
+            _one_graph_per_shape(q, k, v)
             if gather:
                 q, k, v = frame.q.gather(q), frame.k.gather(k), frame.k.gather(v)
                 if torch.compiler.is_compiling():

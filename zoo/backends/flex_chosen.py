@@ -23,6 +23,8 @@ same density). MoBA's own kernel, and this path, make each (query, chosen block)
 - Rows: the pairs (queries x chosen blocks: n * top_k) plus at most one partly filled kernel
   block per segment; the count is a bound fixed by the shapes, so nothing waits on the device,
   and fake tensors and traced graphs run it. Kernel query blocks past the used rows attend no key.
+- Eager flex (``compile=False``, tests) scores every row against every key: the rows make it
+  slower than the union there; the path is for the compiled kernel.
 
 Where it runs (``gathered``): a pattern that is one ``ChosenBlocks``, alone or intersected with
 fixed patterns the same for every head (``moba & causal``), chosen for the call's queries (not
@@ -67,22 +69,31 @@ def chosen_parts(pattern: Pattern) -> tuple[ChosenBlocks, Pattern | None] | None
     return chosen, rest
 
 
-def gathered_rows(q_len: int, top_k: int, blocks: int, block: int) -> int:
-    """The gathered rows' bound: every pair, and one partly filled kernel block per segment (each
-    chosen block's FULL and PARTIAL rows, and the empty slots)."""
-    return block * (-(-q_len * top_k // block) + 2 * blocks + 1)
+def gathered_rows(q_len: int, slots: int, blocks: int, block: int, fixed: bool = True) -> int:
+    """The gathered rows' bound: every pair (``slots`` per query), and one partly filled kernel
+    block per segment: each chosen block's rows (FULL and PARTIAL ones apart where a ``fixed``
+    member cuts into blocks), and the empty slots'."""
+    segments = (2 if fixed else 1) * blocks + 1
+    return block * (-(-q_len * slots // block) + segments - 1)
 
 
 def gathered_pays(call: AttentionCall, chosen: ChosenBlocks, block: int) -> bool:
-    """Whether the rows score fewer pairs than the union can: its bound, every row against the
-    kernel key blocks of one chosen block, under all of q_len x kv_len."""
-    rows = gathered_rows(call.q_len, chosen.picks.shape[-1], chosen.blocks, block)
+    """Whether the rows' bound of scored pairs, every row against the kernel key blocks of one
+    chosen block, is under the whole grid q_len x kv_len (the union's own count would cost the
+    per-query layout to find: on random inputs it is nearly the grid)."""
+    parts = chosen_parts(call.pattern)
+    fixed = parts is not None and parts[1] is not None
+    rows = gathered_rows(call.q_len, chosen.picks.shape[-1], chosen.blocks, block, fixed)
     return rows * _width(chosen.block_size, block) * block < call.q_len * call.kv_len
 
 
 def _width(chosen_block: int, block: int) -> int:
     """The most kernel key blocks that one chosen block touches."""
-    return -(-chosen_block // block) + (1 if chosen_block % block else 0)
+    if chosen_block % block == 0:
+        return chosen_block // block
+    if block % chosen_block == 0:
+        return 1
+    return chosen_block // block + 2
 
 
 @dataclass(frozen=True, eq=False)
@@ -91,9 +102,9 @@ class GatheredRows:
     is, and the block mask over the rows and the keys."""
 
     row_query: Tensor  # (B, H, R) int64: the query index of each row (0 in a padding row)
-    pair_row: Tensor  # (B, H, Lq * top_k) int64: the row of each (query, slot) pair
+    pair_row: Tensor  # (B, H, Lq * slots) int64: the row of each (query, pick slot) pair
     block_mask: object  # flex's BlockMask over (R, kv_len)
-    top_k: int
+    slots: int  # pick slots per query: min(top_k, key blocks)
 
 
 def gathered_rows_of(call: AttentionCall, block: int) -> GatheredRows:
@@ -103,12 +114,12 @@ def gathered_rows_of(call: AttentionCall, block: int) -> GatheredRows:
     assert parts is not None
     chosen, fixed = parts
     picks = chosen.picks.long()
-    B, H, q_len, top_k = picks.shape
+    B, H, q_len, slots = picks.shape
     nb, size, kv_len = chosen.blocks, chosen.block_size, call.kv_len
     offset = int(chosen.offset)
     device = picks.device
     segment = _segments(picks, nb, size, fixed, offset, kv_len)
-    flat = segment.flatten(2)  # (B, H, P), P = q_len * top_k in query order
+    flat = segment.flatten(2)  # (B, H, P), P = q_len * slots in query order
     pairs = flat.shape[-1]
     by_segment, order = flat.sort(dim=-1, stable=True)
     segments = 2 * nb + 1
@@ -119,9 +130,9 @@ def gathered_rows_of(call: AttentionCall, block: int) -> GatheredRows:
     first_row = padded.cumsum(-1) - padded  # its first row
     rank = torch.arange(pairs, device=device) - first.gather(-1, by_segment)
     row = first_row.gather(-1, by_segment) + rank  # of each sorted pair
-    rows = gathered_rows(q_len, top_k, nb, block)
+    rows = gathered_rows(q_len, slots, nb, block, fixed is not None)
     row_query = torch.zeros(B, H, rows, dtype=torch.long, device=device)
-    row_query.scatter_(-1, row, order // top_k)
+    row_query.scatter_(-1, row, order // slots)
     row_segment = torch.full((B, H, rows), 2 * nb, dtype=torch.long, device=device)
     row_segment.scatter_(-1, row, by_segment)
     pair_row = torch.empty_like(row).scatter_(-1, order, row)
@@ -129,14 +140,15 @@ def gathered_rows_of(call: AttentionCall, block: int) -> GatheredRows:
     block_mask = _block_mask(
         row_query, row_segment, keep, fixed, offset, size, nb, kv_len, block, call.needs_grad
     )
-    return GatheredRows(row_query, pair_row, block_mask, top_k)
+    return GatheredRows(row_query, pair_row, block_mask, slots)
 
 
 def _segments(
     picks: Tensor, nb: int, size: int, fixed: Pattern | None, offset: int, kv_len: int
 ) -> Tensor:
-    """(B, H, Lq, k) each pair's segment: 2 * block for a FULL pair, 2 * block + 1 for a PARTIAL
-    one (a fixed member cuts into the block), 2 * nb for an empty slot or an EMPTY pair."""
+    """(B, H, Lq, k) each pair's segment: 2 * j for a FULL pair of chosen block j, 2 * j + 1 for
+    a PARTIAL one (a fixed member cuts into the block), 2 * nb for an empty slot or an EMPTY
+    pair."""
     used = picks < nb
     partial = torch.zeros_like(used)
     if fixed is not None:
@@ -214,22 +226,24 @@ def _block_mask(
         return allowed
 
     build = _flex_module().BlockMask.from_kv_blocks
-    options = {} if backward or not _can_skip_q_blocks() else {"compute_q_blocks": False}
+    options = {} if backward or not SKIPS_Q_BLOCKS else {"compute_q_blocks": False}
     return build(
         *listed(PARTIAL), *listed(FULL), BLOCK_SIZE=block, mask_mod=chosen_mask,
         seq_lengths=(rows, kv_len), **options,
     )  # fmt: skip
 
 
-_SKIPS_Q_BLOCKS: list[bool] = []  # found once (not an lru_cache, which dynamo warns of)
-
-
-def _can_skip_q_blocks() -> bool:
+def _takes_compute_q_blocks() -> bool:
     """Whether this torch's ``BlockMask.from_kv_blocks`` takes ``compute_q_blocks``."""
-    if not _SKIPS_Q_BLOCKS:
+    try:
         build = _flex_module().BlockMask.from_kv_blocks
-        _SKIPS_Q_BLOCKS.append("compute_q_blocks" in inspect.signature(build).parameters)
-    return _SKIPS_Q_BLOCKS[0]
+    except ImportError:  # no FlexAttention: the backend says so (FlexBackend.unavailable)
+        return False
+    return "compute_q_blocks" in inspect.signature(build).parameters
+
+
+# Settled on import: found inside a traced graph, it guarded that graph and recompiled it once.
+SKIPS_Q_BLOCKS = _takes_compute_q_blocks()
 
 
 def _fixed_state(
@@ -245,6 +259,11 @@ def _fixed_state(
     real = row_segment.view(B, H, -1, block) == segment[..., None]  # not a padding row
     lo = torch.where(real, position, kv_len + rows).amin(-1, keepdim=True)
     hi = torch.where(real, position, -1).amax(-1, keepdim=True)
+    # A FULL segment's rows need no cut (``full`` holds already): the range of its first row
+    # only, so that a pattern without formulas (derived states: every pair of the range) stays
+    # cheap where a segment's rows come from all over the sequence.
+    cut = (segment % 2 == 1)[..., None]
+    lo, hi = torch.where(cut, lo, position[..., :1]), torch.where(cut, hi, position[..., :1])
     every = torch.ones_like(candidate, dtype=torch.bool)
     k_lo = candidate * block
     k_hi = torch.clamp(k_lo + block, max=kv_len) - 1
@@ -259,8 +278,8 @@ def gather_queries(q: Tensor, rows: GatheredRows) -> Tensor:
 
 def rows_per_query(x: Tensor, rows: GatheredRows) -> Tensor:
     """The rows' outputs (B, H, R, Dv) or log-sum-exps (B, H, R) -> each query's rows, one per
-    pick slot: (B, H, Lq, top_k, Dv) or (B, H, Lq, top_k)."""
+    pick slot: (B, H, Lq, slots, Dv) or (B, H, Lq, slots)."""
     index = rows.pair_row if x.dim() == 3 else rows.pair_row[..., None].expand(
         *rows.pair_row.shape, x.shape[-1])  # fmt: skip
     B, H, pairs = rows.pair_row.shape
-    return x.gather(2, index).view(B, H, pairs // rows.top_k, rows.top_k, *x.shape[3:])
+    return x.gather(2, index).view(B, H, pairs // rows.slots, rows.slots, *x.shape[3:])
