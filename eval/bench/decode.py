@@ -22,8 +22,11 @@ With ``compile: [false, true]`` each zoo step is also timed under ``torch.compil
 With ``profile`` = N > 0, each zoo cell also runs N steps under ``torch.profiler`` and N under
 cProfile after its timing (``eval.bench.profile.profile_calls``): its kernels, the host's gaps
 between them, the top kernels and the top host functions per step, so that a step's time on a
-GPU says where it goes (a step that took tens of ms against SDPA's tenths). Writes
-``bench-decode.json`` and ``bench-decode.md`` in ``out``.
+GPU says where it goes (a step that took tens of ms against SDPA's tenths). The header's
+``one_kernel_ms`` is the smallest step there is on the machine (one kernel on one element, timed
+as the steps are): a window's memory floor (about 1.3 us for 257 keys at B=8, 4 key/value heads,
+D=128, bf16 on an H100) lies below it. Writes ``bench-decode.json`` and ``bench-decode.md`` in
+``out``.
 """
 
 from __future__ import annotations
@@ -83,6 +86,14 @@ def _timed(step, device: torch.device, warmup: int, repeats: int) -> float:
         if i >= warmup:
             times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+def one_kernel_ms(device: torch.device, repeats: int = 200) -> float:
+    """Median milliseconds of the smallest step there is, one kernel on one element, timed as
+    the steps are (synchronised on CUDA): the least any step costs on this machine, which a
+    step reading few keys (a window) meets long before its memory floor."""
+    x = torch.zeros(1, device=device)
+    return _timed(lambda: x.add_(1), device, 10, repeats)
 
 
 def _fill(cache, n: int, generator: torch.Generator) -> None:
@@ -199,7 +210,8 @@ def markdown(header: dict, cells: list[dict]) -> str:
         f"# Decode step: one token against a cache of n tokens ({header['device']})",
         "",
         f"`{header['command']}`; {header['shape']}, median of {header['repeats']} steps. "
-        "Time in ms; memory of the cache (zoo) or of the full K and V (peers) in MiB.",
+        "Time in ms; memory of the cache (zoo) or of the full K and V (peers) in MiB. "
+        f"One kernel on one element, timed as a step: {header['one_kernel_ms'] * 1e3:.3g} us.",
         "",
         "| variant | impl | " + " | ".join(f"{n // 1024}K ms" for n in lengths) + " | "
         + " | ".join(f"{n // 1024}K MiB" for n in lengths) + " |",
@@ -277,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         f"D={config.head_dim}, {str(dtype).removeprefix('torch.')}",
         "repeats": config.repeats,
         "config": asdict(config),
+        "one_kernel_ms": one_kernel_ms(device),
     }
     cells: list[dict] = []
     for variant in config.variants:

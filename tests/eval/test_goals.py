@@ -116,11 +116,13 @@ def test_goal_b_compares_time_per_pair_with_the_nearest_fixed_pattern(tmp_path):
     assert verdicts(tmp_path)["b"] == "not measured"
 
 
-def decode_run(folder, auto_ms, sdpa_ms=1.0, device=H100):
+def decode_run(folder, auto_ms, sdpa_ms=1.0, device=H100, one_kernel_ms=None):
     config = {"variants": ["sliding_window"], "lengths": [4096], "batch": 1, "heads": 2,
               "kv_heads": 1, "head_dim": 64, "warmup": 0, "repeats": 2,
               "params": {"sliding_window": {"window_size": 256}}}  # fmt: skip
     header = {"device": device, "shape": "B=1, H=2, H_kv=1, D=64, bfloat16", "config": config}
+    if one_kernel_ms is not None:
+        header["one_kernel_ms"] = one_kernel_ms
     cells = [
         {"impl": "zoo:sliding_window", "variant": "sliding_window", "n": 4096, "ms": auto_ms},
         {"impl": "sdpa_dense", "variant": "sliding_window", "n": 4096, "ms": sdpa_ms},
@@ -140,6 +142,11 @@ def test_goal_c_floor_from_the_keys_read_and_the_sdpa_step(tmp_path):
     decode_run(tmp_path, 3.5e-5, device="Some GPU")  # no bandwidth known
     assert verdicts(tmp_path)["c"] == "not measured"
     assert verdicts(tmp_path, bandwidth=3.35)["c"] == "held"
+    # The machine's one-kernel step (5 us) is told beside the floor, not judged.
+    decode_run(tmp_path, 0.0101, one_kernel_ms=0.005)
+    goal = goals.goal_c([tmp_path], None, [])
+    assert goal.verdict == "not held"
+    assert "2.01x the floor plus one kernel's step (5 us)" in "\n".join(goal.details)
 
 
 def test_keys_read_by_a_decoding_step():
