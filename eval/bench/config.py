@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 import zoo
+from zoo.backends import Backend
 from zoo.core.arguments import check_parameters, suggest
 
 from ..harness.config import ConfigError
@@ -51,7 +52,8 @@ class BenchConfig:
     threads: int = 0  # CPU threads for torch; 0 keeps torch's default
     fit_points: int = 3  # the largest successful lengths an exponent is fitted over
     # name -> {backend: a registered backend, and its constructor's options}: a backend built
-    # with options, listed in ``backends`` by this name (blocked computing in bfloat16, say)
+    # with options, listed in ``backends`` by this name (blocked computing in bfloat16, say);
+    # ``compiled_call: true`` runs each of its cells' calls under torch.compile (``CompiledCall``)
     backend_instances: dict[str, dict] = field(default_factory=dict)
 
 
@@ -107,11 +109,20 @@ def _check_listed(source: str, key: str, names, kind: str, known, listing: str) 
             raise ConfigError(_unknown(source, key, i, kind, name, known, listing))
 
 
+@dataclass(frozen=True)
+class CompiledCall:
+    """A backend instance whose cells run the whole ``zoo.attention`` call under
+    ``torch.compile``, as a compiled model runs it: a choice by
+    content (MoBA), its layout and the kernel in one graph, not one launch per operation."""
+
+    backend: Backend | str
+
+
 def backend_instances(config: BenchConfig, source: str) -> dict:
     """The backends of ``backend_instances``, built (``Sweep`` builds them for every command that
     sweeps a config); an option that names a dtype (``compute_dtype: bfloat16``) as that torch
-    dtype."""
-    built = {}
+    dtype; with ``compiled_call: true`` a ``CompiledCall`` of it."""
+    built: dict[str, Backend | CompiledCall] = {}
     for name, spec in config.backend_instances.items():
         options = dict(spec)
         base = options.pop("backend", None)
@@ -119,13 +130,20 @@ def backend_instances(config: BenchConfig, source: str) -> dict:
             known = zoo.list_backends()
             hint = suggest("backend", str(base), known, "zoo.list_backends()")
             raise ConfigError(f"{source}: backend_instances.{name}.backend: {hint}")
+        compiled = options.pop("compiled_call", False)
+        if not isinstance(compiled, bool):
+            raise ConfigError(
+                f"{source}: backend_instances.{name}.compiled_call: true or false, got "
+                f"{compiled!r}"
+            )
         for key, value in options.items():
             if key.endswith("dtype") and isinstance(value, str):
                 options[key] = getattr(torch, value)
         try:
-            built[name] = type(zoo.backends.get_backend(base))(**options)
+            backend = type(zoo.backends.get_backend(base))(**options)
         except (TypeError, ValueError) as error:
             raise ConfigError(f"{source}: backend_instances.{name}: {error}") from error
+        built[name] = CompiledCall(backend) if compiled else backend
     return built
 
 

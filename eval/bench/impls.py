@@ -179,13 +179,15 @@ def mechanism_setup(impl: ZooImpl, point: Point) -> Prepared:
 
 @dataclass
 class ZooImpl:
-    """A zoo backend by name ("auto" included) or instance, run through ``zoo.attention``."""
+    """A zoo backend by name ("auto" included) or instance, run through ``zoo.attention``; with
+    ``compiled``, that call under ``torch.compile`` (the config's ``compiled_call``)."""
 
     name: str
     backend: str | Backend
     variant: str
     params: dict
     kind: str = "zoo"
+    compiled: bool = False
 
     def setup(self, point: Point) -> Prepared:
         clear_zoo_caches()
@@ -216,6 +218,8 @@ class ZooImpl:
                 q, k, v, variant=self.variant, backend=by_name, causal=point.causal, **self.params
             )
 
+        if self.compiled:  # its first runs (the warm-up) compile
+            run = torch.compile(run)
         select = None
         if call.pattern.routed:
             select = selection_ms(self.variant, self.params, point.causal, point.q, point.k)

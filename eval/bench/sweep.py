@@ -19,7 +19,7 @@ from zoo.functional import resolve_pattern
 
 from . import report
 from .cell import Settings, measure_cell, new_record
-from .config import BenchConfig, backend_instances
+from .config import BenchConfig, CompiledCall, backend_instances
 from .impls import Point, SdpaDense, ZooImpl, clear_zoo_caches, variant_peer
 from .measure import free_memory, is_oom
 from .routed import chosen_pairs, is_routed
@@ -33,7 +33,8 @@ class Sweep:
     variants: list[str]
     device: torch.device
     dtype: torch.dtype
-    extra_backends: dict[str, Backend] = field(default_factory=dict)  # tests: instances by name
+    # tests: instances by name (a CompiledCall: its cells' calls under torch.compile)
+    extra_backends: dict[str, Backend | CompiledCall] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # The config's own instances (backend_instances), under what a caller passes.
@@ -46,7 +47,10 @@ class Sweep:
         for variant in self.variants:
             params = dict(config.params.get(variant, {}))
             for name in config.backends:
-                out.append(ZooImpl(name, self.extra_backends.get(name, name), variant, params))
+                backend = self.extra_backends.get(name, name)
+                compiled = isinstance(backend, CompiledCall)
+                backend = backend.backend if compiled else backend
+                out.append(ZooImpl(name, backend, variant, params, compiled=compiled))
             out += [variant_peer(p, variant, params) for p in config.peers if p != "sdpa_dense"]
         return out
 

@@ -19,7 +19,7 @@ from eval.bench import run as bench
 from eval.bench.config import BenchConfig, backend_instances
 from eval.bench.measure import MAX_RUNS, CudaClock, is_oom, peak_memory_mb, time_runs
 from eval.bench.report import all_pairs, fit_exponent, goal_line, sparsity_realization
-from eval.harness.config import load_config
+from eval.harness.config import ConfigError, load_config
 from zoo.backends import Backend, Capabilities
 
 SMALL = {"local": {"window_size": 8}, "block_local": {"block_size": 16}}
@@ -315,6 +315,34 @@ def test_backend_instances_are_built_with_their_options(tmp_path):
         built = backend_instances(config, shipped)
         assert bench.check_config(config, shipped, built)
     assert built["flex64"].block_size == 64  # bench_blocks_gpu: flex's blocks as the pattern's
+
+
+def test_a_compiled_call_instance_times_its_calls_under_torch_compile(tmp_path, monkeypatch):
+    """``compiled_call: true``: each of its cells' zoo calls goes through torch.compile (here a
+    spy that returns the call as it is: what is checked is the wrapping), beside the same
+    backend's plain cells; a value that is not a bool is refused with the key."""
+    import eval.bench.impls as impls
+
+    compiled = []
+
+    def spy(fn):
+        compiled.append(fn)
+        return fn
+
+    monkeypatch.setattr(impls.torch, "compile", spy)
+    path = write_config(tmp_path, variants=["local"], lengths=[64], peers=[],
+                        backends=["sdpa", "sdpa_compiled"],
+                        backend_instances={"sdpa_compiled": {"backend": "sdpa",
+                                                             "compiled_call": True}})  # fmt: skip
+    assert bench.main([path]) == 0
+    _, cells = read_cells(tmp_path)
+    assert [c["backend"] for c in cells] == ["sdpa", "sdpa_compiled"]
+    assert all(c["status"] == "ok" and c["checked"] for c in cells)
+    assert len(compiled) == 1  # the compiled cell's call, once
+    config = load_config(BenchConfig, path, ["backend_instances={x: {backend: sdpa, "
+                                             "compiled_call: 1}}"])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"backend_instances.x.compiled_call: true or false"):
+        backend_instances(config, path)
 
 
 def test_shipped_configs_load_and_check():
