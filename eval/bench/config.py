@@ -133,8 +133,7 @@ def backend_instances(config: BenchConfig, source: str) -> dict:
         compiled = options.pop("compiled_call", False)
         if not isinstance(compiled, bool):
             raise ConfigError(
-                f"{source}: backend_instances.{name}.compiled_call: true or false, got "
-                f"{compiled!r}"
+                f"{source}: backend_instances.{name}.compiled_call: true or false, got {compiled!r}"
             )
         for key, value in options.items():
             if key.endswith("dtype") and isinstance(value, str):
