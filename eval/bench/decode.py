@@ -18,7 +18,10 @@ Peers, one query against all n cached keys and values of full attention:
 
 The step is checked against the reference decoding backend on the same cache (max abs error).
 With ``compile: [false, true]`` each zoo step is also timed under ``torch.compile`` (impl
-``zoo:VARIANT+compile``; its warm-up steps compile, twice, after which the lengths are dynamic).
+``zoo:VARIANT+compile``; its warm-up steps compile, twice, after which the lengths are dynamic),
+in ``compile_mode`` (``reduce-overhead``: CUDA graphs). ``static_cache: true`` makes the caches
+static (``zoo.new_cache(static=True)``: every step of one shape, all slots read and masked), so
+that a compiled step is one graph, one CUDA graph in ``reduce-overhead``, for every step.
 With ``profile`` = N > 0, each zoo cell also runs N steps under ``torch.profiler`` and N under
 cProfile after its timing (``eval.bench.profile.profile_calls``): its kernels, the host's gaps
 between them, the top kernels and the top host functions per step, so that a step's time on a
@@ -71,6 +74,10 @@ class DecodeConfig:
     profile: int = 0  # steps of each zoo cell under the profiler (and as many under cProfile)
     # each zoo step eager (false) and/or under torch.compile (true, impl "...+compile")
     compile: list[bool] = field(default_factory=lambda: [False])
+    compile_mode: str = "default"  # torch.compile's mode: "reduce-overhead" runs CUDA graphs
+    # caches of fixed step shapes (zoo.new_cache(static=True)): every slot read, masked; a
+    # compiled step is then one graph (static shapes) for every step
+    static_cache: bool = False
 
 
 def _timed(step, device: torch.device, warmup: int, repeats: int) -> float:
@@ -115,7 +122,7 @@ def measure(config: DecodeConfig, variant: str, n: int, device, dtype) -> list[d
     steps = config.warmup + config.repeats + 2 + 2 * config.profile
     cache = zoo.new_cache(variant, batch_size=config.batch, max_len=n + steps, device=device,
                           num_kv_heads=kv_heads, head_dim=config.head_dim, dtype=dtype,
-                          **params)  # fmt: skip
+                          static=config.static_cache, **params)  # fmt: skip
     _fill(cache, n, gen)
 
     def new(heads):
@@ -149,8 +156,10 @@ def measure(config: DecodeConfig, variant: str, n: int, device, dtype) -> list[d
         def step(backend=backend, timed=timed):
             return zoo.attention(q, k, v, cache=timed, backend=backend, **kw)
 
-        if compiled:  # the warm-up steps compile (twice: then the lengths are dynamic)
-            step = torch.compile(step)
+        if compiled:  # the warm-up steps compile (twice: then the lengths are dynamic; once
+            # with a static cache, whose steps keep their shapes)
+            dynamic = False if config.static_cache else None
+            step = torch.compile(step, mode=config.compile_mode, dynamic=dynamic)
         cell["ms"] = _timed(step, device, config.warmup, config.repeats)
         if config.profile:
             cell["profile"] = profile_calls(step, device, 0, config.profile)
@@ -269,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     for peer in config.peers:
         if peer not in PEERS:
             raise SystemExit(f"{path}: peers: unknown peer {peer!r}; known: {', '.join(PEERS)}")
+    modes = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+    if config.compile_mode not in modes:
+        raise SystemExit(f"{path}: compile_mode: {config.compile_mode!r} is not one of "
+                         f"torch.compile's modes: {', '.join(modes)}")  # fmt: skip
     for backend in config.backends:
         if backend not in ("auto", "flex"):
             raise SystemExit(f"{path}: backends: unknown decoding backend {backend!r}; known: "

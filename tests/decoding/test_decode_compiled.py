@@ -1,11 +1,13 @@
 """A decoding loop under ``torch.compile``: the module's steps with a cache compile a bounded
 number of times (the host's bookkeeping, widths read from Python ints the cache keeps, runs
-between graphs; the lengths become dynamic after one recompilation) and equal eager steps."""
+between graphs; the lengths become dynamic after one recompilation) and equal eager steps; with
+a static cache, one graph of fixed shapes for every step (what CUDA graphs need)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers import gpu
 from torch._dynamo.testing import CompileCounter
 
 import zoo
@@ -49,6 +51,59 @@ def test_compiled_steps_stop_compiling_and_equal_eager(variant):
             got = compiled(x[:, i : i + 1], cache=mine)
             assert torch.equal(got, eager(x[:, i : i + 1], cache=theirs)), i
     assert counter.frame_count == settled, (settled, counter.frame_count)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_static_cache_steps_in_one_graph_of_fixed_shapes(variant):
+    """``new_cache(static=True)``: a step reads every slot (masked) and the host keeps no bound
+    that changes, so the step compiled whole (fullgraph) with static shapes is one graph for
+    every step, as one CUDA graph needs (torch.compile(mode="reduce-overhead")): no recompile
+    over 22 steps after a prefill of rows of two lengths, each step equal to the eager module's
+    with a cache that is not static. Without ``static`` the same compile fails (control)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    attn, eager = _pair(variant)
+    x = torch.randn(2, 40, 32)
+    lens = torch.tensor([10, 7])
+    compiled = torch.compile(attn, backend="eager", fullgraph=True, dynamic=False)
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        mine, theirs = attn.new_cache(2, 64, static=True), eager.new_cache(2, 64)
+        got = attn(x[:, :10], cache=mine, valid_lens=lens)
+        assert torch.allclose(got, eager(x[:, :10], cache=theirs, valid_lens=lens), atol=1e-6)
+        for i in range(10, 32):
+            got = compiled(x[:, i : i + 1], cache=mine)
+            assert torch.allclose(got, eager(x[:, i : i + 1], cache=theirs), atol=1e-6), i
+        moving = attn.new_cache(2, 64)
+        attn(x[:, :10], cache=moving, valid_lens=lens)
+        with pytest.raises(torch._dynamo.exc.TorchDynamoException):
+            for i in range(10, 13):
+                compiled(x[:, i : i + 1], cache=moving)
+    torch._dynamo.reset()
+
+
+@gpu
+@pytest.mark.parametrize("variant", ["causal", "sliding_window", "moba"])
+def test_gpu_static_cache_steps_under_cuda_graphs_equal_eager(variant):
+    """The static cache's steps compiled with mode="reduce-overhead" (CUDA graphs, the cache's
+    stores written in place) equal eager steps on a cache that is not static."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    attn, eager = (m.cuda() for m in _pair(variant))
+    x = torch.randn(2, 40, 32, device="cuda")
+    compiled = torch.compile(attn, mode="reduce-overhead", dynamic=False)
+    with torch.no_grad():
+        mine, theirs = attn.new_cache(2, 64, static=True), eager.new_cache(2, 64)
+        attn(x[:, :10], cache=mine)
+        eager(x[:, :10], cache=theirs)
+        for i in range(10, 30):
+            got = compiled(x[:, i : i + 1], cache=mine).clone()
+            assert torch.allclose(got, eager(x[:, i : i + 1], cache=theirs), atol=1e-5), i
+    torch._dynamo.reset()
+
+
+def test_static_must_be_a_bool():
+    with pytest.raises(TypeError, match="static must be True or False, got 1"):
+        zoo.new_cache("causal", batch_size=1, max_len=8, num_kv_heads=1, head_dim=4, static=1)
 
 
 def test_inductor_steps_equal_eager():

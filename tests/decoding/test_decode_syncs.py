@@ -40,11 +40,13 @@ def small(variant: str) -> dict[str, object]:
     return cache_params(variant, LENGTH, top_k=2)
 
 
-def _steps(attn, device, *, valid_lens: bool, prefill: int = 12, steps: int = 4) -> torch.Tensor:
+def _steps(
+    attn, device, *, valid_lens: bool, prefill: int = 12, steps: int = 4, static: bool = False
+) -> torch.Tensor:
     """A prefill of ``prefill`` tokens (rows of 12 and 5 with valid_lens), then one-token steps
     (rows adding 1 and 0 tokens in turn with valid_lens); the last step's output."""
     x = torch.randn(2, prefill + steps, attn.dim, device=device)
-    cache = attn.new_cache(2, LENGTH)
+    cache = attn.new_cache(2, LENGTH, static=static)
     lens = torch.tensor([prefill, 5], device=device) if valid_lens else None
     attn(x[:, :prefill], cache=cache, valid_lens=lens)
     for i in range(prefill, prefill + steps):
@@ -53,18 +55,20 @@ def _steps(attn, device, *, valid_lens: bool, prefill: int = 12, steps: int = 4)
     return out
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
 @pytest.mark.parametrize("valid_lens", [False, True], ids=["all", "valid_lens"])
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_a_step_reads_no_device_value(variant, backend, valid_lens):
-    """Prefill and one-token steps on fake CUDA tensors, 4 query heads on 2 key/value heads."""
+def test_a_step_reads_no_device_value(variant, backend, valid_lens, static):
+    """Prefill and one-token steps on fake CUDA tensors, 4 query heads on 2 key/value heads;
+    a static cache's too (its range check asserted on the device)."""
     _fake_cuda_or_skip()
     with fake_cuda(), torch.device("cuda"), torch.no_grad():
         attn = zoo.create_attention(
             variant, dim=32, num_heads=4, num_kv_heads=2, pos="rope", causal=True,
             backend=BACKENDS[backend], **small(variant),
         ).eval()  # fmt: skip
-        out = _steps(attn, "cuda", valid_lens=valid_lens)
+        out = _steps(attn, "cuda", valid_lens=valid_lens, static=static)
     assert out.device.type == "cuda" and out.shape == (2, 1, 32)
 
 

@@ -43,3 +43,21 @@ def test_compiled_steps_are_cells_of_their_own(tmp_path):
     cells = json.loads((tmp_path / "bench-decode.json").read_text())["cells"]
     assert [c["impl"] for c in cells] == ["zoo:sliding_window", "zoo:sliding_window+compile"]
     assert all(c["ms"] > 0 and c["error"] < 1e-5 for c in cells)
+
+
+def test_static_caches_time_steps_of_one_shape(tmp_path, capsys):
+    """``static_cache=true``: the caches are static (every slot read, masked), their steps
+    checked against the reference, eager and compiled once with static shapes; a mode that
+    torch.compile does not have is refused with its name."""
+    argv = [*TINY, "variants=[causal]", "peers=[]", "compile=[false,true]", "static_cache=true"]
+    assert main([*argv, f"out={tmp_path}"]) == 0
+    data = json.loads((tmp_path / "bench-decode.json").read_text())
+    assert data["header"]["config"]["static_cache"] is True
+    assert [c["impl"] for c in data["cells"]] == ["zoo:causal", "zoo:causal+compile"]
+    assert all(c["ms"] > 0 and c["error"] < 1e-5 for c in data["cells"])
+    try:
+        main([*argv, "compile_mode=fast", f"out={tmp_path}"])
+    except SystemExit as error:
+        assert "compile_mode: 'fast' is not one of torch.compile's modes" in str(error)
+    else:
+        raise AssertionError("compile_mode=fast was accepted")

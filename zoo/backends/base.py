@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from copy import copy
 from dataclasses import dataclass, replace
@@ -106,13 +105,14 @@ class DecodeStep:
     most_allowed: int | None = None
     every_allowed: bool = False
 
-    @functools.cached_property
+    @property
     def mask(self) -> Tensor:
         """(B, 1, t, S) the pairs the queries may attend among the keys; (B, H, t, S) for a
-        pattern whose pairs differ per head (chosen by content, or drawn per head). Made on first
-        use: a step whose every query attends every slot in use (full or causal attention at
-        one length, a full window) runs on sdpa without it, some ten operations fewer, each a
-        launch on a GPU."""
+        pattern whose pairs differ per head (chosen by content, or drawn per head). Made where
+        it is read (each backend reads it once): a step whose every query attends every slot in
+        use (full or causal attention at one length, a full window) runs on sdpa without it, some
+        ten operations fewer, each a launch on a GPU. Not a functools.cached_property, whose
+        lock (Python 3.11) dynamo cannot trace: a compiled step would break its graph there."""
         q_pos, key_pos, pattern = self.q_pos, self.key_pos, self.pattern
         b = torch.arange(q_pos.shape[0], device=q_pos.device)[:, None, None, None]
         per_head = pattern.routed or pattern.per_head

@@ -111,6 +111,13 @@ def check_int(name: str, value: object, *, minimum: int = 1) -> int:
     return value
 
 
+def check_bool(name: str, value: object) -> bool:
+    """True or False (not 1, 0 or None)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+    return value
+
+
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes a seed of 64 bits
 
 

@@ -24,6 +24,13 @@ position, -1 where empty.
 A refused call (wrong shape, dtype, device or variant, a step past ``max_len``, positions that do
 not continue the row) raises before anything in the cache changes.
 
+A *static* cache (``new_cache(..., static=True)``) gives every step the same shapes: it reads
+all its slots, empty ones masked, and its host keeps no bound that changes from step to step (a
+step past ``max_len`` is then asserted on the device, on a GPU). A step compiled whole with
+static shapes is one graph for every step, which CUDA graphs need
+(``torch.compile(step, mode="reduce-overhead")``); an eager step reads more slots than it would
+(a causal cache its max_len, not its length) in exchange.
+
 A step reads no device value on the host (no ``.item()``, ``nonzero`` or boolean indexing: on a GPU
 each is a synchronisation). What the host needs it keeps itself: ``longest``, an upper bound of the
 rows' lengths that each call raises by its length (exact, with ``even``, while every call adds all
@@ -86,8 +93,10 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         host_pattern: Pattern | None = None,
+        static: bool = False,
     ) -> None:
         self.pattern, self.signature, self.max_len = pattern, dict(signature), max_len
+        self.static = static
         self.host_pattern = host_pattern
         self._pins = host_ints(plan.pinned)  # the pinned positions, increasing, on the host
         self.plan = dataclasses.replace(plan, pinned=plan.pinned.to(device))
@@ -106,6 +115,7 @@ class KVCache:
         self.even = True
         self._block_sums: dict[int, RunningBlockSums] = {}  # by block size, made on first use
         self._bounds: dict[int, tuple[array, array] | None] = {}  # by query heads
+        self._static_most: dict[int, int | None] = {}  # by query heads (``static_most``)
 
     @property
     def lengths(self) -> Tensor:
@@ -120,7 +130,10 @@ class KVCache:
     def host_lengths(self) -> tuple[int, bool]:
         """(an upper bound of the rows' lengths, whether every row holds exactly that many),
         known on the host: kept by each call (``advance``); read from ``lengths`` once after
-        they were set from outside (max_len and False where their values cannot be read)."""
+        they were set from outside (max_len and False where their values cannot be read); a
+        static cache: max_len and False, always (its steps' shapes never change)."""
+        if self.static:
+            return self.max_len, False
         if self.longest is None:
             if not can_read_values(self._lengths):
                 return self.max_len, False
@@ -131,8 +144,10 @@ class KVCache:
     def advance(self, counts: Tensor, t: int, full: bool) -> None:
         """The rows have taken ``counts`` (B,) new tokens of a call of ``t``; ``full``: every
         row took all t (then the host's bound stays exact)."""
-        longest, even = self.host_lengths()
         self._lengths += counts
+        if self.static:
+            return
+        longest, even = self.host_lengths()
         self.longest, self.even = min(longest + t, self.max_len), even and full
 
     def slots_used(self, length: int) -> int:
@@ -145,6 +160,18 @@ class KVCache:
         if self.plan.ring and length > pinned:  # some position went to the ring
             return len(self._pins) + min(self.plan.ring, length)
         return pinned
+
+    def static_most(self, heads: int, width: int) -> int | None:
+        """A static cache's bound of the keys one query of ``heads`` may attend (at max_len,
+        at most ``width``), kept as an int: a traced step reads no host table. Found on an
+        eager step; a step traced before any (None) attends the slots with a mask alone."""
+        if heads not in self._static_most:
+            if torch.compiler.is_compiling():
+                return None
+            bounds = self.query_bounds(heads)
+            most = None if bounds is None else min(int(bounds[0][self.max_len - 1]), width)
+            self._static_most[heads] = most
+        return self._static_most[heads]
 
     def query_bounds(self, heads: int) -> tuple[array, array] | None:
         """For a fixed pattern with ``heads`` query heads: (most, least) on the host, entry n
@@ -240,7 +267,12 @@ class KVCache:
             return
         on_host = self._lengths.device.type == "cpu"  # values read without waiting for a device
         longest, _ = self.host_lengths()
-        if (on_host or longest + steps > self.max_len) and bool(
+        if not on_host and self.static:  # no host bound: asserted on the device, no wait
+            torch._assert_async(
+                (self._lengths + counts <= self.max_len).all(),
+                f"step too long: past the cache's max_len={self.max_len} (zoo KVCache)",
+            )
+        elif (on_host or longest + steps > self.max_len) and bool(
             ((after := self._lengths + counts) > self.max_len).any()
         ):
             row = int(torch.argmax((after > self.max_len).int()))

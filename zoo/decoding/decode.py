@@ -186,6 +186,8 @@ def cache_attention(
     pattern = cache.pattern
     if pattern.per_head:  # drawn for this call's query heads (refused if the cache's differ)
         pattern = with_heads(pattern, q.shape[1])
+    if cache.static:  # its steps' bound, found here on an eager call (a prefill) for them
+        cache.static_most(q.shape[1], cache.plan.slots)
     longest, even = cache.host_lengths()  # before this call: the host's bound of the rows
     after = min(longest + t, cache.max_len)
     steps = torch.arange(t, device=q.device)
@@ -202,7 +204,7 @@ def cache_attention(
         cache.write(k, v, positions, valid, every_kept)
         keys, values, key_pos = cache.keys, cache.values, cache.slot_pos
         key_ok = key_pos >= 0
-        width = cache.slots_used(after)
+        width = cache.plan.slots if cache.static else cache.slots_used(after)
     else:
         keys, values = torch.cat((cache.keys, k), dim=2), torch.cat((cache.values, v), dim=2)
         key_pos = torch.cat((cache.slot_pos, positions), dim=1)
@@ -237,6 +239,8 @@ def _host_bounds(
     if pattern.routed:
         most = routed_most(cache.pattern, after - 1 if even else None)
         return (None if most is None else min(most, width)), False
+    if cache.static:  # one bound for every step (its shapes never change)
+        return cache.static_most(heads, width), False
     bounds = cache.query_bounds(heads)
     if bounds is None or after == 0:
         return None, False

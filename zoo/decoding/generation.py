@@ -11,7 +11,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from ..core.arguments import check_int
+from ..core.arguments import check_bool, check_int
 from ..core.device_build import can_read_values
 from ..core.scores import DotProduct
 from ..functional import resolve_pattern, resolved_params
@@ -34,6 +34,7 @@ def new_cache(
     causal: bool = True,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
+    static: bool = False,
     **params: object,
 ) -> KVCache:
     """A cache for ``zoo.attention(q, k, v, variant=variant, causal=True, cache=cache, ...)``
@@ -43,6 +44,11 @@ def new_cache(
     generator does not have yet, so ``causal`` must be True (it is here to be said explicitly).
     A pattern chosen by content (moba) keeps every key and chooses its blocks at each call from
     the cache's keys (``zoo.patterns.retention``, ``zoo.decoding.decode``).
+
+    ``static``: every step has the same shapes (see ``zoo.decoding.cache``: steps read all the
+    cache's slots, masked, and the host keeps no bound that changes), so that a compiled step
+    runs as one CUDA graph (``torch.compile(step, mode="reduce-overhead")``) without recording
+    again at each length.
 
     ``num_heads``: the query heads (``MultiHeadAttention.new_cache`` passes its own). A pattern
     that differs per query head (``bigbird``'s random blocks drawn per head) keeps the union of
@@ -84,6 +90,7 @@ def new_cache(
         max_len=max_len,
         dtype=dtype,
         device=device,
+        static=check_bool("static", static),
     )
 
 
