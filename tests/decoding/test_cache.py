@@ -221,6 +221,31 @@ def test_a_step_the_host_knows_whole_writes_without_reading_its_slots(variant):
             assert torch.allclose(out[1], want[1], atol=1e-10, rtol=0)
 
 
+@pytest.mark.parametrize("pos", ["sinusoidal", "learned"])
+def test_an_absolute_encoding_at_rows_of_different_lengths_builds_no_table_to_the_longest(pos):
+    """Rows of different lengths (and every row of a static cache, whose host keeps no bound)
+    take the encoding at their own positions (``table_at``), not a table of every position up
+    to the longest row: a step's largest tensor stays far under max_len x dim, and its output
+    equals the full forward's."""
+    from helpers import LargestTensor
+
+    torch.manual_seed(0)
+    table = {"pos_params": {"max_len": 4096}} if pos == "learned" else {}
+    attn = zoo.create_attention("sliding_window", dim=16, num_heads=2, causal=True, pos=pos,
+                                window_size=4, **table).double().eval()  # fmt: skip
+    x = torch.randn(2, 24, 16, dtype=torch.float64)
+    want = attn(x)
+    for static in (False, True):
+        cache = attn.new_cache(2, 4000, static=static)
+        with torch.no_grad():
+            attn(x[:, :20], cache=cache, valid_lens=torch.tensor([20, 13]))
+            watch = LargestTensor()
+            with watch:
+                out = attn(x[:, 20:21], cache=cache)
+        assert watch.largest < 4000 * 16 // 10, (static, watch.largest)
+        assert torch.allclose(out[0], want[0, 20:21], atol=1e-10, rtol=0)
+
+
 def _state(cache):
     return [t.clone() for t in (cache.keys, cache.values, cache.slot_pos, cache.lengths)]
 

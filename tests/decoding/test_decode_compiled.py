@@ -84,13 +84,17 @@ def test_a_static_cache_steps_in_one_graph_of_fixed_shapes(variant):
 @gpu
 @pytest.mark.parametrize("variant", ["causal", "sliding_window", "moba"])
 def test_gpu_static_cache_steps_under_cuda_graphs_equal_eager(variant):
-    """The static cache's steps compiled with mode="reduce-overhead" (CUDA graphs, the cache's
-    stores written in place) equal eager steps on a cache that is not static."""
+    """The static cache's steps compiled with mode="reduce-overhead" run as CUDA graphs (no
+    graph skipped: the cache's stores, written in place, are static addresses) and equal eager
+    steps on a cache that is not static."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     attn, eager = (m.cuda() for m in _pair(variant))
     x = torch.randn(2, 40, 32, device="cuda")
     compiled = torch.compile(attn, mode="reduce-overhead", dynamic=False)
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     with torch.no_grad():
         mine, theirs = attn.new_cache(2, 64, static=True), eager.new_cache(2, 64)
         attn(x[:, :10], cache=mine)
@@ -98,6 +102,47 @@ def test_gpu_static_cache_steps_under_cuda_graphs_equal_eager(variant):
         for i in range(10, 30):
             got = compiled(x[:, i : i + 1], cache=mine).clone()
             assert torch.allclose(got, eager(x[:, i : i + 1], cache=theirs), atol=1e-5), i
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    torch._dynamo.reset()
+
+
+def test_a_static_cache_marks_its_stores_static_addresses():
+    """What a step writes in place (keys, values, slot positions, lengths, MoBA's block sums) is
+    marked for torch.compile as a static address, again after reset: cudagraph trees skip a
+    graph whose ordinary inputs it mutates, which would leave a static cache's steps
+    launch by launch. A growing cache marks nothing."""
+
+    def marked(t):
+        return getattr(t, "_dynamo_static_input_type", None) is not None
+
+    attn, _ = _pair("moba")
+    with torch.no_grad():
+        cache = attn.new_cache(2, 64, static=True)
+        attn(torch.randn(2, 10, 32), cache=cache)  # MoBA's block sums made
+        stores = [cache.keys, cache.values, cache.slot_pos, cache.lengths]
+        stores += [t for sums in cache._block_sums.values() for t in (sums.sums, sums.counts)]
+        assert len(stores) == 6 and all(marked(t) for t in stores)
+        cache.reset()
+        assert all(marked(t) for t in (cache.keys, cache.values, cache.slot_pos, cache.lengths))
+        growing = attn.new_cache(2, 64)
+        assert not any(marked(t) for t in (growing.keys, growing.values, growing.slot_pos))
+
+
+def test_a_compiled_static_step_past_max_len_is_refused_on_the_device():
+    """The host keeps no bound for a static cache, and a traced step reads no value: its range
+    check is a device-side assertion, in the compiled step too (before it, nothing was checked
+    there and a step past max_len wrote over the last slot)."""
+    torch._dynamo.reset()
+    attn, _ = _pair("causal")
+    compiled = torch.compile(attn, backend="eager", fullgraph=True, dynamic=False)
+    x = torch.randn(2, 12, 32)
+    with torch.no_grad():
+        cache = attn.new_cache(2, 8, static=True)
+        attn(x[:, :6], cache=cache)
+        compiled(x[:, 6:7], cache=cache)
+        compiled(x[:, 7:8], cache=cache)
+        with pytest.raises(RuntimeError, match="step too long: past the cache's max_len=8"):
+            compiled(x[:, 8:9], cache=cache)
     torch._dynamo.reset()
 
 

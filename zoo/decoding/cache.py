@@ -113,19 +113,30 @@ class KVCache:
         # every row holds exactly that many. None: lengths were set from outside (read again).
         self.longest: int | None = 0
         self.even = True
+        self._mark_static(self.keys, self.values, self.slot_pos, self._lengths)
         self._block_sums: dict[int, RunningBlockSums] = {}  # by block size, made on first use
         self._bounds: dict[int, tuple[array, array] | None] = {}  # by query heads
         self._static_most: dict[int, int | None] = {}  # by query heads (``static_most``)
 
+    def _mark_static(self, *stores: Tensor) -> None:
+        """A static cache's stores as static addresses for torch.compile: a step writes them in
+        place, and CUDA graphs (cudagraph trees) skip a graph whose ordinary inputs it mutates."""
+        if self.static:
+            for store in stores:
+                torch._dynamo.mark_static_address(store)
+
     @property
     def lengths(self) -> Tensor:
-        """(B,) the tokens each row holds (on the cache's device)."""
+        """(B,) the tokens each row holds (on the cache's device). Change them by assignment
+        (``cache.lengths = t`` or ``cache.lengths += n``), which the host's bound sees; not in
+        place (``cache.lengths.copy_(t)``), which it does not."""
         return self._lengths
 
     @lengths.setter
     def lengths(self, value: Tensor) -> None:
         # Set from outside (``cache.lengths += n``): the host's bound is read from it again.
         self._lengths, self.longest = value, None
+        self._mark_static(value)
 
     def host_lengths(self) -> tuple[int, bool]:
         """(an upper bound of the rows' lengths, whether every row holds exactly that many),
@@ -209,7 +220,8 @@ class KVCache:
         if self.plan.ring:
             return None
         if block not in self._block_sums:  # then kept up to date by each write
-            self._block_sums[block] = RunningBlockSums(self.keys, self.slot_pos, block)
+            made = self._block_sums[block] = RunningBlockSums(self.keys, self.slot_pos, block)
+            self._mark_static(made.sums, made.counts)
         sums = self._block_sums[block]
         return sums.sums, sums.counts
 
@@ -220,6 +232,7 @@ class KVCache:
         self.longest, self.even = 0, True
         self._block_sums.clear()
         self.keys, self.values = self.keys.detach(), self.values.detach()  # no graph of old steps
+        self._mark_static(self.keys, self.values)
         return self
 
     def __repr__(self) -> str:
@@ -263,11 +276,13 @@ class KVCache:
                     f"positions must have shape (batch, t) = {want_shape}, got "
                     f"{tuple(positions.shape)}"
                 )
-        if not can_read_values(counts):  # fake tensors (torch.export): shapes checked only
+        readable = can_read_values(counts)
+        if not readable and not self.static:  # fake tensors (torch.export): shapes checked only
             return
-        on_host = self._lengths.device.type == "cpu"  # values read without waiting for a device
+        # values read where that waits for no device (not in a traced graph either)
+        on_host = readable and self._lengths.device.type == "cpu"
         longest, _ = self.host_lengths()
-        if not on_host and self.static:  # no host bound: asserted on the device, no wait
+        if not on_host and self.static:  # no host bound: asserted on the device, compiled too
             torch._assert_async(
                 (self._lengths + counts <= self.max_len).all(),
                 f"step too long: past the cache's max_len={self.max_len} (zoo KVCache)",

@@ -119,8 +119,10 @@ def embed_at(encoding, x: Tensor, cache: KVCache) -> Tensor:
     """An absolute ("embed") encoding added to each row from its own start position, the row's
     length in ``cache``. Rows of one length (the host knows when) take ``encoding.embed`` at
     that offset; rows of different lengths each their own positions' rows of the table (in
-    eval mode: the table is the encoding of zeros), without reading a length on the host;
-    in training mode (dropout), or past a learned table's end on a CPU, one row at a time."""
+    eval mode: the table is the encoding of zeros, or the encoding's ``table_at`` its rows at
+    those positions), without reading a length on the host; in training mode (dropout), or past
+    a learned table's end on a CPU, one row at a time. A static cache's rows are never known to
+    be of one length (its host keeps no bound)."""
     longest, even = cache.host_lengths()
     if even:
         return encoding.embed(x, longest)
@@ -132,8 +134,10 @@ def embed_at(encoding, x: Tensor, cache: KVCache) -> Tensor:
         rows = [encoding.embed(x[b : b + 1], int(s)) for b, s in enumerate(starts.tolist())]
         return torch.cat(rows)  # dropout drawn per row, as embed draws it
     span = min(span, table_len) if short else span
-    table = encoding.embed(x.new_zeros(1, span, x.shape[2]), 0)[0]  # (span, dim)
     positions = (starts[:, None] + torch.arange(t, device=x.device)).clamp(max=span - 1)
+    if hasattr(encoding, "table_at"):  # each row at its own positions: no table to the longest
+        return x + encoding.table_at(positions).to(x.dtype)
+    table = encoding.embed(x.new_zeros(1, span, x.shape[2]), 0)[0]  # (span, dim)
     return x + table[positions]
 
 

@@ -54,6 +54,11 @@ class LearnedEncoding(PositionalEncoding):
         self._check_span(length, offset)
         return self.weight[offset : offset + length]
 
+    def table_at(self, positions: Tensor) -> Tensor:
+        """The rows at ``positions`` (any shape of ints below max_len): (..., dim), with
+        gradient; a position past the table is the caller's to refuse."""
+        return self.weight[positions]
+
     def embed(self, x: Tensor, offset: int = 0) -> Tensor:
         if x.dim() != 3 or x.shape[-1] != self.dim:
             raise ValueError(

@@ -53,13 +53,19 @@ class SinusoidalEncoding(PositionalEncoding):
         check_int("length", length, minimum=0)
         check_int("offset", offset, minimum=0)
         device = torch.device("cpu") if device is None else torch.device(device)
+        return self.table_at(torch.arange(offset, offset + length, device=device))
+
+    def table_at(self, positions: Tensor) -> Tensor:
+        """P at each of ``positions`` (any shape of ints): float32 (..., dim), on their device.
+        Each row from its own position, so rows of different lengths (a decoding step) need no
+        table up to the longest."""
+        device = positions.device
         # float64 keeps i * w_j exact enough at long positions; MPS has no float64.
         wide = torch.float32 if device.type == "mps" else torch.float64
-        pos = torch.arange(offset, offset + length, device=device, dtype=wide)
         freq = self.base ** (-torch.arange(0, self.dim, 2, device=device, dtype=wide) / self.dim)
-        angle = pos[:, None] * freq  # (L, ceil(dim / 2))
-        pairs = torch.stack((angle.sin(), angle.cos()), dim=-1)  # (L, ceil(dim / 2), 2)
-        return pairs.flatten(1)[:, : self.dim].to(torch.float32)
+        angle = positions.to(wide)[..., None] * freq  # (..., ceil(dim / 2))
+        pairs = torch.stack((angle.sin(), angle.cos()), dim=-1)  # (..., ceil(dim / 2), 2)
+        return pairs.flatten(-2)[..., : self.dim].to(torch.float32)
 
     def embed(self, x: Tensor, offset: int = 0) -> Tensor:
         if x.dim() != 3 or x.shape[-1] != self.dim:
