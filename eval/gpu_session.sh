@@ -264,10 +264,11 @@ all)
         collect
     done
     # The host time the zoo's call adds around a stubbed kernel on this machine's host, with
-    # CUDA tensors (25-33 us on a 2-core EPYC before call plans, 6-7 us with them).
+    # CUDA tensors (25-33 us on a 2-core EPYC before call plans, 6-7 us with them); MoBA's too,
+    # whose choice and gathered rows are about 190 operations a call (eval/results/moba-gathered-cpu).
     run_stage overhead "$(share_of overhead)" "$OUT/overhead.log" \
         "$PY" -m eval bench-overhead device=cuda 'lengths=[8192]' 'backends=[flex,sdpa]' \
-        'variants=[local,longformer,block_local,bigbird,causal,full]' "out=$OUT"
+        'variants=[local,longformer,block_local,bigbird,causal,full,moba]' "out=$OUT"
     # The goal cells' kernels and host work beside their twins': 8K then 16K (where host time
     # decides: auto took 1.97x flex_standard's time at 8K on the H100), forward, non-causal.
     run_stage profile "$(share_of profile)" "$OUT/profile.log" \

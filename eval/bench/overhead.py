@@ -19,7 +19,8 @@ Backends: flex (``zoo.backends.flex_kernel``'s kernel stubbed), sdpa
 stubbed through their CUDA wrapping (``zoo.testing.shape_only_kernels``: MoBA's runs by key
 block packed and stacked as on a GPU). Blocked's other operations (the choice, the runs'
 bookkeeping) still compute on the CPU, so its time there is not host time; its operation count
-is the figure to read. Writes ``overhead.json`` and ``overhead.md``.
+is the figure to read. Writes ``overhead.json`` (after every cell: a run stopped at a time
+limit keeps the cells it measured) and ``overhead.md``.
 """
 
 from __future__ import annotations
@@ -176,14 +177,16 @@ def main(argv: list[str] | None = None) -> int:
         "device": device_name(device), "torch": torch.__version__, "config": asdict(config),
         "command": shlex.join(["python", "-m", "eval", "bench-overhead", *argv]),
     }  # fmt: skip
-    cells = []
+    cells: list[dict] = []
+    data = {"header": header, "cells": cells}
     with thread_count(config.threads):
         for variant in config.variants:
             for backend in config.backends:
                 for n in config.lengths:
                     cells.append(measure(config, variant, backend, n, device))
                     print(json.dumps(cells[-1]), flush=True)
-    data = {"header": header, "cells": cells}
+                    # after every cell: a run stopped at its time limit keeps those it measured
+                    (out / "overhead.json").write_text(json.dumps(data, indent=1))
     (out / "overhead.json").write_text(json.dumps(data, indent=1))
     (out / "overhead.md").write_text(markdown(data))
     print(f"wrote {out}/overhead.json")

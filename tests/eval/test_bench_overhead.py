@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from eval.bench import overhead
 
 
@@ -44,3 +46,23 @@ def test_bench_overhead_counts_mobas_operations_on_blocked(tmp_path):
 def test_bench_overhead_names_an_unknown_backend(capsys):
     assert overhead.main(["backends=[xformers]"]) == 2
     assert "backends must be among flex, sdpa, blocked" in capsys.readouterr().err
+
+
+def test_a_run_stopped_midway_keeps_the_cells_it_measured(tmp_path, monkeypatch):
+    """overhead.json is written after every cell: the GPU campaign's stage stops it at a time
+    limit, and its summary reads the file."""
+    measure, calls = overhead.measure, []
+
+    def stopped_on_the_second(*args):
+        calls.append(args)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # what the stage's SIGINT raises
+        return measure(*args)
+
+    monkeypatch.setattr(overhead, "measure", stopped_on_the_second)
+    argv = ["variants=[causal, full]", "backends=[sdpa]", "lengths=[128]", "repeats=2",
+            "heads=2", "head_dim=16", f"out={tmp_path}"]  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        overhead.main(argv)
+    data = json.loads((tmp_path / "overhead.json").read_text())
+    assert [c["variant"] for c in data["cells"]] == ["causal"]
