@@ -331,7 +331,7 @@ class FlexBackend(Backend):
         if call.needs_grad and has_no_data(call.q):
             return False
         parts = chosen_parts(call.pattern)
-        return parts is not None and gathered_pays(call, parts[0], self.block_size)
+        return parts is not None and gathered_pays(call, *parts, self.block_size)
 
     def scored_pairs(self, call: AttentionCall) -> int:
         full, partial, _ = self.block_counts(call)

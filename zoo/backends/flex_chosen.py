@@ -26,11 +26,12 @@ same density). MoBA's own kernel, and this path, make each (query, chosen block)
 - Eager flex (``compile=False``, tests) scores every row against every key: the rows make it
   slower than the union there; the path is for the compiled kernel.
 
-Where it runs (``gathered``): a pattern that is one ``ChosenBlocks``, alone or intersected with
-fixed patterns the same for every head (``moba & causal``), chosen for the call's queries (not
-against a cache: decoding has its own path), where the kernel returns its log-sum-exp (not
-compiled on a CPU) and where the rows' bound scores fewer pairs than the union's bound. A union
-with a fixed pattern (``moba | local``) keeps the union's block mask.
+Where it runs (``FlexBackend.gathers``): a pattern that is one ``ChosenBlocks``, alone or
+intersected with fixed patterns the same for every head (``moba & causal``), chosen for the
+call's queries (not against a cache: decoding has its own path), where the kernel returns its
+log-sum-exp (not compiled on a CPU) and where the rows' bound of scored pairs is under the whole
+grid (``gathered_pays``). A union with a fixed pattern (``moba | local``) keeps the union's block
+mask.
 """
 
 from __future__ import annotations
@@ -77,13 +78,14 @@ def gathered_rows(q_len: int, slots: int, blocks: int, block: int, fixed: bool =
     return block * (-(-q_len * slots // block) + segments - 1)
 
 
-def gathered_pays(call: AttentionCall, chosen: ChosenBlocks, block: int) -> bool:
+def gathered_pays(
+    call: AttentionCall, chosen: ChosenBlocks, fixed: Pattern | None, block: int
+) -> bool:
     """Whether the rows' bound of scored pairs, every row against the kernel key blocks of one
     chosen block, is under the whole grid q_len x kv_len (the union's own count would cost the
     per-query layout to find: on random inputs it is nearly the grid)."""
-    parts = chosen_parts(call.pattern)
-    fixed = parts is not None and parts[1] is not None
-    rows = gathered_rows(call.q_len, chosen.picks.shape[-1], chosen.blocks, block, fixed)
+    slots, cut = chosen.picks.shape[-1], fixed is not None
+    rows = gathered_rows(call.q_len, slots, chosen.blocks, block, cut)
     return rows * _width(chosen.block_size, block) * block < call.q_len * call.kv_len
 
 
@@ -98,8 +100,8 @@ def _width(chosen_block: int, block: int) -> int:
 
 @dataclass(frozen=True, eq=False)
 class GatheredRows:
-    """One call's rows (``B, H, R``): the query each row holds, the pair each query slot's row
-    is, and the block mask over the rows and the keys."""
+    """One call's rows (``B, H, R``): the query each row holds, the row of each (query, pick
+    slot) pair, and the block mask over the rows and the keys."""
 
     row_query: Tensor  # (B, H, R) int64: the query index of each row (0 in a padding row)
     pair_row: Tensor  # (B, H, Lq * slots) int64: the row of each (query, pick slot) pair
