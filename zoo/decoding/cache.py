@@ -26,7 +26,8 @@ not continue the row) raises before anything in the cache changes.
 
 A *static* cache (``new_cache(..., static=True)``) gives every step the same shapes: it reads
 all its slots, empty ones masked, and its host keeps no bound that changes from step to step (a
-step past ``max_len`` is then asserted on the device, on a GPU). A step compiled whole with
+step past ``max_len`` is then asserted on the device, on a GPU or in a compiled step; its stores
+are static addresses for torch.compile, written in place). A step compiled whole with
 static shapes is one graph for every step, which CUDA graphs need
 (``torch.compile(step, mode="reduce-overhead")``); an eager step reads more slots than it would
 (a causal cache its max_len, not its length) in exchange.
