@@ -53,6 +53,7 @@ from .flex_chosen import (
     gather_queries,
     gathered_pays,
     gathered_rows_of,
+    kept_keys,
     rows_per_query,
 )
 from .flex_decode import flex_decode
@@ -194,10 +195,7 @@ def _routed_block_mask(call: AttentionCall, block: int, whole_blocks: bool = Fal
     union of each query block's chosen key blocks, the per-query choice in the mask_mod."""
     frame = build_frame(1, call.q_len, call.kv_len, block, block, call.device)
     B, H = call.q.shape[:2]
-    keep = torch.ones(B, frame.k.slots, dtype=torch.bool, device=call.device)
-    if call.key_padding_mask is not None:
-        keep = frame.k.gather(~call.key_padding_mask[:, :, None])[..., 0]
-    keep = keep & frame.k.valid  # whole blocks: the keys past the sequence are padding too
+    keep = kept_keys(call, block)  # whole blocks: the keys past the sequence are padding too
     state = call.pattern.block_state(frame.q.spans().column(), frame.k.spans().row())
     by_block = keep.view(B, -1, block)
     any_kept, all_kept = by_block.any(-1)[:, None, None, :], by_block.all(-1)[:, None, None, :]
@@ -309,26 +307,26 @@ class FlexBackend(Backend):
         (``strided`` with its local band), where running each part in its own order
         (``flex_frame``) and merging them by log-sum-exp computes at most half the blocks of one
         call in the natural order (in which every block a strided part touches is partial);
-        else None: one call. Not on a CPU under compilation, whose kernel returns no
-        log-sum-exp (torch 2.13: "torch.compile on CPU only supports inference and
-        return_lse is not supported yet")."""
-        if call.device.type == "cpu" and (self.compile or torch.compiler.is_compiling()):
-            return None
-        if call.needs_grad and has_no_data(call.q):
-            # Eager flex on fake CUDA tensors cannot record the log-sum-exp's autograd ("Cannot
-            # access accelerator device"); one call has the same shapes, all a fake call checks.
+        else None: one call. Only where the kernel returns its log-sum-exp (``returns_lse``)."""
+        if not self.returns_lse(call):
             return None
         return _own_orders(call.pattern, call.q_len, call.kv_len, self.block_size, call.device)
+
+    def returns_lse(self, call: AttentionCall) -> bool:
+        """Whether the kernel returns its log-sum-exp, with its autograd, for this call: not
+        compiled on a CPU (torch 2.13: "torch.compile on CPU only supports inference and
+        return_lse is not supported yet"; ``whole_blocks`` says where it is), and not on fake
+        CUDA tensors that record gradients (eager flex there cannot record the log-sum-exp's
+        autograd: "Cannot access accelerator device"; one call has the same shapes, all a fake
+        call checks)."""
+        return not self.whole_blocks(call) and not (call.needs_grad and has_no_data(call.q))
 
     def gathers(self, call: AttentionCall) -> bool:
         """Whether a layout chosen by content runs on its queries gathered by key block
         (``flex_chosen``): one ``ChosenBlocks``, alone or intersected with fixed patterns, where
         its rows' bound of scored pairs is under the whole grid (``gathered_pays``), and the
-        kernel returns its log-sum-exp (not compiled on a CPU; not on fake tensors that record
-        gradients, which take the union's mask: see ``own_orders``)."""
-        if not call.pattern.routed or self.whole_blocks(call):
-            return False
-        if call.needs_grad and has_no_data(call.q):
+        kernel returns its log-sum-exp (``returns_lse``; elsewhere the union's mask)."""
+        if not call.pattern.routed or not self.returns_lse(call):
             return False
         parts = chosen_parts(call.pattern)
         return parts is not None and gathered_pays(call, *parts, self.block_size)
@@ -393,12 +391,7 @@ class FlexBackend(Backend):
                 return score + bias(h, row_query[b, h, q_idx] + offset, kv_idx).to(score.dtype)
 
             score_mod = gathered_bias
-        least = self.capabilities.head_padding(call.device, call.q.shape[-1], call.v.shape[-1])
-        options = {"kernel_options": dict(self.kernel_options)} if self.kernel_options else {}
-        kernel_args = dict(
-            score_mod=score_mod, block_mask=rows.block_mask, scale=call.scale,
-            enable_gqa=call.groups > 1, **options,
-        )  # fmt: skip
+        least, kernel_args = self._kernel_args(call, score_mod, rows.block_mask)
         compiled = self.compile
 
         def run(q: Tensor, k: Tensor, v: Tensor, padding: None = None) -> Tensor:
@@ -428,14 +421,8 @@ class FlexBackend(Backend):
 
             score_mod = positional_bias if frame.q.identity else tiled_bias
         gather = self.whole_blocks(call) or not frame.q.identity
-        least = self.capabilities.head_padding(call.device, call.q.shape[-1], call.v.shape[-1])
-        options = {"kernel_options": dict(self.kernel_options)} if self.kernel_options else {}
+        least, kernel_args = self._kernel_args(call, score_mod, self.block_mask(call))
         compiled, q_len = self.compile, call.q_len
-        kernel_args = dict(
-            score_mod=score_mod, block_mask=self.block_mask(call), scale=call.scale,
-            enable_gqa=call.groups > 1,  # k and v shared by each group of query heads, not copied
-            **options,
-        )  # fmt: skip
 
         def run(q: Tensor, k: Tensor, v: Tensor, padding: None = None):
             _one_graph_per_shape(q, k, v)
@@ -457,6 +444,18 @@ class FlexBackend(Backend):
             return (out, out_lse) if lse else out
 
         return run
+
+    def _kernel_args(self, call: AttentionCall, score_mod, block_mask) -> tuple[int | None, dict]:
+        """(the head size q, k and v are padded to, or None; the kernel's keyword arguments) of
+        a call's kernel on this block mask."""
+        least = self.capabilities.head_padding(call.device, call.q.shape[-1], call.v.shape[-1])
+        options = {"kernel_options": dict(self.kernel_options)} if self.kernel_options else {}
+        kernel_args = dict(
+            score_mod=score_mod, block_mask=block_mask, scale=call.scale,
+            enable_gqa=call.groups > 1,  # k and v shared by each group of query heads, not copied
+            **options,
+        )  # fmt: skip
+        return least, kernel_args
 
     def decode_step(self, step: DecodeStep) -> Tensor:
         """A block mask over the step's query rows and the cache's slots (``flex_decode``)."""

@@ -138,7 +138,7 @@ def gathered_rows_of(call: AttentionCall, block: int) -> GatheredRows:
     row_segment = torch.full((B, H, rows), 2 * nb, dtype=torch.long, device=device)
     row_segment.scatter_(-1, row, by_segment)
     pair_row = torch.empty_like(row).scatter_(-1, order, row)
-    keep = _kept_keys(call, block)
+    keep = kept_keys(call, block)
     block_mask = _block_mask(
         row_query, row_segment, keep, fixed, offset, size, nb, kv_len, block, call.needs_grad
     )
@@ -167,8 +167,9 @@ def _segments(
     return torch.where(used, 2 * picks + partial, 2 * nb)
 
 
-def _kept_keys(call: AttentionCall, block: int) -> Tensor:
-    """(B, kv blocks * block) bool: True at each key that is neither padding nor past kv_len."""
+def kept_keys(call: AttentionCall, block: int) -> Tensor:
+    """(B, kv blocks * block) bool, the keys in whole blocks of ``block``: True at each key that
+    is neither padding nor past kv_len."""
     B, kv_len = call.q.shape[0], call.kv_len
     slots = -(-kv_len // block) * block
     keep = torch.zeros(B, slots, dtype=torch.bool, device=call.device)

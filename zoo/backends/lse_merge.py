@@ -150,29 +150,32 @@ def merge(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tensor, Tenso
     (out, lse). Each part's share is exp(lse_i - m) / sum_j exp(lse_j - m) for the largest lse m
     (detached: the shares do not depend on it); a part without a key, or a row without any, adds
     zero and takes zero gradient, never nan."""
-    peak = torch.stack(list(lses)).amax(dim=0).detach()
-    peak = torch.where(torch.isfinite(peak), peak, 0)
-    shares = [torch.exp(lse - peak) for lse in lses]
-    total = sum(shares)
-    has_key = total > 0
-    total = torch.where(has_key, total, 1)
-    out = sum((s / total)[..., None] * o for s, o in zip(shares, outs, strict=True))
-    return out, torch.where(has_key, peak + torch.log(total), -math.inf)
+    weights, lse = _weights(torch.stack(list(lses), dim=-1))
+    out = sum(w[..., None] * o for w, o in zip(weights.unbind(-1), outs, strict=True))
+    return out, lse
 
 
-def merge_along(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
-    """``merge`` of partials stacked on the last axis of ``lses`` (..., P) and the one before
-    the values' of ``outs`` (..., P, Dv): one operation each over all P, not one per partial
-    (the partials of a query's chosen key blocks, ``flex_chosen``)."""
+def _weights(lses: Tensor) -> tuple[Tensor, Tensor]:
+    """Each partial's share of its row, for partials' log-sum-exps stacked on the last axis
+    (..., P) -> (..., P), and the rows' merged log-sum-exp (...): exp(lse_i - m) / sum_j
+    exp(lse_j - m) for the largest lse m (detached: the shares do not depend on it); zero for a
+    part without a key, and for every part of a row without any (its lse -inf)."""
     peak = lses.amax(dim=-1, keepdim=True).detach()
     peak = torch.where(torch.isfinite(peak), peak, 0)
     shares = torch.exp(lses - peak)
     total = shares.sum(dim=-1, keepdim=True)
     has_key = total > 0
     total = torch.where(has_key, total, 1)
-    out = ((shares / total)[..., None] * outs).sum(dim=-2)
     lse = torch.where(has_key, peak + torch.log(total), -math.inf)
-    return out, lse[..., 0]
+    return shares / total, lse[..., 0]
+
+
+def merge_along(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
+    """``merge`` of partials stacked on the last axis of ``lses`` (..., P) and the one before
+    the values' of ``outs`` (..., P, Dv): one operation each over all P, not one per partial
+    (the partials of a query's chosen key blocks, ``flex_chosen``)."""
+    weights, lse = _weights(lses)
+    return (weights[..., None] * outs).sum(dim=-2), lse
 
 
 def partial(scores: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

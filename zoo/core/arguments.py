@@ -114,7 +114,7 @@ def check_int(name: str, value: object, *, minimum: int = 1) -> int:
 def check_bool(name: str, value: object) -> bool:
     """True or False (not 1, 0 or None)."""
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+        raise TypeError(f"{name} must be True or False, got {value!r}")
     return value
 
 

@@ -15,7 +15,7 @@ from ..layout.block_layout import specialized, with_heads
 from ..mechanisms.dispatch import is_mechanism, mechanism_params
 from ..patterns import Pattern, made_causal
 from ..registry import get_spec
-from .arguments import check_parameters, close_matches, did_you_mean, typed
+from .arguments import check_bool, check_parameters, close_matches, did_you_mean, typed
 from .shape_cache import concrete, per_shape
 
 # zoo.attention's keyword options (a test holds them to its signature): a parameter of a variant
@@ -57,13 +57,8 @@ def resolve_pattern(
             options_of=options_of,
         )
         pattern = spec.build(**params)
-    _check_causal(causal)
+    check_bool("causal", causal)
     return made_causal(pattern) if causal else pattern
-
-
-def _check_causal(causal: object) -> None:
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
 
 
 def resolved_params(variant: str | Pattern, params: dict[str, object]) -> dict[str, object]:
@@ -91,7 +86,7 @@ def call_pattern(
     per shape and number of heads."""
     if not isinstance(variant, str | Pattern):
         get_spec(variant)  # a TypeError that names what variant takes
-    _check_causal(causal)  # before the caches, whose keys take 1 for True
+    check_bool("causal", causal)  # before the caches, whose keys take 1 for True
     frozen = _frozen_params(params)
     if isinstance(variant, Pattern) and variant.one_call:  # not kept by the caches
         return resolve_call_pattern(variant, causal, params).specialize(q_len, kv_len, device)
