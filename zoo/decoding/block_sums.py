@@ -56,3 +56,11 @@ class RunningBlockSums:
         added = torch.where(kept[..., None, None], keys.float(), 0.0)
         self.sums.transpose(1, 2).index_put_((rows, blocks), added, accumulate=True)
         self.counts.index_put_((rows, blocks), kept.long(), accumulate=True)
+
+    @torch.no_grad()
+    def remove(self, keys: Tensor, forgotten: Tensor) -> None:
+        """Take out the keys (B, H_kv, slots, D) of the slots ``forgotten`` (B, slots), in place
+        (a static cache's sums keep their address)."""
+        sums, counts = block_sums(keys, forgotten, self.block)
+        self.sums.sub_(sums)
+        self.counts.sub_(counts)

@@ -24,6 +24,10 @@ position, -1 where empty.
 A refused call (wrong shape, dtype, device or variant, a step past ``max_len``, positions that do
 not continue the row) raises before anything in the cache changes.
 
+Setting ``lengths`` back rolls rows back (speculative decoding): their later tokens are forgotten,
+and a ring that has overwritten keys the next query reads refuses (``new_cache(rollback=k)``
+keeps k more ring slots).
+
 A *static* cache (``new_cache(..., static=True)``) gives every step the same shapes: it reads
 all its slots, empty ones masked, and its host keeps no bound that changes from step to step (a
 step past ``max_len`` is then asserted on the device, on a GPU or in a compiled step; its stores
@@ -129,15 +133,79 @@ class KVCache:
     @property
     def lengths(self) -> Tensor:
         """(B,) the tokens each row holds (on the cache's device). Change them by assignment
-        (``cache.lengths = t`` or ``cache.lengths += n``), which the host's bound sees; not in
-        place (``cache.lengths.copy_(t)``), which it does not."""
+        (``cache.lengths = t``, ``cache.lengths -= n``), which the host's bound sees; not in
+        place (``cache.lengths.copy_(t)``), which it does not. A row set back (a rollback, as
+        speculative decoding makes when it rejects drafted tokens) forgets its later tokens; a
+        cache with a ring refuses to go back further than it holds (``new_cache(rollback=)``)."""
         return self._lengths
 
     @lengths.setter
     def lengths(self, value: Tensor) -> None:
-        # Set from outside (``cache.lengths += n``): the host's bound is read from it again.
-        self._lengths, self.longest = value, None
-        self._mark_static(value)
+        # Set from outside: the host's bound is read from it again. A row set back (a rollback,
+        # as speculative decoding makes) forgets its later tokens: their slots read as empty
+        # and leave the block sums, so the next call sees the row as if they never came.
+        want = (self.batch_size,)
+        if (
+            not isinstance(value, Tensor)
+            or tuple(value.shape) != want
+            or value.is_floating_point()
+            or value.dtype == torch.bool
+            or value.device != self._lengths.device
+        ):
+            shown = (
+                f"{tuple(value.shape)} {value.dtype} on {value.device}"
+                if isinstance(value, Tensor)
+                else repr(value)
+            )
+            raise ValueError(
+                f"cache.lengths must be a {want} int tensor on {self._lengths.device}, got {shown}"
+            )
+        value = value.long()
+        self._check_rollback(value)
+        forgotten = self.slot_pos >= value[:, None]  # (B, slots) positions past the new length
+        for sums in self._block_sums.values():
+            sums.remove(self.keys, forgotten)
+        self.slot_pos.masked_fill_(forgotten, -1)  # in place: a static address stays one
+        if self.static:  # into its own tensor, whose address a CUDA graph has recorded
+            self._lengths.copy_(value)
+        else:
+            self._lengths = value
+        self.longest = None
+
+    def _check_rollback(self, value: Tensor) -> None:
+        """Refuse lengths outside [0, max_len], or a row set back further than the cache still
+        holds the keys its next query reads: positions value - window .. value - 1 (``Retention``),
+        all still in their slots unless the ring has overwritten some. Values are read on the
+        CPU, asserted on the device elsewhere (no synchronisation)."""
+        outside = (value < 0) | (value > self.max_len)
+        lost = torch.zeros_like(outside)
+        # what each row holds, read from its slots: ``cache.lengths -= n`` has changed
+        # ``_lengths`` in place before it comes here
+        held = self.slot_pos.amax(1).clamp(min=-1) + 1
+        if self.plan.ring:
+            needed = (value - self.plan.window).clamp(min=0)
+            pos = self.slot_pos
+            kept = ((pos >= needed[:, None]) & (pos < value[:, None])).sum(1)
+            lost = (value < held) & (kept < value - needed)
+        ring, window = self.plan.ring, self.plan.window
+        messages = (
+            f"cache.lengths must hold ints in [0, max_len={self.max_len}]",
+            f"cache.lengths set back further than the cache holds: its ring of {ring} slots "
+            f"has overwritten keys that a query {window} or fewer positions back reads, so a row "
+            f"rolls back at most {ring - window} tokens once its ring has filled; build the "
+            f"cache with rollback=N to keep N more",
+        )
+        readable = can_read_values(value)
+        if not (readable and value.device.type == "cpu"):
+            if readable or torch.compiler.is_compiling():  # fake tensors hold no values
+                for bad, message in zip((outside, lost), messages, strict=True):
+                    torch._assert_async(~bad.any(), message)
+            return
+        for bad, message, holds in zip((outside, lost), messages, ("", "holds "), strict=True):
+            if bool(bad.any()):
+                row = int(torch.argmax(bad.int()))
+                held_now = f" {holds}{int(held[row])} tokens," if holds else ""
+                raise ValueError(f"{message}; row {row}{held_now} set to {int(value[row])}")
 
     def host_lengths(self) -> tuple[int, bool]:
         """(an upper bound of the rows' lengths, whether every row holds exactly that many),

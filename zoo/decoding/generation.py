@@ -35,6 +35,7 @@ def new_cache(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
     static: bool = False,
+    rollback: int = 0,
     **params: object,
 ) -> KVCache:
     """A cache for ``zoo.attention(q, k, v, variant=variant, causal=True, cache=cache, ...)``
@@ -49,6 +50,12 @@ def new_cache(
     cache's slots, masked, and the host keeps no bound that changes), so that a compiled step
     runs as one CUDA graph (``torch.compile(step, mode="reduce-overhead")``) without recording
     again at each length.
+
+    ``rollback``: how many tokens a row may be set back (``cache.lengths = cache.lengths - n``,
+    as speculative decoding does when it rejects drafted tokens) beyond the one any cache allows.
+    A cache that keeps a window in a ring overwrites the oldest key at each step; ``rollback``
+    extra ring slots keep that many more. A cache without a ring (full, causal, MoBA) rolls back
+    any number of tokens whatever this says.
 
     ``num_heads``: the query heads (``MultiHeadAttention.new_cache`` passes its own). A pattern
     that differs per query head (``bigbird``'s random blocks drawn per head) keeps the union of
@@ -78,6 +85,7 @@ def new_cache(
             cpu, pattern = with_heads(cpu, num_heads), with_heads(pattern, num_heads)
     # A pattern drawn per head whose heads are unknown: any head may read any key.
     plan = keep_all(max_len) if cpu.per_head and num_heads is None else cache_plan(cpu, max_len)
+    plan = plan.with_spare(check_int("rollback", rollback, minimum=0))
     return KVCache(
         pattern=pattern,
         host_pattern=cpu,

@@ -224,10 +224,12 @@ class MultiHeadAttention(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         static: bool = False,
+        rollback: int = 0,
     ) -> KVCache:
         """A key-value cache for generating ``batch_size`` sequences of up to ``max_len`` tokens
         with this (causal) module, in its parameters' dtype and device unless given; ``static``:
-        steps of fixed shapes, for a compiled step as one CUDA graph (``zoo.new_cache``)."""
+        steps of fixed shapes, for a compiled step as one CUDA graph; ``rollback``: tokens a row
+        may be set back beyond one (``zoo.new_cache``)."""
         if self.mechanism is not None:
             raise ValueError(
                 f"new_cache: variant {self.variant!r} is a mechanism (zoo/mechanisms); decoding "
@@ -245,6 +247,7 @@ class MultiHeadAttention(nn.Module):
             dtype=weight.dtype if dtype is None else dtype,
             device=weight.device if device is None else device,
             static=static,
+            rollback=rollback,
             **self.params,
         )
 

@@ -33,7 +33,7 @@ as the keys are shared by the query heads of a key/value head anyway).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -61,6 +61,12 @@ class Retention:
     @property
     def slots(self) -> int:
         return self.pinned.numel() + self.ring
+
+    def with_spare(self, spare: int) -> Retention:
+        """The same stores with ``spare`` more ring slots, where there is a ring: the keys of the
+        last ``spare`` tokens stay beyond the window, so lengths may be set back by that many
+        more (``KVCache.lengths``). A cache without a ring keeps every key it reads anyway."""
+        return replace(self, ring=self.ring + spare) if self.ring else self
 
     def keeps_below(self, length: int) -> bool:
         """Whether every position below ``length`` has a slot, known on the host: any position

@@ -1,0 +1,178 @@
+"""Setting a cache's lengths back (a rollback, as speculative decoding makes when it rejects
+drafted tokens): the row forgets its later tokens, so the next calls give the output of one causal
+forward over what the row kept plus its new tokens; a ring that has overwritten what a query reads
+refuses, unless built with ``rollback=`` spare slots (zoo.decoding.cache, zoo.patterns.retention).
+
+Compared in float64, where the decoding path and the full forward agree to rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import FIXED_VARIANTS, cache_params
+
+import zoo
+from zoo.decoding.block_sums import block_sums
+from zoo.testing.fake_cuda import FakeCudaUnavailable, fake_cuda
+
+VARIANTS = [v for v in [*FIXED_VARIANTS, "moba"] if "grid" not in zoo.get_spec(v).parameters()]
+WINDOWED = ["local", "sliding_window", "dilated", "block_local", "longformer"]
+
+
+def module(variant):
+    torch.manual_seed(0)
+    attn = zoo.create_attention(variant, dim=16, num_heads=2, num_kv_heads=1, causal=True,
+                                **cache_params(variant, 64))  # fmt: skip
+    return attn.double().eval()
+
+
+def filled(attn, x, rollback=0):
+    """A cache holding x (B, 40, dim): a prefill of 30, then ten steps of one token."""
+    cache = attn.new_cache(x.shape[0], 64, rollback=rollback)
+    attn(x[:, :30], cache=cache)
+    for i in range(30, 40):
+        attn(x[:, i : i + 1], cache=cache)
+    return cache
+
+
+def snapshot(cache):
+    return [t.clone() for t in (cache.keys, cache.values, cache.slot_pos, cache.lengths)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("back, spare", [((1, 1), 0), ((5, 2), 4)])
+def test_steps_after_a_rollback_equal_the_forward_over_what_was_kept(variant, back, spare):
+    """Rows set back by different counts, then a call of 3 tokens (which reads the slots and its
+    own keys: before, a forgotten key there was read twice) and single steps."""
+    attn = module(variant)
+    x = torch.randn(2, 40, 16, dtype=torch.float64)
+    y = torch.randn(2, 9, 16, dtype=torch.float64)
+    with torch.no_grad():
+        cache = filled(attn, x, rollback=spare)
+        cache.lengths = cache.lengths - torch.tensor(back)
+        assert cache.host_lengths() == (40 - min(back), back[0] == back[1])
+        got = torch.cat([attn(y[:, :3], cache=cache)]
+                        + [attn(y[:, j : j + 1], cache=cache) for j in range(3, 9)], 1)  # fmt: skip
+        for row, b in enumerate(back):
+            kept = 40 - b
+            want = attn(torch.cat([x[row : row + 1, :kept], y[row : row + 1]], 1))[:, kept:]
+            assert torch.allclose(got[row : row + 1], want, atol=1e-10, rtol=0), (variant, row)
+    assert cache.lengths.tolist() == [40 - b + 9 for b in back]
+
+
+@pytest.mark.parametrize("variant", WINDOWED)
+def test_a_ring_refuses_to_go_back_past_what_it_holds(variant):
+    """A window's ring of window + 1 slots rolls back one token; five need ``rollback=4``. The
+    refusal names the way out and changes nothing."""
+    attn = module(variant)
+    x = torch.randn(2, 40, 16, dtype=torch.float64)
+    with torch.no_grad():
+        cache = filled(attn, x)
+        assert cache.plan.ring == cache.plan.window + 1
+        before = snapshot(cache)
+        with pytest.raises(ValueError, match=r"set back further.*rollback=N.*row 0 holds 40.*35"):
+            cache.lengths = cache.lengths - 5
+        assert all(torch.equal(a, b) for a, b in zip(before, snapshot(cache), strict=True))
+        roomy = filled(attn, x, rollback=4)
+        assert roomy.plan.ring == cache.plan.ring + 4
+        roomy.lengths = roomy.lengths - 5
+
+
+@pytest.mark.parametrize("variant", ["causal", "full", "moba", "strided", "bigbird"])
+def test_a_cache_that_keeps_what_it_reads_rolls_back_any_number(variant):
+    attn = module(variant)
+    x = torch.randn(2, 40, 16, dtype=torch.float64)
+    with torch.no_grad():
+        cache = filled(attn, x)
+        cache.lengths = torch.tensor([3, 0])
+        assert ((cache.slot_pos < 0) | (cache.slot_pos < 3)).all()
+        assert (cache.slot_pos[1] < 0).all()
+
+
+def test_in_place_arithmetic_is_a_rollback_too():
+    """``cache.lengths -= n`` changes the tensor before the setter sees it: what a row held is
+    read from its slots, so the refusal and the forgetting still happen."""
+    attn = module("sliding_window")
+    x = torch.randn(2, 40, 16, dtype=torch.float64)
+    with torch.no_grad():
+        cache = filled(attn, x)
+        with pytest.raises(ValueError, match="set back further"):
+            cache.lengths -= 5
+        cache = filled(attn, x)
+        cache.lengths -= 1
+        assert cache.lengths.tolist() == [39, 39] and int(cache.slot_pos.max()) == 38
+
+
+def test_moba_block_sums_forget_the_rolled_back_keys():
+    """MoBA scores blocks from sums the cache keeps: after a rollback and new steps they equal
+    the sums of the kept keys computed afresh (before, forgotten keys stayed in them; the float32
+    sums differ by rounding only: 5e-7 before any rollback)."""
+    attn = module("moba")
+    x = torch.randn(2, 40, 16, dtype=torch.float64)
+    with torch.no_grad():
+        cache = filled(attn, x)
+        assert cache._block_sums, "the steps made block sums"
+        cache.lengths = torch.tensor([33, 21])
+        for j in range(4):
+            attn(x[:, j : j + 1], cache=cache)
+        for block, sums in cache._block_sums.items():
+            want, counts = block_sums(cache.keys, cache.slot_pos >= 0, block)
+            assert torch.equal(sums.counts, counts)  # float32 sums: added up, or at once
+            assert torch.allclose(sums.sums, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["causal", "sliding_window", "moba"])
+def test_a_static_cache_rolls_back_without_a_recompile(variant):
+    """A static cache copies new lengths into its own tensor (a CUDA graph recorded its
+    address), so its compiled step (fullgraph, static shapes) runs on after a rollback without
+    compiling again, equal to eager steps on a growing cache rolled back the same."""
+    torch._dynamo.reset()
+    attn = module(variant)
+    x = torch.randn(2, 40, 16, dtype=torch.float64)
+    compiled = torch.compile(attn, backend="eager", fullgraph=True, dynamic=False)
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        mine, theirs = attn.new_cache(2, 64, static=True), attn.new_cache(2, 64)
+        attn(x[:, :20], cache=mine), attn(x[:, :20], cache=theirs)
+        address = mine.lengths.data_ptr()
+        for i in range(20, 40):
+            if i in (26, 33):  # rows set back by one token each, then on
+                mine.lengths -= torch.tensor([1, 0])
+                theirs.lengths -= torch.tensor([1, 0])
+            got = compiled(x[:, i : i + 1], cache=mine)
+            assert torch.allclose(got, attn(x[:, i : i + 1], cache=theirs), atol=1e-10), i
+    assert mine.lengths.data_ptr() == address and mine.lengths.tolist() == [38, 40]
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (torch.tensor([-1, 3]), r"\[0, max_len=64\]; row 0 set to -1"),
+        (torch.tensor([3, 65]), r"\[0, max_len=64\]; row 1 set to 65"),
+        (torch.tensor([3.0, 4.0]), r"a \(2,\) int tensor on cpu, got \(2,\) torch.float32"),
+        (torch.tensor([3]), r"a \(2,\) int tensor on cpu, got \(1,\)"),
+        ([3, 4], r"a \(2,\) int tensor on cpu, got \[3, 4\]"),
+    ],
+)
+def test_bad_lengths_are_refused_by_name(value, expected):
+    attn = module("causal")
+    with torch.no_grad():
+        cache = filled(attn, torch.randn(2, 40, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"cache\.lengths must .*" + expected):
+        cache.lengths = value
+
+
+def test_a_rollback_on_fake_cuda_reads_no_value():
+    """On a device the checks are assertions there (no synchronisation); fake tensors, which
+    hold no values, pass through (torch.export of a generation loop)."""
+    try:
+        with fake_cuda(), torch.device("cuda"), torch.no_grad():
+            attn = zoo.create_attention("sliding_window", dim=16, num_heads=2, num_kv_heads=1,
+                                        causal=True, window_size=4).eval()  # fmt: skip
+            cache = attn.new_cache(2, 64)
+            attn(torch.randn(2, 30, 16), cache=cache)
+            cache.lengths = cache.lengths - 1
+            attn(torch.randn(2, 1, 16), cache=cache)
+    except FakeCudaUnavailable as error:
+        pytest.skip(str(error))
+    assert cache.lengths.device.type == "cuda" and cache.longest is not None
