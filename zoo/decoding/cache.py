@@ -26,7 +26,7 @@ not continue the row) raises before anything in the cache changes.
 
 Setting ``lengths`` back rolls rows back (speculative decoding): their later tokens are forgotten,
 and a ring that has overwritten keys the next query reads refuses (``new_cache(rollback=k)``
-keeps k more ring slots).
+keeps k more ring slots). ``select_rows`` takes rows of the cache into others (beam search).
 
 A *static* cache (``new_cache(..., static=True)``) gives every step the same shapes: it reads
 all its slots, empty ones masked, and its host keeps no bound that changes from step to step (a
@@ -293,6 +293,47 @@ class KVCache:
             self._mark_static(made.sums, made.counts)
         sums = self._block_sums[block]
         return sums.sums, sums.counts
+
+    def select_rows(self, index: Tensor) -> KVCache:
+        """Row i takes what row ``index[i]`` holds (keys, values, positions, length, block sums),
+        as beam search keeps its best beams: ``index`` (B,) ints in [0, B) on the cache's device,
+        rows may repeat. In place where no gradient is recorded (a static cache keeps its
+        addresses); the host's bound of the lengths holds for the rows taken."""
+        B = self.batch_size
+        if (
+            not isinstance(index, Tensor)
+            or tuple(index.shape) != (B,)
+            or index.is_floating_point()
+            or index.dtype == torch.bool
+            or index.device != self._lengths.device
+        ):
+            shown = (
+                f"{tuple(index.shape)} {index.dtype} on {index.device}"
+                if isinstance(index, Tensor)
+                else repr(index)
+            )
+            raise ValueError(
+                f"select_rows: index must be a ({B},) int tensor on {self._lengths.device}, "
+                f"got {shown}"
+            )
+        index = index.long()
+        bad = (index < 0) | (index >= B)
+        message = f"select_rows: index must hold rows in [0, {B})"
+        if can_read_values(index) and index.device.type == "cpu":
+            if bool(bad.any()):
+                raise ValueError(f"{message}, got {index.tolist()}")
+        elif can_read_values(index) or torch.compiler.is_compiling():
+            torch._assert_async(~bad.any(), message)
+        graph = torch.is_grad_enabled() and (self.keys.requires_grad or self.values.requires_grad)
+        if graph:  # autograd keeps the stores it recorded: new ones
+            self.keys, self.values = self.keys[index], self.values[index]
+        stores = [self.slot_pos, self._lengths]
+        stores += [t for sums in self._block_sums.values() for t in (sums.sums, sums.counts)]
+        stores += [] if graph else [self.keys, self.values]
+        with torch.no_grad():
+            for store in stores:
+                store.copy_(store[index])
+        return self
 
     def reset(self) -> KVCache:
         """Forget every token (lengths back to 0), keeping the memory for the next sequences."""
