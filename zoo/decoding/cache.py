@@ -181,7 +181,9 @@ class KVCache:
         lost = torch.zeros_like(outside)
         # what each row holds, read from its slots: ``cache.lengths -= n`` has changed
         # ``_lengths`` in place before it comes here
-        held = self.slot_pos.amax(1).clamp(min=-1) + 1
+        held = (
+            self.slot_pos.amax(1).clamp(min=-1) + 1 if self.plan.slots else torch.zeros_like(value)
+        )
         if self.plan.ring:
             needed = (value - self.plan.window).clamp(min=0)
             pos = self.slot_pos
