@@ -7,7 +7,7 @@ from torch import Tensor
 
 from .backends import Backend, explain_backend, resolve_backend
 from .core import call_plans
-from .core.call import AttentionCall, check_dropout, check_qkv, resolve_scale, unread_padding
+from .core.call import AttentionCall, check_dropout, check_qkv, resolve_scale
 from .core.prepare import Encoding, attention_encoding, build_encoding, plan_of, prepare_call
 from .core.resolve import (
     CALL_OPTIONS,
@@ -19,7 +19,13 @@ from .core.resolve import (
 from .core.scores import AdditiveScore, DotProduct
 from .core.shape_cache import new_call
 from .decoding.cache import KVCache, cache_signature
-from .decoding.decode import cache_attention, counts_from_padding, decode_backend, explain_decode
+from .decoding.decode import (
+    cache_attention,
+    counts_from_padding,
+    decode_backend,
+    explain_decode,
+    records_grad,
+)
 from .layout.block_layout import allowed_pairs, specialized
 from .mechanisms.dispatch import is_mechanism, mechanism_attention
 from .parallel import context_parallel_attention, shard_stats
@@ -217,9 +223,9 @@ def _empty_batch(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     return out, weights
 
 
-def _cached_attention(q, k, v, cache: KVCache, *, variant, backend, causal, key_padding_mask,
-                      dropout_p, scale, score, pos, params) -> Tensor:  # fmt: skip
-    """``attention`` with a cache: checked here, computed by ``zoo.decoding.decode``."""
+def _check_cached_call(q, k, v, cache: object, variant, causal, params: dict) -> None:
+    """What a call with a cache must be (``attention`` and ``explain`` alike): causal, on a
+    KVCache built for this variant, its parameters and heads, and this batch."""
     check_qkv(q, k, v)
     if causal is not True:
         raise ValueError(f"a call with a cache must be causal (causal=True), got {causal!r}")
@@ -231,15 +237,19 @@ def _cached_attention(q, k, v, cache: KVCache, *, variant, backend, causal, key_
         cache.check_signature(signature)
     if q.shape[0] != cache.batch_size:
         raise ValueError(f"cache holds {cache.batch_size} sequences, q has {q.shape[0]}")
+
+
+def _cached_attention(q, k, v, cache: KVCache, *, variant, backend, causal, key_padding_mask,
+                      dropout_p, scale, score, pos, params) -> Tensor:  # fmt: skip
+    """``attention`` with a cache: checked here, computed by ``zoo.decoding.decode``."""
+    _check_cached_call(q, k, v, cache, variant, causal, params)
     counts = counts_from_padding(key_padding_mask, q.shape[0], q.shape[2], q.device).to(q.device)
     cache.check_step(k, v, counts, None)
     new_call()
-    if key_padding_mask is not None:
-        padding = key_padding_mask.to(k.device)
-        k, v = unread_padding(k, padding), unread_padding(v, padding)
     score = score if score is not None else DotProduct(resolve_scale(scale, q.shape[-1]))
     dropout_p = check_dropout(dropout_p)
-    chosen = decode_backend(backend, score, dropout_p, cache.keys.dtype)
+    chosen = decode_backend(backend, score, dropout_p, cache.keys.dtype,
+                            records_grad(cache, q, k, v))  # fmt: skip
     return cache_attention(
         q, k, v, cache, counts=counts, encoding=attention_encoding(pos, q, k, causal),
         score=score, dropout_p=dropout_p, backend=chosen, full=key_padding_mask is None,
@@ -275,6 +285,9 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
         return _explain_sharded(q, k, v, cp_group, **kwargs)
     cache = kwargs.pop("cache", None)
     if cache is not None:
+        params = {key: value for key, value in kwargs.items() if key not in CALL_OPTIONS}
+        _check_cached_call(q, k, v, cache, kwargs.get("variant"), kwargs.get("causal", False),
+                           params)  # fmt: skip
         score = kwargs.get("score") or DotProduct(resolve_scale(kwargs.get("scale"), q.shape[-1]))
         return explain_decode(backend, score, cache)
     call = prepare_call(q, k, v, **kwargs)

@@ -109,9 +109,9 @@ def _fill(cache, n: int, generator: torch.Generator) -> None:
     for start in range(0, n, 8192):  # in pieces: a 64K prefill's keys need not exist at once
         t = min(8192, n - start)
         k, v = (torch.randn(b, h, t, d, generator=generator).to(cache.keys) for _ in range(2))
-        positions = cache.lengths[:, None] + torch.arange(t, device=k.device)
+        positions = cache.next_positions(t)
         cache.write(k, v, positions, torch.ones_like(positions, dtype=torch.bool))
-        cache.advance(torch.full_like(cache.lengths, t), t, full=True)  # the host's bound too
+        cache.advance(torch.full((b,), t, device=k.device), t, full=True)  # the host's bound too
 
 
 def measure(config: DecodeConfig, variant: str, n: int, device, dtype) -> list[dict]:

@@ -325,3 +325,101 @@ def test_greedy_generation_feeds_back_the_argmax_of_full_forwards():
             grown = torch.cat([grown, model(grown)[:, -1:].argmax(-1)], 1)
     assert torch.equal(generated[:, prefill:-1], grown[:, prefill + 1 :])
     assert not torch.equal(grown[:, prefill + 1 :], tokens[:, prefill + 1 :]), "it generated"
+
+
+@pytest.mark.parametrize("variant", ["causal", "sliding_window", "longformer", "moba"])
+def test_padding_holding_nan_reaches_no_real_token(variant):
+    """Padding columns may hold anything (NaN here): the module's and the functional cached
+    calls give the forward's output at every real token, zeros at padding, and keep no NaN.
+    Before, a call of several tokens read its padded keys and values, and NaN spread to the
+    row's real tokens (every cache with a ring, causal's too)."""
+    attn = module(variant)
+    x = torch.randn(2, 20, 16, dtype=torch.float64)
+    lens = torch.tensor([20, 11])
+    dirty = x.clone()
+    dirty[1, 11:] = float("nan")
+    with torch.no_grad():
+        cache = attn.new_cache(2, 64)
+        got = attn(dirty[:, :14], cache=cache, valid_lens=lens.clamp(max=14))
+        assert torch.isfinite(cache.keys).all() and torch.isfinite(cache.values).all()
+        step = attn(dirty[:, 14:17], cache=cache, valid_lens=torch.tensor([3, 0]))
+        for row, n in enumerate(lens.clamp(max=14).tolist()):
+            want = attn(x[row : row + 1, :n])
+            assert torch.allclose(got[row : row + 1, :n], want, atol=1e-10, rtol=0), row
+            assert (got[row, n:] == 0).all()
+        assert torch.allclose(step[:1], attn(x[:1, :17])[:, 14:], atol=1e-10, rtol=0)
+        assert (step[1] == 0).all()
+    q, k, v = (torch.randn(2, 2, 6, 8, dtype=torch.float64) for _ in range(3))
+    padding = torch.tensor([[False] * 6, [False] * 2 + [True] * 4])
+    for t in (q, k, v):
+        t[1, :, 2:] = float("nan")
+    kw = dict(variant=variant, causal=True, **small(variant))
+    cache = zoo.new_cache(variant, batch_size=2, max_len=64, num_kv_heads=2, head_dim=8,
+                          dtype=torch.float64, **small(variant))  # fmt: skip
+    out = zoo.attention(q, k, v, cache=cache, key_padding_mask=padding, **kw)
+    assert torch.isfinite(out).all() and (out[1, :, 2:] == 0).all()
+    want = zoo.attention(q[1:, :, :2], k[1:, :, :2], v[1:, :, :2], **kw)
+    assert torch.allclose(out[1:, :, :2], want, atol=1e-10, rtol=0)
+
+
+def test_a_learned_table_serves_rows_whose_padding_passes_its_end():
+    """Only real tokens need a position: a finished row's padding, or a padded column, past a
+    learned table's end is no error; a real token past it is (on a CPU, by the encoding)."""
+    attn = module("causal", pos="learned", pos_params={"max_len": 16})
+    x = torch.randn(2, 20, 16, dtype=torch.float64)
+    with torch.no_grad():
+        cache = attn.new_cache(2, 20)
+        attn(x[:, :16], cache=cache, valid_lens=torch.tensor([16, 10]))
+        out = attn(x[:, 16:17], cache=cache, valid_lens=torch.tensor([0, 1]))  # row 0 finished
+        want = attn(torch.cat([x[1:, :10], x[1:, 16:17]], 1))[:, -1]
+        assert torch.allclose(out[1], want, atol=1e-10, rtol=0) and (out[0] == 0).all()
+        even = attn.new_cache(2, 20)
+        attn(x[:, :15], cache=even)
+        attn(x[:, 15:17], cache=even, valid_lens=torch.tensor([1, 1]))  # column 16: padding
+        with pytest.raises(ValueError, match="max_len=16"):
+            attn(x[:, 17:18], cache=even)
+
+
+def test_a_step_that_cannot_record_gradients_is_refused_before_it_writes():
+    """Flex has no backward on a CPU: a cached call that records gradients is refused by name
+    before it writes (before, the kernel raised after the write: MoBA's block sums counted the
+    key twice once the call was retried)."""
+    from zoo.backends import FlexBackend
+
+    attn = module("moba", backend=FlexBackend(block_size=16, compile=False)).float()
+    x = torch.randn(2, 20, 16)
+    with torch.no_grad():
+        cache = attn.new_cache(2, 64)
+        attn(x[:, :10], cache=cache)
+        attn(x[:, 10:11], cache=cache)
+    before = _state(cache) + [s.counts.clone() for s in cache._block_sums.values()]
+    with pytest.raises(ValueError, match=r"no backward on cpu.*torch.no_grad.*can: .*sdpa"):
+        attn(x[:, 11:12], cache=cache)
+    after = _state(cache) + [s.counts.clone() for s in cache._block_sums.values()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_a_wrong_batch_is_refused_by_name_before_an_encoding_reads_it():
+    attn = module("sliding_window", pos="sinusoidal")
+    x = torch.randn(3, 12, 16, dtype=torch.float64)
+    with torch.no_grad():
+        cache = attn.new_cache(2, 12)
+        attn(x[:2, :3], cache=cache, valid_lens=torch.tensor([3, 2]))
+        with pytest.raises(ValueError, match="cache holds 2 sequences, x has 3"):
+            attn(x[:, 3:4], cache=cache)
+
+
+def test_explain_refuses_what_the_call_refuses():
+    """``explain`` with a cache checks the call as ``attention`` does: causal, the cache's
+    variant and parameters."""
+    q = torch.randn(1, 2, 1, 8)
+    cache = zoo.new_cache("sliding_window", batch_size=1, max_len=8, num_kv_heads=2, head_dim=8)
+    assert "decoding with a cache" in zoo.explain(q, q, q, variant="sliding_window",
+                                                  causal=True, cache=cache)  # fmt: skip
+    for kw, message in (
+        ({"variant": "causal", "causal": True}, "built for variant='sliding_window'"),
+        ({"variant": "sliding_window", "causal": True, "window_size": 4}, "window_size"),
+        ({"variant": "sliding_window"}, "must be causal"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            zoo.explain(q, q, q, cache=cache, **kw)

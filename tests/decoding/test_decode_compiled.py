@@ -119,11 +119,11 @@ def test_a_static_cache_marks_its_stores_static_addresses():
     with torch.no_grad():
         cache = attn.new_cache(2, 64, static=True)
         attn(torch.randn(2, 10, 32), cache=cache)  # MoBA's block sums made
-        stores = [cache.keys, cache.values, cache.slot_pos, cache.lengths]
+        stores = [cache.keys, cache.values, cache.slot_pos, cache._lengths]
         stores += [t for sums in cache._block_sums.values() for t in (sums.sums, sums.counts)]
         assert len(stores) == 6 and all(marked(t) for t in stores)
         cache.reset()
-        assert all(marked(t) for t in (cache.keys, cache.values, cache.slot_pos, cache.lengths))
+        assert all(marked(t) for t in (cache.keys, cache.values, cache.slot_pos, cache._lengths))
         growing = attn.new_cache(2, 64)
         assert not any(marked(t) for t in (growing.keys, growing.values, growing.slot_pos))
 

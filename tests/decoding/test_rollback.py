@@ -89,9 +89,34 @@ def test_a_cache_that_keeps_what_it_reads_rolls_back_any_number(variant):
         assert (cache.slot_pos[1] < 0).all()
 
 
+def test_lengths_are_the_caches_own():
+    """``cache.lengths`` is a copy and setting it copies in: what a caller keeps does not move
+    with the cache's steps, one tensor set on two caches leaves them apart, an expanded tensor is
+    taken, and a refused ``-=`` changes nothing (before, the cache kept the caller's tensor and
+    advanced it in place, and ``-=`` had changed the lengths before the check refused)."""
+    attn = module("sliding_window")
+    x = torch.randn(2, 40, 16, dtype=torch.float64)
+    with torch.no_grad():
+        first, second = filled(attn, x), filled(attn, x)
+        saved = first.lengths
+        new = saved - 1
+        first.lengths, second.lengths = new, new
+        attn(x[:, 39:40], cache=first)
+        assert saved.tolist() == [40, 40] and new.tolist() == [39, 39]
+        assert first.lengths.tolist() == [40, 40] and second.lengths.tolist() == [39, 39]
+        third = filled(attn, x)
+        third.lengths = torch.tensor(39).expand(2)
+        attn(x[:, 39:40], cache=third)
+        assert third.lengths.tolist() == [40, 40]
+        before, bound = snapshot(first), first.host_lengths()
+        with pytest.raises(ValueError, match="set back further"):
+            first.lengths -= 5
+        assert all(torch.equal(a, b) for a, b in zip(before, snapshot(first), strict=True))
+        assert first.host_lengths() == bound
+
+
 def test_in_place_arithmetic_is_a_rollback_too():
-    """``cache.lengths -= n`` changes the tensor before the setter sees it: what a row held is
-    read from its slots, so the refusal and the forgetting still happen."""
+    """``cache.lengths -= n`` refuses and forgets as an assignment does."""
     attn = module("sliding_window")
     x = torch.randn(2, 40, 16, dtype=torch.float64)
     with torch.no_grad():
@@ -133,22 +158,22 @@ def test_a_static_cache_rolls_back_without_a_recompile(variant):
     with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
         mine, theirs = attn.new_cache(2, 64, static=True), attn.new_cache(2, 64)
         attn(x[:, :20], cache=mine), attn(x[:, :20], cache=theirs)
-        address = mine.lengths.data_ptr()
+        address = mine._lengths.data_ptr()
         for i in range(20, 40):
             if i in (26, 33):  # rows set back by one token each, then on
                 mine.lengths -= torch.tensor([1, 0])
                 theirs.lengths -= torch.tensor([1, 0])
             got = compiled(x[:, i : i + 1], cache=mine)
             assert torch.allclose(got, attn(x[:, i : i + 1], cache=theirs), atol=1e-10), i
-    assert mine.lengths.data_ptr() == address and mine.lengths.tolist() == [38, 40]
+    assert mine._lengths.data_ptr() == address and mine.lengths.tolist() == [38, 40]
     torch._dynamo.reset()
 
 
 @pytest.mark.parametrize(
     "value, expected",
     [
-        (torch.tensor([-1, 3]), r"\[0, max_len=64\]; row 0 set to -1"),
-        (torch.tensor([3, 65]), r"\[0, max_len=64\]; row 1 set to 65"),
+        (torch.tensor([-1, 3]), r"\[0, max_len=64\]; row 0 holds 40 tokens, set to -1"),
+        (torch.tensor([3, 65]), r"\[0, max_len=64\]; row 1 holds 40 tokens, set to 65"),
         (torch.tensor([3.0, 4.0]), r"a \(2,\) int tensor on cpu, got \(2,\) torch.float32"),
         (torch.tensor([3]), r"a \(2,\) int tensor on cpu, got \(1,\)"),
         ([3, 4], r"a \(2,\) int tensor on cpu, got \[3, 4\]"),

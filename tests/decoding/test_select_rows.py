@@ -31,10 +31,10 @@ def beams(attn, static=False):
     steps = torch.randn(3, 8, 16, dtype=torch.float64)
     for j in range(2):
         attn(steps[:, j : j + 1], cache=cache)
-    pointers = [cache.keys.data_ptr(), cache.lengths.data_ptr()]
+    pointers = [cache.keys.data_ptr(), cache._lengths.data_ptr()]
     cache.select_rows(TAKEN)
     if static:
-        assert [cache.keys.data_ptr(), cache.lengths.data_ptr()] == pointers
+        assert [cache.keys.data_ptr(), cache._lengths.data_ptr()] == pointers
     outs = torch.cat([attn(steps[:, j : j + 1], cache=cache) for j in range(2, 8)], 1)
     sequences = []
     for row, was in enumerate(TAKEN.tolist()):

@@ -149,9 +149,14 @@ class Backend:
         return _ForwardPlan(self, call)
 
     def decode_reason_against(
-        self, score_kind: str, dropout_p: float, dtype: torch.dtype | None
+        self,
+        score_kind: str,
+        dropout_p: float,
+        dtype: torch.dtype | None,
+        backward_on: str | None = None,
     ) -> str | None:
-        """Why this backend cannot run a decoding step with these settings, or None."""
+        """Why this backend cannot run a decoding step with these settings, or None;
+        ``backward_on``: the device type where the step records gradients."""
         if not self.capabilities.decode:
             return "it has no decoding path"
         if score_kind not in self.capabilities.scores:
@@ -161,6 +166,11 @@ class Backend:
             return f"it decodes {names}, not {str(dtype).removeprefix('torch.')}"
         if dropout_p and not self.capabilities.dropout:
             return f"it decodes without dropout, got dropout_p={dropout_p}"
+        if backward_on is not None and backward_on not in self.capabilities.backward:
+            return (
+                f"it has no backward on {backward_on} and the step records gradients (run it "
+                f"under torch.no_grad() or torch.inference_mode())"
+            )
         return None
 
     def decode_step(self, step: DecodeStep) -> Tensor:

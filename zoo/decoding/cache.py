@@ -132,18 +132,20 @@ class KVCache:
 
     @property
     def lengths(self) -> Tensor:
-        """(B,) the tokens each row holds (on the cache's device). Change them by assignment
-        (``cache.lengths = t``, ``cache.lengths -= n``), which the host's bound sees; not in
-        place (``cache.lengths.copy_(t)``), which it does not. A row set back (a rollback, as
-        speculative decoding makes when it rejects drafted tokens) forgets its later tokens; a
-        cache with a ring refuses to go back further than it holds (``new_cache(rollback=)``)."""
-        return self._lengths
+        """(B,) the tokens each row holds (on the cache's device): a copy, so that what a caller
+        keeps of it, or changes in place, is not the cache's own. Set them by assignment
+        (``cache.lengths = t``, ``cache.lengths -= n``): the cache copies the values into its
+        own tensor (a static cache's address stays) and reads the host's bound from them again.
+        A row set back (a rollback, as speculative decoding makes when it rejects drafted
+        tokens) forgets its later tokens; a cache with a ring refuses to go back further than it
+        holds (``new_cache(rollback=)``). A row set forward reads slots that ``write`` filled
+        (a benchmark filling a cache); it is the caller's to fill them."""
+        return self._lengths.clone()
 
     @lengths.setter
     def lengths(self, value: Tensor) -> None:
-        # Set from outside: the host's bound is read from it again. A row set back (a rollback,
-        # as speculative decoding makes) forgets its later tokens: their slots read as empty
-        # and leave the block sums, so the next call sees the row as if they never came.
+        # A row set back forgets its later tokens: their slots read as empty and leave the
+        # block sums, so the next call sees the row as if they never came.
         want = (self.batch_size,)
         if (
             not isinstance(value, Tensor)
@@ -165,11 +167,8 @@ class KVCache:
         forgotten = self.slot_pos >= value[:, None]  # (B, slots) positions past the new length
         for sums in self._block_sums.values():
             sums.remove(self.keys, forgotten)
-        self.slot_pos.masked_fill_(forgotten, -1)  # in place: a static address stays one
-        if self.static:  # into its own tensor, whose address a CUDA graph has recorded
-            self._lengths.copy_(value)
-        else:
-            self._lengths = value
+        self.slot_pos.masked_fill_(forgotten, -1)
+        self._lengths.copy_(value)
         self.longest = None
 
     def _check_rollback(self, value: Tensor) -> None:
@@ -179,11 +178,7 @@ class KVCache:
         CPU, asserted on the device elsewhere (no synchronisation)."""
         outside = (value < 0) | (value > self.max_len)
         lost = torch.zeros_like(outside)
-        # what each row holds, read from its slots: ``cache.lengths -= n`` has changed
-        # ``_lengths`` in place before it comes here
-        held = (
-            self.slot_pos.amax(1).clamp(min=-1) + 1 if self.plan.slots else torch.zeros_like(value)
-        )
+        held = self._lengths
         if self.plan.ring:
             needed = (value - self.plan.window).clamp(min=0)
             pos = self.slot_pos
@@ -203,11 +198,17 @@ class KVCache:
                 for bad, message in zip((outside, lost), messages, strict=True):
                     torch._assert_async(~bad.any(), message)
             return
-        for bad, message, holds in zip((outside, lost), messages, ("", "holds "), strict=True):
+        for bad, message in zip((outside, lost), messages, strict=True):
             if bool(bad.any()):
                 row = int(torch.argmax(bad.int()))
-                held_now = f" {holds}{int(held[row])} tokens," if holds else ""
-                raise ValueError(f"{message}; row {row}{held_now} set to {int(value[row])}")
+                raise ValueError(
+                    f"{message}; row {row} holds {int(held[row])} tokens, set to {int(value[row])}"
+                )
+
+    def next_positions(self, t: int) -> Tensor:
+        """(B, t) the absolute positions of a call's t new tokens in each row: the row's length
+        onwards (no copy of the lengths)."""
+        return self._lengths[:, None] + torch.arange(t, device=self._lengths.device)
 
     def host_lengths(self) -> tuple[int, bool]:
         """(an upper bound of the rows' lengths, whether every row holds exactly that many),
@@ -278,7 +279,7 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes held by the cache's tensors (keys, values, slot positions, lengths, pins, and
         the block sums of ``key_block_sums``)."""
-        tensors = [self.keys, self.values, self.slot_pos, self.lengths, self.plan.pinned]
+        tensors = [self.keys, self.values, self.slot_pos, self._lengths, self.plan.pinned]
         for sums in self._block_sums.values():
             tensors += [sums.sums, sums.counts]
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -352,7 +353,7 @@ class KVCache:
         return (
             f"KVCache({self.signature.get('variant')!r}, batch={b}, kv_heads={h}, head_dim={d}, "
             f"slots={s} (pinned={self.plan.pinned.numel()}, ring={self.plan.ring}), "
-            f"max_len={self.max_len}, lengths={self.lengths.tolist()}, nbytes={self.nbytes})"
+            f"max_len={self.max_len}, lengths={self._lengths.tolist()}, nbytes={self.nbytes})"
         )
 
     def check_signature(self, signature: dict[str, object]) -> None:
@@ -410,7 +411,7 @@ class KVCache:
             )
         if positions is None:
             return
-        expected = self._lengths[:, None] + torch.arange(steps, device=k.device)
+        expected = self.next_positions(steps)
         valid = torch.arange(steps, device=k.device) < counts[:, None]
         wrong = (positions.to(expected.device) != expected) & valid
         if not on_host:  # checked on the device, without a synchronisation

@@ -65,23 +65,36 @@ def decode_backend(
     score: DotProduct | AdditiveScore,
     dropout_p: float,
     dtype: torch.dtype | None = None,
+    backward_on: str | None = None,
 ) -> Backend:
     """The backend that runs a cached call's steps (``Backend.decode_step``): the one named, where
     it declares decoding (``Capabilities.decode``); sdpa for dot scores and the reference for
     others under ``auto`` or a backend without a decoding path (``explain`` says so). A backend
-    that decodes but not these settings raises, naming the reason and the backends that can."""
+    that decodes but not these settings (``backward_on``: the device type where the call records
+    gradients, ``records_grad``) raises, naming the reason and the backends that can: before
+    the call writes anything into the cache."""
     chosen = get_backend(backend) if isinstance(backend, str) and backend != "auto" else backend
     if isinstance(chosen, Backend) and chosen.capabilities.decode:
-        reason = chosen.decode_reason_against(score.kind, dropout_p, dtype)
+        settings = (score.kind, dropout_p, dtype, backward_on)
+        reason = chosen.decode_reason_against(*settings)
         if reason is not None:
             able = [n for n in decoders() if get_backend(n).decode_reason_against(
-                score.kind, dropout_p, dtype) is None]  # fmt: skip
+                *settings) is None]  # fmt: skip
             raise ValueError(
                 f"backend {chosen.name!r} cannot decode this call: {reason}; backends that can: "
                 f"{', '.join(able) or 'none'}"
             )
         return chosen
     return get_backend("sdpa" if score.kind == "dot" else "reference")
+
+
+def records_grad(cache: KVCache, *tensors: Tensor) -> str | None:
+    """The device type where a cached call records gradients (autograd on, and a tensor of the
+    call or the cache's stores requires them), or None."""
+    tracked = (*tensors, cache.keys, cache.values)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tracked):
+        return cache.keys.device.type
+    return None
 
 
 def decoders() -> list[str]:
@@ -191,8 +204,11 @@ def cache_attention(
     longest, even = cache.host_lengths()  # before this call: the host's bound of the rows
     after = min(longest + t, cache.max_len)
     steps = torch.arange(t, device=q.device)
-    positions = cache.lengths[:, None] + steps  # (B, t) absolute positions
+    positions = cache.next_positions(t)  # (B, t) absolute positions
     valid = steps < counts[:, None]
+    padding = None if full else ~valid[:, None, :, None]
+    if padding is not None:  # padding may hold anything (NaN, inf): never read, never kept
+        k, v = k.masked_fill(padding, 0), v.masked_fill(padding, 0)
     if encoding is not None and encoding.kind == "rotate":
         q, k = encoding.rotate(q, k, positions[:, None], positions[:, None])
     # Written first when that overwrites nothing a query of this call reads: one token (the ring
@@ -227,7 +243,7 @@ def cache_attention(
     if not write_first:
         cache.write(k, v, positions, valid, every_kept)
     cache.advance(counts, t, full)
-    return out if full else out * valid[:, None, :, None]
+    return out if padding is None else out.masked_fill(padding, 0)
 
 
 def _host_bounds(

@@ -19,7 +19,7 @@ from ..layout.block_layout import specialized, with_heads
 from ..patterns import Pattern
 from ..patterns.retention import keep_all
 from .cache import KVCache, cache_plan, cache_signature
-from .decode import cache_attention, decode_backend
+from .decode import cache_attention, decode_backend, records_grad
 
 
 def new_cache(
@@ -123,26 +123,39 @@ def step_counts(valid_lens: Tensor | None, batch: int, length: int, device) -> T
     return counts
 
 
-def embed_at(encoding, x: Tensor, cache: KVCache) -> Tensor:
-    """An absolute ("embed") encoding added to each row from its own start position, the row's
-    length in ``cache``. Rows of one length (the host knows when) take ``encoding.embed`` at
-    that offset; rows of different lengths each their own positions' rows of the table (in
-    eval mode: the table is the encoding of zeros, or the encoding's ``table_at`` its rows at
-    those positions), without reading a length on the host; in training mode (dropout), or past
-    a learned table's end on a CPU, one row at a time. A static cache's rows are never known to
-    be of one length (its host keeps no bound)."""
+def embed_at(encoding, x: Tensor, cache: KVCache, counts: Tensor, full: bool) -> Tensor:
+    """An absolute ("embed") encoding added to each row's ``counts`` real tokens at their
+    positions, the row's length in ``cache`` onwards; padding columns take a position within
+    the table, as what they get is never read (a finished row's, past a learned table's end).
+    Rows of one length, every token real (``full``; the host knows when), take
+    ``encoding.embed`` at that offset; others each their own positions' rows of the table (in
+    eval mode: the encoding's ``table_at`` its rows at those positions, or the encoding of
+    zeros), without reading a length on the host; in training mode (dropout), or with a real
+    token past a learned table's end on a CPU (refused there by the encoding), one row at a time.
+    A static cache's rows are never known to be of one length (its host keeps no bound)."""
     longest, even = cache.host_lengths()
-    if even:
+    if even and full:
         return encoding.embed(x, longest)
-    starts, t = cache.lengths, x.shape[1]
+    t = x.shape[1]
+    positions = cache.next_positions(t)
+    starts = positions[:, 0]
     span = longest + t
     table_len = getattr(encoding, "max_len", None)  # a learned table holds so many positions
-    short = table_len is not None and span > table_len  # a row may be past it: raise on a CPU
-    if encoding.training or (short and can_read_values(starts) and starts.device.type == "cpu"):
-        rows = [encoding.embed(x[b : b + 1], int(s)) for b, s in enumerate(starts.tolist())]
-        return torch.cat(rows)  # dropout drawn per row, as embed draws it
+    short = table_len is not None and span > table_len
+    on_host = can_read_values(counts) and counts.device.type == "cpu"
+    if encoding.training or (short and on_host and bool((starts + counts > table_len).any())):
+        rows = [  # dropout drawn per row, as embed draws it; padding columns as they are
+            torch.cat([encoding.embed(x[b : b + 1, :c], s), x[b : b + 1, c:]], 1)
+            for b, (s, c) in enumerate(zip(starts.tolist(), counts.tolist(), strict=True))
+        ]
+        return torch.cat(rows)
+    if short and not on_host and (can_read_values(counts) or torch.compiler.is_compiling()):
+        torch._assert_async(  # on the device: no synchronisation (fake tensors hold no values)
+            ~(starts + counts > table_len).any(),
+            f"a real token past the learned table's max_len={table_len} positions",
+        )
     span = min(span, table_len) if short else span
-    positions = (starts[:, None] + torch.arange(t, device=x.device)).clamp(max=span - 1)
+    positions = positions.clamp(max=span - 1)
     if hasattr(encoding, "table_at"):  # each row at its own positions: no table to the longest
         return x + encoding.table_at(positions).to(x.dtype)
     table = encoding.embed(x.new_zeros(1, span, x.shape[2]), 0)[0]  # (span, dim)
@@ -161,17 +174,18 @@ def module_step(
         )
     )
     batch, t = x.shape[:2]
-    counts = step_counts(valid_lens, batch, t, cache.lengths.device)
+    if batch != cache.batch_size:
+        raise ValueError(f"cache holds {cache.batch_size} sequences, x has {batch}")
+    counts = step_counts(valid_lens, batch, t, cache.keys.device)
     if module.pos.kind == "embed":
-        x = embed_at(module.pos, x, cache)
+        x = embed_at(module.pos, x, cache, counts, valid_lens is None)
     q = rearrange(module.q_proj(x), "b l (h d) -> b h l d", h=module.num_heads)
     k = rearrange(module.k_proj(x), "b l (h d) -> b h l d", h=module.num_kv_heads)
     v = rearrange(module.v_proj(x), "b l (h d) -> b h l d", h=module.num_kv_heads)
-    if batch != cache.batch_size:
-        raise ValueError(f"cache holds {cache.batch_size} sequences, x has {batch}")
     cache.check_step(k, v, counts, positions)
     score = module.score if module.score is not None else DotProduct(module.head_dim**-0.5)
     dropout = module.dropout if module.training else 0.0
+    grad_on = records_grad(cache, q, k, v)
     out = cache_attention(
         q,
         k,
@@ -181,7 +195,7 @@ def module_step(
         encoding=module.pos if module.pos.kind in ("rotate", "bias") else None,
         score=score,
         dropout_p=dropout,
-        backend=decode_backend(module.backend, score, dropout, cache.keys.dtype),
+        backend=decode_backend(module.backend, score, dropout, cache.keys.dtype, grad_on),
         full=valid_lens is None,
     )
     out = module.out_proj(rearrange(out, "b h l d -> b l (h d)"))  # (B, t, dim)
