@@ -7,8 +7,16 @@ from torch import Tensor
 
 from .backends import Backend, explain_backend, resolve_backend
 from .core import call_plans
-from .core.call import AttentionCall, check_dropout, check_qkv, resolve_scale
-from .core.prepare import Encoding, attention_encoding, build_encoding, plan_of, prepare_call
+from .core.arguments import check_bool
+from .core.call import AttentionCall, call_score, check_dropout, check_qkv
+from .core.prepare import (
+    Encoding,
+    attention_encoding,
+    build_encoding,
+    check_graph_wanted,
+    plan_of,
+    prepare_call,
+)
 from .core.resolve import (
     CALL_OPTIONS,
     concrete_params,
@@ -16,7 +24,7 @@ from .core.resolve import (
     resolve_pattern,
     resolved_params,
 )
-from .core.scores import AdditiveScore, DotProduct
+from .core.scores import AdditiveScore
 from .core.shape_cache import new_call
 from .decoding.cache import KVCache, cache_signature
 from .decoding.decode import (
@@ -246,7 +254,7 @@ def _cached_attention(q, k, v, cache: KVCache, *, variant, backend, causal, key_
     counts = counts_from_padding(key_padding_mask, q.shape[0], q.shape[2], q.device).to(q.device)
     cache.check_step(k, v, counts, None)
     new_call()
-    score = score if score is not None else DotProduct(resolve_scale(scale, q.shape[-1]))
+    score = call_score(score, scale, q)
     dropout_p = check_dropout(dropout_p)
     chosen = decode_backend(backend, score, dropout_p, cache.keys.dtype,
                             records_grad(cache, q, k, v))  # fmt: skip
@@ -264,11 +272,12 @@ def dense_mask(
     for name, n in (("q_len", q_len), ("kv_len", kv_len)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"{name} must be a positive int, got {n!r}")
-    causal = bool(params.pop("causal", False))
+    causal = check_bool("causal", params.pop("causal", False))
     edge_index = params.pop("edge_index", None)
     pattern = resolve_pattern(variant, causal, params)
     pattern = specialized(pattern, q_len, kv_len, torch.device("cpu"))
-    if edge_index is not None or reads_graph(pattern):  # a graph: (graphs, L, L), caller's order
+    check_graph_wanted(edge_index, pattern, variant)
+    if reads_graph(pattern):  # a graph: (graphs, L, L), caller's order
         q, k = torch.zeros(1, 1, q_len, 1), torch.zeros(1, 1, kv_len, 1)
         bound = pattern.bind(RouteInputs(q, k, None, causal, edge_index=edge_index))
         return bound.dense(q_len, kv_len)[:, 0].squeeze(0)
@@ -276,9 +285,10 @@ def dense_mask(
 
 
 def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
-    """Which backend ``attention(q, k, v, **kwargs)`` with ``backend="auto"`` runs, and why; and
-    whether the variant is plain full (or causal) attention at these lengths, which would make
-    its curves coincide with those of ``full`` (or ``causal``)."""
+    """Which backend ``attention(q, k, v, **kwargs)`` runs (``auto``'s choice, and why; or the
+    named backend, or why it cannot), and what it computes; and whether the variant is plain full
+    (or causal) attention at these lengths, which would make its curves coincide with those of
+    ``full`` (or ``causal``)."""
     backend = kwargs.pop("backend", "auto")
     cp_group = kwargs.pop("cp_group", None)
     if cp_group is not None:
@@ -288,7 +298,7 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
         params = {key: value for key, value in kwargs.items() if key not in CALL_OPTIONS}
         _check_cached_call(q, k, v, cache, kwargs.get("variant"), kwargs.get("causal", False),
                            params)  # fmt: skip
-        score = kwargs.get("score") or DotProduct(resolve_scale(kwargs.get("scale"), q.shape[-1]))
+        score = call_score(kwargs.get("score"), kwargs.get("scale"), q)
         return explain_decode(backend, score, cache)
     call = prepare_call(q, k, v, **kwargs)
     params = {key: value for key, value in kwargs.items() if key not in CALL_OPTIONS}
@@ -301,7 +311,7 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
             f"{f' ({shown})' if shown else ''} allows every pair {ALLOWS[note]}: it is {note} "
             f"attention at this length, the same as variant {note!r}"
         )
-    return explain_backend(call) + (note or "")
+    return explain_backend(call, backend) + (note or "")
 
 
 def _explain_sharded(q: Tensor, k: Tensor, v: Tensor, group: object, **kwargs: object) -> str:

@@ -131,7 +131,7 @@ def measure(config: DecodeConfig, variant: str, n: int, device, dtype) -> list[d
     q, k, v = new(config.heads), new(kv_heads), new(kv_heads)
     kw = dict(variant=variant, causal=True, **params)
     # The check: sdpa and the reference decoding path on copies of one cache, one step each.
-    twin = _copy(cache)
+    twin = cache.clone()
     out = zoo.attention(q, k, v, cache=cache, backend="sdpa", **kw)
     ref = zoo.attention(q, k, v, cache=twin, backend="reference", **kw)
     error = float((out.float() - ref.float()).abs().max())
@@ -144,14 +144,14 @@ def measure(config: DecodeConfig, variant: str, n: int, device, dtype) -> list[d
             cells.append({**cell, "ms": None, "status": "skipped: compiled flex is CUDA-only here"})
             continue
         if backend != "auto":  # its own check against the reference, on another copy
-            twin = _copy(cache)
-            got = zoo.attention(q, k, v, cache=_copy(cache), backend=backend, **kw)
+            twin = cache.clone()
+            got = zoo.attention(q, k, v, cache=cache.clone(), backend=backend, **kw)
             ref = zoo.attention(q, k, v, cache=twin, backend="reference", **kw)
             cell["error"] = float((got.float() - ref.float()).abs().max())
         else:
             cell["error"] = error
         several = len(config.backends) * len(config.compile) > 1
-        timed = _copy(cache) if several else cache  # each its own steps
+        timed = cache.clone() if several else cache  # each its own steps
 
         def step(backend=backend, timed=timed):
             return zoo.attention(q, k, v, cache=timed, backend=backend, **kw)
@@ -167,18 +167,6 @@ def measure(config: DecodeConfig, variant: str, n: int, device, dtype) -> list[d
     for peer in config.peers:
         cells.append(_peer(peer, config, variant, params, n, device, dtype, gen, q))
     return cells
-
-
-def _copy(cache):
-    """A cache with the same keys and lengths and stores of its own (its block sums made anew
-    from its keys on first use: a write adds to the sums of its own cache)."""
-    twin = object.__new__(type(cache))
-    twin.__dict__.update(cache.__dict__)
-    for name in ("keys", "values", "slot_pos", "lengths"):
-        setattr(twin, name, getattr(cache, name).clone())
-    twin.longest, twin.even = cache.longest, cache.even  # lengths equal: the host's bound too
-    twin._block_sums = {}
-    return twin
 
 
 def _peer(peer, config, variant, params, n, device, dtype, gen, q) -> dict:

@@ -35,7 +35,7 @@ PLANNED = [
     ("block_local", {"block_size": 16, "neighbors": 2}),
     ("longformer", {"window_size": 7, "global_tokens": 1}),
     ("longformer", {"window_size": 4, "global_tokens": 12}),
-    ("global", {"global_tokens": 2, "block_size": 16}),
+    ("global", {"global_tokens": 2, "block_size": 8}),
 ]
 LENGTHS = [(100, 100), (37, 100), (100, 37), (16, 16)]
 NOT_PLANNED = [

@@ -63,9 +63,51 @@ GOOD = [(2, 4, 16, 8)] * 3
             TypeError,
             r"key_padding_mask must be a bool tensor",
         ),
+        # a merged run of global positions past the keys: before, only its start was checked
+        (
+            dict(variant="global", global_tokens=50),
+            ValueError,
+            r"global position at 49, beyond the 16 keys",
+        ),
+        (
+            dict(variant="longformer", global_tokens=[15, 16, 17]),
+            ValueError,
+            r"global position at 17, beyond the 16 keys",
+        ),
+        (dict(variant="full", backend=3), TypeError, r"backend must be 'auto', a name .* got 3"),
+        (
+            dict(variant="full", return_weights="no"),
+            TypeError,
+            r"return_weights must be True or False, got 'no'",
+        ),
+        (
+            dict(variant="full", score="additive"),
+            TypeError,
+            r"score must be a zoo.core.scores.AdditiveScore .* got 'additive' \(str\)",
+        ),
+        (
+            dict(variant="full", score=zoo.core.scores.AdditiveScore(2, 8)),
+            ValueError,
+            r"AdditiveScore for 2 heads of size 8, but q has 4 heads of size 8",
+        ),
+        (
+            dict(variant="full", score=zoo.core.scores.AdditiveScore(4, 8), scale=0.5),
+            ValueError,
+            r"scale=0.5 scales dot-product scores; .* leave scale=None",
+        ),
+        (
+            dict(variant="axial_2d"),
+            ValueError,
+            r"grid=None: 17 keys make no grid of more than one row",
+        ),
     ],
 )
 def test_bad_arguments(kwargs, error, message):
+    if kwargs.get("variant") == "axial_2d":  # a prime length
+        with pytest.raises(error, match=message):
+            zoo.attention(*qkv(*[(2, 4, 17, 8)] * 3), **kwargs)
+        zoo.attention(*qkv(*[(2, 4, 17, 8)] * 3), variant="axial_2d", grid=(1, 17))  # on purpose
+        return
     with pytest.raises(error, match=message):
         zoo.attention(*qkv(*GOOD), **kwargs)
 
@@ -86,6 +128,7 @@ def test_bad_arguments(kwargs, error, message):
             r"q must have 4 dimensions \(batch, heads, length, head_dim\), got shape \(2, 16, 8\)",
         ),
         ([(2, 4, 0, 8), (2, 4, 16, 8), (2, 4, 16, 8)], r"need at least one position"),
+        ([(2, 0, 16, 8), (2, 1, 16, 8), (2, 1, 16, 8)], r"need at least one head \(dim 1\)"),
     ],
 )
 def test_bad_shapes(shapes, message):
@@ -169,3 +212,51 @@ def test_bad_forward_arguments():
 def test_dense_mask_rejects_non_positive_lengths():
     with pytest.raises(ValueError, match=r"q_len must be a positive int, got 0"):
         zoo.dense_mask("local", 0)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(waste=-1.0), r"waste must be a number in \[0, 1\), got -1.0"),  # it hung
+        (dict(waste="x"), r"waste must be a number in \[0, 1\), got 'x'"),
+        (dict(compute_dtype=torch.int32), r"compute_dtype must be a floating torch.dtype"),
+    ],
+)
+def test_bad_blocked_options_are_refused_when_made(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        zoo.backends.BlockedBackend(**kwargs)
+
+
+def test_dense_mask_checks_causal_and_a_stray_graph():
+    """``causal="no"`` was taken as True, and an edge_index for a variant that reads no graph
+    gave one column of the mask."""
+    with pytest.raises(TypeError, match="causal must be True or False, got 'no'"):
+        zoo.dense_mask("local", 10, window_size=2, causal="no")
+    edges = torch.tensor([[0, 1], [1, 0]])
+    with pytest.raises(ValueError, match="variant 'local' reads no graph"):
+        zoo.dense_mask("local", 4, window_size=1, edge_index=edges)
+
+
+def test_allowed_pairs_names_what_it_takes():
+    with pytest.raises(TypeError, match="allowed_pairs takes a zoo Pattern, got 'local'"):
+        zoo.allowed_pairs("local", 10, 10)
+
+
+def test_explain_explains_the_backend_it_is_given():
+    """``explain(backend=...)`` says what that backend runs, or why it cannot (before, it said
+    what auto would choose)."""
+    q, k, v = qkv(*GOOD)
+    said = zoo.explain(q, k, v, variant="local", window_size=2, backend="blocked")
+    assert said.startswith("blocked, as named")
+    q.requires_grad_(True)
+    said = zoo.explain(q, k, v, variant="local", window_size=2, backend="flex")
+    assert said.startswith("backend 'flex' cannot run this call: it has no backward pass on cpu")
+    assert zoo.explain(q, k, v, variant="local", window_size=2).startswith("auto -> ")
+
+
+def test_the_module_names_an_input_of_another_dtype():
+    attn = zoo.create_attention("local", dim=16, num_heads=2, window_size=2)
+    with pytest.raises(ValueError, match=r"x is torch.float64 but the module's parameters are"):
+        attn(torch.randn(1, 8, 16, dtype=torch.float64))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts the projections' inputs
+        assert attn(torch.randn(1, 8, 16, dtype=torch.bfloat16)).shape == (1, 8, 16)

@@ -423,3 +423,28 @@ def test_explain_refuses_what_the_call_refuses():
     ):
         with pytest.raises(ValueError, match=message):
             zoo.explain(q, q, q, cache=cache, **kw)
+
+
+@pytest.mark.parametrize("variant", ["causal", "sliding_window", "moba"])
+@pytest.mark.parametrize("static", [False, True])
+def test_a_clone_forks_the_cache(variant, static):
+    """``clone``: a prompt's cache forked for two continuations; each equals the forward over
+    its own sequence, and neither sees the other's tokens (stores, lengths and MoBA's block sums
+    of their own)."""
+    attn = module(variant)
+    x = torch.randn(2, 30, 16, dtype=torch.float64)
+    a, b = (torch.randn(2, 6, 16, dtype=torch.float64) for _ in range(2))
+    with torch.no_grad():
+        cache = attn.new_cache(2, 64, static=static)
+        attn(x, cache=cache, valid_lens=torch.tensor([30, 21]))
+        attn(x[:, :1], cache=cache)  # a step: MoBA's block sums made
+        fork = cache.clone()
+        assert fork.keys.data_ptr() != cache.keys.data_ptr()
+        outs = {}
+        for name, c, y in (("a", cache, a), ("b", fork, b)):
+            outs[name] = torch.cat([attn(y[:, j : j + 1], cache=c) for j in range(6)], 1)
+        for name, y in (("a", a), ("b", b)):
+            for row, n in enumerate((30, 21)):
+                seq = torch.cat([x[row, :n], x[row, :1], y[row]])[None]
+                want = attn(seq)[:, -6:]
+                assert torch.allclose(outs[name][row : row + 1], want, atol=1e-10, rtol=0)

@@ -59,25 +59,48 @@ def able_backends(call: AttentionCall) -> list[str]:
     return [n for n, b in sorted(_BACKENDS.items()) if b.reason_against(call) is None]
 
 
-def explain_backend(call: AttentionCall) -> str:
+def backend_named(backend: object) -> Backend | None:
+    """The Backend that ``backend`` names (a registered name or an instance); None for "auto"."""
+    if isinstance(backend, Backend):
+        return backend
+    if isinstance(backend, str):
+        return None if backend == "auto" else get_backend(backend)
+    raise TypeError(
+        f"backend must be 'auto', a name from zoo.list_backends() or a zoo Backend instance, "
+        f"got {backend!r} ({type(backend).__name__})"
+    )
+
+
+def _cannot_run(backend: Backend, reason: str, call: AttentionCall) -> str:
+    able = ", ".join(able_backends(call)) or "none"
+    return f"backend {backend.name!r} cannot run this call: {reason}; backends that can: {able}"
+
+
+def explain_backend(call: AttentionCall, backend: object = "auto") -> str:
+    """Which backend runs the call and what it computes: ``auto``'s choice and why, or the
+    named backend's, or why it cannot."""
     from .auto import explain_choice
 
-    return explain_choice(call, _BACKENDS)
+    chosen = backend_named(backend)
+    if chosen is None:
+        return explain_choice(call, _BACKENDS)
+    reason = chosen.reason_against(call)
+    if reason is not None:
+        return _cannot_run(chosen, reason, call)
+    notes = [*chosen.capabilities.adaptations(call), chosen.layout_note(call)]
+    return f"{chosen.name}, as named{''.join(f'; {note}' for note in notes)}"
 
 
 def resolve_backend(backend: str | Backend, call: AttentionCall) -> Backend:
     """The backend to run the call, or a ValueError that says why not and which can."""
     from .auto import choose
 
-    if isinstance(backend, str) and backend == "auto":
+    chosen = backend_named(backend)
+    if chosen is None:
         return choose(call, _BACKENDS)
-    chosen = get_backend(backend) if isinstance(backend, str) else backend
     reason = chosen.reason_against(call)
     if reason is not None:
-        able = ", ".join(able_backends(call)) or "none"
-        raise ValueError(
-            f"backend {chosen.name!r} cannot run this call: {reason}; backends that can: {able}"
-        )
+        raise ValueError(_cannot_run(chosen, reason, call))
     return chosen
 
 
@@ -89,6 +112,7 @@ __all__ = [
     "ReferenceBackend",
     "SdpaBackend",
     "XformersBackend",
+    "backend_named",
     "clear_caches",
     "explain_backend",
     "get_backend",

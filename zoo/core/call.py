@@ -100,7 +100,12 @@ def check_qkv(q: object, k: object, v: object) -> None:
         raise ValueError(
             f"k and v must have the same number of heads (dim 1), got {_shape(k)} and {_shape(v)}"
         )
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+    if q.shape[1] == 0 or k.shape[1] == 0:
+        raise ValueError(
+            f"q, k and v need at least one head (dim 1), got shapes {_shape(q)}, {_shape(k)} "
+            f"and {_shape(v)}"
+        )
+    if q.shape[1] % k.shape[1]:
         raise ValueError(
             f"the heads of k and v must divide those of q (grouped-query attention shares each "
             f"key/value head among a group of query heads): q has {q.shape[1]} heads, k and v "
@@ -139,6 +144,31 @@ def check_key_padding_mask(
             f"got {_shape(mask)}"
         )
     return mask.to(device)
+
+
+def call_score(score: object, scale: object, q: Tensor) -> DotProduct | AdditiveScore:
+    """A call's score: the scaled dot product without ``score`` (``resolve_scale``), else its
+    ``AdditiveScore``, made for q's heads and head size (B, H, L, D), which weighs q and k
+    itself: a ``scale`` beside it is refused, not ignored."""
+    if score is None:
+        return DotProduct(resolve_scale(scale, q.shape[-1]))
+    if not isinstance(score, AdditiveScore):
+        raise TypeError(
+            f"score must be a zoo.core.scores.AdditiveScore (or None: the scaled dot product), "
+            f"got {score!r} ({type(score).__name__}); a module takes score='additive'"
+        )
+    if scale is not None:
+        raise ValueError(
+            f"scale={scale!r} scales dot-product scores; an AdditiveScore weighs q and k with its "
+            f"own parameters: leave scale=None"
+        )
+    heads, head_dim = score.w_q.shape[:2]
+    if (heads, head_dim) != (q.shape[1], q.shape[-1]):
+        raise ValueError(
+            f"score is an AdditiveScore for {heads} heads of size {head_dim}, but q has "
+            f"{q.shape[1]} heads of size {q.shape[-1]}"
+        )
+    return score
 
 
 def resolve_scale(scale: object, head_dim: int) -> float:

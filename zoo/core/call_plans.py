@@ -23,13 +23,14 @@ data and has no plan either (``zoo.core.prepare.plan_of`` makes the plans).
 The plans are least recently used first out (``MAX_PLANS``: a plan per layer where each layer
 has an encoding instance of its own, for a few lengths). A plan holds its structures (a flex
 block mask, say) whether or not the per-shape caches still do, and its encoding instance or
-pattern (the key holds them) until it is dropped: ``zoo.clear_caches()`` forgets the plans too,
-and so does a name given a new meaning (a backend, pattern family or variant registered again
-with ``replace=True``), which also clears every per-shape cache. A plan is kept only if no
-clear happened while its first call ran (``generation``): a call that resolved the old meaning
-of a name keeps nothing. A plan copies what it needs of its backend (flex's block size,
+pattern (the key holds them) until it is dropped: ``zoo.backends.clear_caches()`` forgets the
+plans too, and so does a name given a new meaning (a backend, pattern family or variant
+registered again with ``replace=True``), which also clears every per-shape cache. A plan is kept
+only if no clear happened while its first call ran (``generation``): a call that resolved the old
+meaning of a name keeps nothing. A plan copies what it needs of its backend (flex's block size,
 ``compile``, kernel options): a registered backend changed in place is seen by new signatures
-only; register it again with ``replace=True`` (or call ``zoo.clear_caches()``) after a change.
+only; register it again with ``replace=True`` (or call ``zoo.backends.clear_caches()``) after a
+change.
 """
 
 from __future__ import annotations

@@ -14,17 +14,18 @@ from ..patterns import GraphLayout, Pattern, RouteInputs, query_positions, reads
 from ..patterns.node_order import in_node_order
 from ..positional import PositionalEncoding
 from ..registry import get_encoding_spec
+from .arguments import check_bool
 from .call import (
     AttentionCall,
+    call_score,
     check_dropout,
     check_key_padding_mask,
     check_qkv,
-    resolve_scale,
     unread_padding,
 )
 from .call_plans import PlannedCall
 from .resolve import call_pattern, concrete_params, resolved_params
-from .scores import AdditiveScore, DotProduct
+from .scores import AdditiveScore
 from .shape_cache import new_call, per_shape
 
 if TYPE_CHECKING:
@@ -100,6 +101,14 @@ def call_positions(q_len: int, kv_len: int, device: torch.device) -> tuple[Tenso
     return query_positions(q_len, kv_len, device), torch.arange(kv_len, device=device)
 
 
+def check_graph_wanted(edge_index: object, pattern: Pattern, variant: object) -> None:
+    """Refuse an ``edge_index`` for a pattern that reads no graph (it would be ignored)."""
+    if edge_index is not None and not reads_graph(pattern):
+        raise ValueError(
+            f"edge_index is the graph of variant 'graph'; variant {variant!r} reads no graph"
+        )
+
+
 def prepare_call(
     q: Tensor,
     k: Tensor,
@@ -130,10 +139,7 @@ def prepare_call(
     key_padding_mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
     if key_padding_mask is not None:
         k, v = unread_padding(k, key_padding_mask), unread_padding(v, key_padding_mask)
-    if edge_index is not None and not reads_graph(pattern):
-        raise ValueError(
-            f"edge_index is the graph of variant 'graph'; variant {variant!r} reads no graph"
-        )
+    check_graph_wanted(edge_index, pattern, variant)
     if pattern.routed:  # blocks chosen by content, or a graph: bound here to this call
         pattern = pattern.bind(RouteInputs(q, k, key_padding_mask, causal, edge_index=edge_index))
     order = None
@@ -151,11 +157,11 @@ def prepare_call(
         pattern=pattern,
         variant=variant if isinstance(variant, str) else type(variant).__name__,
         key_padding_mask=key_padding_mask,
-        score=score if score is not None else DotProduct(resolve_scale(scale, q.shape[-1])),
+        score=call_score(score, scale, q),
         dropout_p=check_dropout(dropout_p),
         bias=encoding.bias if encoding is not None and encoding.kind == "bias" else None,
         learned=tuple(encoding.parameters()) if encoding is not None else (),
-        return_weights=return_weights,
+        return_weights=check_bool("return_weights", return_weights),
         causal=causal,
         variant_params=resolved_params(variant, params),
         order=order,

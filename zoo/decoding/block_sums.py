@@ -8,6 +8,8 @@ written since the last step (``RunningBlockSums``): a step then scores blocks in
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import Tensor
 
@@ -56,6 +58,11 @@ class RunningBlockSums:
         added = torch.where(kept[..., None, None], keys.float(), 0.0)
         self.sums.transpose(1, 2).index_put_((rows, blocks), added, accumulate=True)
         self.counts.index_put_((rows, blocks), kept.long(), accumulate=True)
+
+    def clone(self) -> RunningBlockSums:
+        twin = copy.copy(self)
+        twin.sums, twin.counts = self.sums.clone(), self.counts.clone()
+        return twin
 
     @torch.no_grad()
     def remove(self, keys: Tensor, forgotten: Tensor) -> None:

@@ -26,7 +26,7 @@ not continue the row) raises before anything in the cache changes.
 
 Setting ``lengths`` back rolls rows back (speculative decoding): their later tokens are forgotten,
 and a ring that has overwritten keys the next query reads refuses (``new_cache(rollback=k)``
-keeps k more ring slots). ``select_rows`` takes rows of the cache into others (beam search).
+keeps k more ring slots). ``select_rows`` takes rows of the cache into others (beam search), ``clone`` forks it.
 
 A *static* cache (``new_cache(..., static=True)``) gives every step the same shapes: it reads
 all its slots, empty ones masked, and its host keeps no bound that changes from step to step (a
@@ -48,6 +48,7 @@ costs no device synchronisation: tensors on the CPU, or a step that the host bou
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from array import array
 from bisect import bisect_left
@@ -296,6 +297,18 @@ class KVCache:
             self._mark_static(made.sums, made.counts)
         sums = self._block_sums[block]
         return sums.sums, sums.counts
+
+    def clone(self) -> KVCache:
+        """A cache with the same contents and stores of its own: a prompt's cache forked for
+        several continuations, each then written on its own."""
+        twin = copy.copy(self)
+        twin.keys, twin.values = self.keys.clone(), self.values.clone()
+        twin.slot_pos, twin._lengths = self.slot_pos.clone(), self._lengths.clone()
+        twin._block_sums = {block: sums.clone() for block, sums in self._block_sums.items()}
+        twin._bounds, twin._static_most = dict(self._bounds), dict(self._static_most)
+        stores = [t for sums in twin._block_sums.values() for t in (sums.sums, sums.counts)]
+        twin._mark_static(twin.keys, twin.values, twin.slot_pos, twin._lengths, *stores)
+        return twin
 
     def select_rows(self, index: Tensor) -> KVCache:
         """Row i takes what row ``index[i]`` holds (keys, values, positions, length, block sums),

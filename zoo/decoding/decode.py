@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..backends import Backend, get_backend, list_backends
+from ..backends import Backend, backend_named, get_backend, list_backends
 from ..backends.base import DecodeStep
 from ..core.device_build import can_read_values
 from ..core.scores import AdditiveScore, DotProduct
@@ -73,8 +73,8 @@ def decode_backend(
     that decodes but not these settings (``backward_on``: the device type where the call records
     gradients, ``records_grad``) raises, naming the reason and the backends that can: before
     the call writes anything into the cache."""
-    chosen = get_backend(backend) if isinstance(backend, str) and backend != "auto" else backend
-    if isinstance(chosen, Backend) and chosen.capabilities.decode:
+    chosen = backend_named(backend)
+    if chosen is not None and chosen.capabilities.decode:
         settings = (score.kind, dropout_p, dtype, backward_on)
         reason = chosen.decode_reason_against(*settings)
         if reason is not None:

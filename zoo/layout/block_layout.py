@@ -115,6 +115,11 @@ def allowed_pairs(pattern: Pattern, q_len: int, kv_len: int, block: int = 128) -
     blocks by evaluating the mask on them alone, empty blocks never. Each disjoint part of the
     pattern is counted in its own token order, where its blocks are sparse. Counted on the CPU
     once per shape, whatever mode the caller is in (``explain`` under fake tensors)."""
+    if not isinstance(pattern, Pattern):
+        raise TypeError(
+            f"allowed_pairs takes a zoo Pattern, got {pattern!r} ({type(pattern).__name__}); "
+            f"for a variant by name, zoo.functional.resolve_pattern(name, causal, params) makes one"
+        )
     return _allowed_pairs(pattern, q_len, kv_len, block)
 
 

@@ -293,6 +293,12 @@ class MultiHeadAttention(nn.Module):
         if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
             shown = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"x must have shape (batch, length, {self.dim}), got {shown}")
+        weight = self.q_proj.weight
+        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise ValueError(
+                f"x is {x.dtype} but the module's parameters are {weight.dtype}: convert one "
+                f"(module.to({x.dtype}) or x.to({weight.dtype})), or run under torch.autocast"
+            )
 
     def _check_source(self, source: object, x: Tensor) -> None:
         """Refuse keys and values' input (context, or x itself) that is not a tensor

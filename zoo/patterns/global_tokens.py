@@ -98,7 +98,7 @@ class Global(Pattern):
         return mask
 
     def specialize(self, q_len: int, kv_len: int, device: torch.device | None = None) -> Pattern:
-        start = self._ranges[-1][0]
+        start = self._ranges[-1][1] - self.block_size  # the last global block's first position
         if start >= kv_len:
             raise ValueError(
                 f"global_tokens={self.global_tokens!r} (block_size={self.block_size}) puts a "

@@ -101,6 +101,12 @@ class GridPattern(Pattern):
 
     def specialize(self, q_len: int, kv_len: int, device: torch.device | None = None) -> Pattern:
         grid = square_grid(kv_len) if self.grid is None else self.grid
+        if self.grid is None and grid[0] == 1 < kv_len:  # a prime: one row, a 1-D pattern
+            raise ValueError(
+                f"grid=None: {kv_len} keys make no grid of more than one row ({kv_len} is "
+                f"prime), so the 2-D pattern would be a 1-D one; pass grid=(H, W) (H = 1 for "
+                f"one row on purpose)"
+            )
         if grid[0] * grid[1] != kv_len:
             raise ValueError(
                 f"grid={self.grid!r} has {grid[0] * grid[1]} cells but the sequence has {kv_len} "

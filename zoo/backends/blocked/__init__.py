@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 from torch.nn.functional import dropout, scaled_dot_product_attention
 
-from ...core.arguments import check_int
+from ...core.arguments import check_int, check_probability
 from ...core.call import AttentionCall
 from ...layout.block_layout import head_layout
 from ...layout.frames import Frame, build_frame
@@ -211,8 +211,14 @@ class BlockedBackend(Backend):
         self, block_size: int = 64, compute_dtype: torch.dtype | None = None, waste: float = 0.25
     ) -> None:
         self.block_size = check_int("block_size", block_size)
+        if compute_dtype is not None and (
+            not isinstance(compute_dtype, torch.dtype) or not compute_dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"compute_dtype must be a floating torch.dtype or None, got {compute_dtype!r}"
+            )
         self.compute_dtype = compute_dtype
-        self.waste = waste
+        self.waste = check_probability("waste", waste)
 
     def __repr__(self) -> str:
         dtype = "" if self.compute_dtype is None else f", compute_dtype={self.compute_dtype}"
