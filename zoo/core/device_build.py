@@ -81,6 +81,18 @@ def can_read_values(t: Tensor) -> bool:
     return not torch.compiler.is_compiling() and not has_no_data(t)
 
 
+def refuse_where(bad: Tensor, message: str, detail: Callable[[Tensor], str] | None = None) -> None:
+    """Refuse values where ``bad`` holds a True: on the CPU a ValueError (``message``, then
+    ``detail(bad)``, which may read values), elsewhere a device-side assertion (no
+    synchronisation), also in a traced graph; nothing on fake tensors, which hold no values."""
+    readable = can_read_values(bad)
+    if readable and bad.device.type == "cpu":
+        if bool(bad.any()):
+            raise ValueError(message + (detail(bad) if detail is not None else ""))
+    elif readable or torch.compiler.is_compiling():
+        torch._assert_async(~bad.any(), message)
+
+
 def needs_device_build(args: tuple) -> bool:
     """Whether a builder with these arguments must be built here: a device among them holds no
     data, or an argument is the mirror of such a build (checked on every per-shape lookup, so

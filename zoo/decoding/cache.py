@@ -26,7 +26,8 @@ not continue the row) raises before anything in the cache changes.
 
 Setting ``lengths`` back rolls rows back (speculative decoding): their later tokens are forgotten,
 and a ring that has overwritten keys the next query reads refuses (``new_cache(rollback=k)``
-keeps k more ring slots). ``select_rows`` takes rows of the cache into others (beam search), ``clone`` forks it.
+keeps k more ring slots). ``select_rows`` takes rows of the cache into others (beam search),
+``clone`` forks it.
 
 A *static* cache (``new_cache(..., static=True)``) gives every step the same shapes: it reads
 all its slots, empty ones masked, and its host keeps no bound that changes from step to step (a
@@ -56,7 +57,7 @@ from bisect import bisect_left
 import torch
 from torch import Tensor
 
-from ..core.device_build import can_read_values
+from ..core.device_build import can_read_values, refuse_where
 from ..core.shape_cache import per_shape
 from ..layout.block_layout import with_heads
 from ..patterns import Pattern
@@ -147,23 +148,7 @@ class KVCache:
     def lengths(self, value: Tensor) -> None:
         # A row set back forgets its later tokens: their slots read as empty and leave the
         # block sums, so the next call sees the row as if they never came.
-        want = (self.batch_size,)
-        if (
-            not isinstance(value, Tensor)
-            or tuple(value.shape) != want
-            or value.is_floating_point()
-            or value.dtype == torch.bool
-            or value.device != self._lengths.device
-        ):
-            shown = (
-                f"{tuple(value.shape)} {value.dtype} on {value.device}"
-                if isinstance(value, Tensor)
-                else repr(value)
-            )
-            raise ValueError(
-                f"cache.lengths must be a {want} int tensor on {self._lengths.device}, got {shown}"
-            )
-        value = value.long()
+        value = self._per_row("cache.lengths", value)
         self._check_rollback(value)
         forgotten = self.slot_pos >= value[:, None]  # (B, slots) positions past the new length
         for sums in self._block_sums.values():
@@ -171,6 +156,24 @@ class KVCache:
         self.slot_pos.masked_fill_(forgotten, -1)
         self._lengths.copy_(value)
         self.longest = None
+
+    def _per_row(self, name: str, value: object) -> Tensor:
+        """``value`` as a (B,) int64 tensor on the cache's device, or a ValueError naming it."""
+        want, device = (self.batch_size,), self._lengths.device
+        if (
+            not isinstance(value, Tensor)
+            or tuple(value.shape) != want
+            or value.is_floating_point()
+            or value.dtype == torch.bool
+            or value.device != device
+        ):
+            shown = (
+                f"{tuple(value.shape)} {value.dtype} on {value.device}"
+                if isinstance(value, Tensor)
+                else repr(value)
+            )
+            raise ValueError(f"{name} must be a {want} int tensor on {device}, got {shown}")
+        return value.long()
 
     def _check_rollback(self, value: Tensor) -> None:
         """Refuse lengths outside [0, max_len], or a row set back further than the cache still
@@ -193,18 +196,13 @@ class KVCache:
             f"rolls back at most {ring - window} tokens once its ring has filled; build the "
             f"cache with rollback=N to keep N more",
         )
-        readable = can_read_values(value)
-        if not (readable and value.device.type == "cpu"):
-            if readable or torch.compiler.is_compiling():  # fake tensors hold no values
-                for bad, message in zip((outside, lost), messages, strict=True):
-                    torch._assert_async(~bad.any(), message)
-            return
+
+        def which(bad: Tensor) -> str:
+            row = int(torch.argmax(bad.int()))
+            return f"; row {row} holds {int(held[row])} tokens, set to {int(value[row])}"
+
         for bad, message in zip((outside, lost), messages, strict=True):
-            if bool(bad.any()):
-                row = int(torch.argmax(bad.int()))
-                raise ValueError(
-                    f"{message}; row {row} holds {int(held[row])} tokens, set to {int(value[row])}"
-                )
+            refuse_where(bad, message, which)
 
     def next_positions(self, t: int) -> Tensor:
         """(B, t) the absolute positions of a call's t new tokens in each row: the row's length
@@ -316,30 +314,9 @@ class KVCache:
         rows may repeat. In place where no gradient is recorded (a static cache keeps its
         addresses); the host's bound of the lengths holds for the rows taken."""
         B = self.batch_size
-        if (
-            not isinstance(index, Tensor)
-            or tuple(index.shape) != (B,)
-            or index.is_floating_point()
-            or index.dtype == torch.bool
-            or index.device != self._lengths.device
-        ):
-            shown = (
-                f"{tuple(index.shape)} {index.dtype} on {index.device}"
-                if isinstance(index, Tensor)
-                else repr(index)
-            )
-            raise ValueError(
-                f"select_rows: index must be a ({B},) int tensor on {self._lengths.device}, "
-                f"got {shown}"
-            )
-        index = index.long()
-        bad = (index < 0) | (index >= B)
-        message = f"select_rows: index must hold rows in [0, {B})"
-        if can_read_values(index) and index.device.type == "cpu":
-            if bool(bad.any()):
-                raise ValueError(f"{message}, got {index.tolist()}")
-        elif can_read_values(index) or torch.compiler.is_compiling():
-            torch._assert_async(~bad.any(), message)
+        index = self._per_row("select_rows: index", index)
+        refuse_where((index < 0) | (index >= B), f"select_rows: index must hold rows in [0, {B})",
+                     lambda _: f", got {index.tolist()}")  # fmt: skip
         graph = torch.is_grad_enabled() and (self.keys.requires_grad or self.values.requires_grad)
         if graph:  # autograd keeps the stores it recorded: new ones
             self.keys, self.values = self.keys[index], self.values[index]

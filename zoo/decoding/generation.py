@@ -12,7 +12,7 @@ from einops import rearrange
 from torch import Tensor
 
 from ..core.arguments import check_bool, check_int
-from ..core.device_build import can_read_values
+from ..core.device_build import can_read_values, refuse_where
 from ..core.scores import DotProduct
 from ..functional import resolve_pattern, resolved_params
 from ..layout.block_layout import specialized, with_heads
@@ -149,11 +149,8 @@ def embed_at(encoding, x: Tensor, cache: KVCache, counts: Tensor, full: bool) ->
             for b, (s, c) in enumerate(zip(starts.tolist(), counts.tolist(), strict=True))
         ]
         return torch.cat(rows)
-    if short and not on_host and (can_read_values(counts) or torch.compiler.is_compiling()):
-        torch._assert_async(  # on the device: no synchronisation (fake tensors hold no values)
-            ~(starts + counts > table_len).any(),
-            f"a real token past the learned table's max_len={table_len} positions",
-        )
+    if short and not on_host:  # on the device: no synchronisation
+        refuse_where(starts + counts > table_len, f"a token past the table's {table_len} positions")
     span = min(span, table_len) if short else span
     positions = positions.clamp(max=span - 1)
     if hasattr(encoding, "table_at"):  # each row at its own positions: no table to the longest
