@@ -185,3 +185,32 @@ def test_performer_redraws_its_features_every_interval_in_training_only():
     assert not torch.equal(module.mechanism.projection, first)
     again = zoo.create_attention("performer", dim=32, num_heads=2, seed=0).mechanism.projection
     assert torch.equal(again, first)  # one seed, one draw
+
+
+def test_linear_features_keep_float32_precision_far_below_zero():
+    """φ(x) = elu(x) + 1 is exp(x) below 0: computed as (exp(x) - 1) + 1 in float32 it came out
+    0 at x = -20 (a key that weighs nothing); its gradient stays finite at large x."""
+    from zoo.mechanisms.linear import elu_features
+
+    x = torch.tensor([-30.0, -20.0, -17.0, -1.0, 0.0, 2.0, 100.0], requires_grad=True)
+    phi = elu_features(x)
+    want = torch.where(x.double() > 0, x.double() + 1, torch.exp(x.double()))
+    assert torch.allclose(phi.double(), want, rtol=1e-6, atol=0)
+    phi.sum().backward()
+    assert torch.isfinite(x.grad).all() and x.grad[-1] == 1 and x.grad[-3] == 1
+
+
+def test_a_compiled_linear_module_trains_as_eager():
+    """torch.compile (aot_eager, fullgraph) of a linear-attention module: forward and backward
+    equal eager (its elu's compiled backward on a transposed view failed, torch 2.13)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    attn = zoo.create_attention("linear", dim=32, num_heads=4, num_kv_heads=2, chunk_size=8)
+    x = torch.randn(2, 24, 32, requires_grad=True)
+    want = attn(x)
+    (grad,) = torch.autograd.grad(want.square().sum(), x)
+    compiled = torch.compile(attn, backend="aot_eager", fullgraph=True)
+    got = compiled(x)
+    (compiled_grad,) = torch.autograd.grad(got.square().sum(), x)
+    assert torch.allclose(got, want, atol=1e-6) and torch.allclose(compiled_grad, grad, atol=1e-5)
+    torch._dynamo.reset()

@@ -231,6 +231,23 @@ def test_masks_the_zoo_cannot_reproduce_are_errors() -> None:
         lm(ids, attention_mask=prepared)
 
 
+def test_the_cross_attention_of_an_encoder_decoder_model_is_refused_by_name() -> None:
+    """BART's decoder reads 12 encoder keys with 7 queries: refused as cross-attention (before,
+    the error spoke of a static cache, which the caller never asked for)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BartConfig(
+        d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=50,
+        max_position_embeddings=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        decoder_start_token_id=2,
+    )  # fmt: skip
+    bart = transformers.BartModel._from_config(cfg, attn_implementation=zoo_hf.register("full"))
+    ids, decoder_ids = torch.randint(3, 50, (2, 12)), torch.randint(3, 50, (2, 7))
+    message = "cross-attention of an encoder-decoder model"
+    with pytest.raises(ValueError, match=message), torch.no_grad():
+        bart.eval()(ids, decoder_input_ids=decoder_ids)
+
+
 def test_import_zoo_leaves_transformers_unimported() -> None:
     code = (
         "import sys, zoo, zoo.integrations.transformers; "

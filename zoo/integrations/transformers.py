@@ -23,6 +23,8 @@ the padding; shift-invariant patterns (causal, local, sliding_window) do not not
 the zoo un-repeated (grouped-query attention), with the model's ``scaling`` and ``dropout``.
 
 Not supported, each with an error that says so: static caches (``cache_implementation="static"``),
+the cross-attention of encoder-decoder models (refused where its keys do not end with its queries;
+where the two lengths are equal it runs the variant's pattern between them),
 masks the zoo cannot express (extra mask functions for image tokens, packed sequences, chunked
 attention, a prepared 4-D mask), soft-capping, attention sinks and position biases.
 """
@@ -186,8 +188,9 @@ def zoo_mask(
         raise ValueError(
             f"attn_implementation {name!r}: the keys cover positions {kv_offset} to "
             f"{kv_offset + kv_length - 1} but the queries end at {q_end - 1}; zoo variants need "
-            "the keys to end with the queries (a static cache, cache_implementation='static', "
-            "is not supported: use the default dynamic cache)"
+            "the keys to end with the queries (self-attention with the default dynamic cache): "
+            "a static cache (cache_implementation='static') and the cross-attention of an "
+            "encoder-decoder model (keys of another sequence) are not supported"
         )
     device = kwargs.get("device", "cpu")  # transformers 5.4 and later pass it
     for tensor in (cache_position, attention_mask):

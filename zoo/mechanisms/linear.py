@@ -17,7 +17,6 @@ against D·Dv per chunk's state), never the result.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..core.arguments import check_int
@@ -26,8 +25,12 @@ from .kernel import feature_attention
 
 
 def elu_features(x: Tensor) -> Tensor:
-    """φ(x) = elu(x) + 1, elementwise: positive, and x + 1 for x >= 0."""
-    return F.elu(x) + 1
+    """φ(x) = elu(x) + 1, elementwise: positive, and x + 1 for x >= 0. Written as exp(x) for
+    x < 0: elu(x) + 1 = (exp(x) - 1) + 1 cancels in float32 (φ(-20) came out 0, a key that
+    weighs nothing), and torch.compile's backward of elu on a transposed view failed (torch
+    2.13). The exp branch reads x clamped to 0 or below, so its unused values stay finite and
+    its gradient at large x is 0, not inf * 0."""
+    return torch.where(x > 0, x + 1, torch.exp(x.clamp(max=0)))
 
 
 class LinearAttention(Mechanism):
