@@ -19,6 +19,7 @@ import argparse
 import csv
 import json
 import statistics
+import warnings
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -42,13 +43,15 @@ CSV_FIELDS = [
 
 
 def read_results(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a results file. A line that is not JSON (cut short by a crash while it was
+    written: its cell ran again, as ``run.finished_keys`` decides) is left out with a warning."""
     records = []
     for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if line.strip():
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{number}: not a JSON line ({error})") from error
+                warnings.warn(f"{path}:{number}: not a JSON line, left out ({error})", stacklevel=2)
     return records
 
 

@@ -63,10 +63,20 @@ def worker_environment(k: int, gpus: int) -> dict[str, str]:
 
 
 def append_record(path: Path, line: str) -> None:
-    """Append one line to ``path`` whole, even with other workers appending to it."""
+    """Append one line to ``path`` whole, even with other workers appending to it, on a line of
+    its own: after a line that a crash cut short (no newline at its end), a new one starts, so
+    the cut line alone is lost, not the record after it."""
     with path.open("a") as f, _locked(f):
+        if f.tell() and not _ends_a_line(path):
+            f.write("\n")
         f.write(line)
         f.flush()
+
+
+def _ends_a_line(path: Path) -> bool:
+    with path.open("rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
 
 
 @contextlib.contextmanager

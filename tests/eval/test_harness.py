@@ -138,6 +138,26 @@ def test_an_interrupted_sweep_resumes_without_recomputing(tmp_path, monkeypatch)
     assert calls == []
 
 
+def test_a_line_cut_by_a_crash_costs_its_own_record_only(tmp_path):
+    """A crash cut the last record short (no newline): the next record starts a line of its own
+    and counts as done, the cut cell runs again, and the report leaves the cut line out with a
+    warning (before, the next record was glued to the cut line, lost, trained again on every
+    resume, and the report raised)."""
+    config = tiny(tmp_path, "variants=[full, local]", "variant_params={local: {window_size: 4}}")
+    results = run(config, "test", CPU, show_progress=False)
+    lines = results.read_text().splitlines()
+    results.write_text(lines[0] + "\n" + lines[1][: len(lines[1]) // 2])  # local's, cut
+    run(config, "test", CPU, show_progress=False)
+    lines = results.read_text().splitlines()
+    assert len(lines) == 3 and [json.loads(lines[i])["cell"]["variant"] for i in (0, 2)] == [
+        "full", "local"]  # fmt: skip
+    before = results.read_text()
+    run(config, "test", CPU, show_progress=False)
+    assert results.read_text() == before, "every cell is done: nothing runs again"
+    with pytest.warns(UserWarning, match=r"results.jsonl:2: not a JSON line, left out"):
+        write_report(results)
+
+
 def test_a_failing_cell_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
     config = tiny(tmp_path, "variants=[full, local]", "variant_params={local: {window_size: 4}}")
     real_train = eval.harness.train.train
