@@ -104,6 +104,39 @@ def test_zoo_registry_environment_variable(tmp_path):
     assert "Local(window_size=(512, 512))" in done.stdout
 
 
+def test_zoo_imports_makes_a_one_file_pattern_a_variant_of_the_command_lines(tmp_path):
+    """``ZOO_IMPORTS`` names the module of a one-file pattern: ``zoo list`` and the harness's
+    name check know it (before, only a Python session that imported the file did); a module
+    that does not import is a warning, and the zoo works."""
+    (tmp_path / "band.py").write_text(
+        textwrap.dedent(
+            """
+            from dataclasses import dataclass
+            import zoo
+
+            @zoo.register_pattern("band_with_first", description="Keys within w, and key 0.")
+            @dataclass(frozen=True)
+            class BandAndFirst(zoo.Pattern):
+                w: int = 64
+
+                def allowed(self, q_pos, kv_pos):
+                    return ((q_pos - kv_pos).abs() <= self.w) | (kv_pos == 0)
+            """
+        )
+    )
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "ZOO_IMPORTS": f"band{os.pathsep}not_a_module", "PYTHONPATH": path}
+    listed = subprocess.run([sys.executable, "-m", "zoo", "list"], env=env, capture_output=True,
+                            text=True, cwd=tmp_path)  # fmt: skip
+    assert listed.returncode == 0, listed.stderr
+    assert "band_with_first" in listed.stdout
+    assert "ZOO_IMPORTS names 'not_a_module', which did not import" in listed.stderr
+    code = "import zoo; print('band_with_first' in zoo.list_attention())"
+    checked = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, cwd=tmp_path)  # fmt: skip
+    assert checked.stdout.strip() == "True", checked.stderr
+
+
 def test_user_pattern_family_by_decorator_and_by_module_path(fresh_registry, tmp_path, monkeypatch):
     module = tmp_path / "my_patterns.py"
     module.write_text(

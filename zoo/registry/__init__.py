@@ -26,9 +26,10 @@ A file has up to two sections::
 
 See ``zoo.registry.variants``, ``zoo.registry.mechanism_spec`` and ``zoo.registry.encoding_spec``
 for what the entries mean. The zoo's own file loads first, then the files named in ``ZOO_REGISTRY``
-(a path list, ``os.pathsep``-separated), then any ``zoo.load_registry(path)``. A name defined twice,
-an unknown key, family, class or parameter, or a wrong type is an error naming the file, the entry
-and the fix.
+(a path list, ``os.pathsep``-separated), then any ``zoo.load_registry(path)``; the Python
+modules named in ``ZOO_IMPORTS`` are imported before, so that the patterns they register are
+variants. A name defined twice, an unknown key, family, class or parameter, or a wrong type is an
+error naming the file, the entry and the fix.
 
 Variants and mechanisms share one namespace (``variant=`` takes either), so a name may not be
 both. An entry whose ``package.module:name`` does not import (a package not installed, or not on
@@ -55,6 +56,7 @@ there and adds nothing from the file.
 from __future__ import annotations
 
 import fnmatch
+import importlib
 import os
 import warnings
 from dataclasses import dataclass
@@ -397,6 +399,7 @@ def registry() -> Registry:
 def _load_once() -> bool:
     global _registry
     if _registry is None:
+        _import_user_modules()
         fresh = Registry()
         fresh.load(BUILTIN_REGISTRY)
         for name, info in code_variants().items():  # registered before this load
@@ -408,6 +411,21 @@ def _load_once() -> bool:
             fresh.load(path, strict=False)
         _registry = fresh
     return True
+
+
+def _import_user_modules() -> None:
+    """Import the modules named in ``ZOO_IMPORTS`` (module names, ``os.pathsep``-separated):
+    the one-file patterns they register are then variants by name wherever the registry is
+    read, the command lines and the harness's workers included. A module that does not import
+    is a RegistryWarning; the zoo's own variants work as before."""
+    for module in filter(None, os.environ.get("ZOO_IMPORTS", "").split(os.pathsep)):
+        try:
+            importlib.import_module(module.strip())
+        except Exception as error:  # any error of the user's module: warn, do not break zoo
+            _warn_code(
+                f"ZOO_IMPORTS names {module!r}, which did not import "
+                f"({type(error).__name__}: {error}); is it on sys.path (PYTHONPATH)?"
+            )
 
 
 def _add_code_variant(name: str, info: VariantInfo, replace: bool) -> None:
