@@ -32,7 +32,7 @@ from .decoding.decode import (
     counts_from_padding,
     decode_backend,
     explain_decode,
-    records_grad,
+    recording_device,
 )
 from .layout.block_layout import allowed_pairs, specialized
 from .mechanisms.dispatch import is_mechanism, mechanism_attention
@@ -235,6 +235,8 @@ def _check_cached_call(q, k, v, cache: object, variant, causal, params: dict) ->
     """What a call with a cache must be (``attention`` and ``explain`` alike): causal, on a
     KVCache built for this variant, its parameters and heads, and this batch."""
     check_qkv(q, k, v)
+    if variant is None:
+        raise TypeError("a call with a cache needs its variant= (the one the cache was built for)")
     if causal is not True:
         raise ValueError(f"a call with a cache must be causal (causal=True), got {causal!r}")
     if not isinstance(cache, KVCache):
@@ -257,7 +259,7 @@ def _cached_attention(q, k, v, cache: KVCache, *, variant, backend, causal, key_
     score = call_score(score, scale, q)
     dropout_p = check_dropout(dropout_p)
     chosen = decode_backend(backend, score, dropout_p, cache.keys.dtype,
-                            records_grad(cache, q, k, v))  # fmt: skip
+                            recording_device(cache, q, k, v))  # fmt: skip
     return cache_attention(
         q, k, v, cache, counts=counts, encoding=attention_encoding(pos, q, k, causal),
         score=score, dropout_p=dropout_p, backend=chosen, full=key_padding_mask is None,
@@ -299,7 +301,7 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
         _check_cached_call(q, k, v, cache, kwargs.get("variant"), kwargs.get("causal", False),
                            params)  # fmt: skip
         score = call_score(kwargs.get("score"), kwargs.get("scale"), q)
-        return explain_decode(backend, score, cache)
+        return explain_decode(backend, score, cache, recording_device(cache, q, k, v))
     call = prepare_call(q, k, v, **kwargs)
     params = {key: value for key, value in kwargs.items() if key not in CALL_OPTIONS}
     pattern = resolve_pattern(kwargs.get("variant"), kwargs.get("causal", False), params)

@@ -356,10 +356,13 @@ def test_padding_holding_nan_reaches_no_real_token(variant):
     kw = dict(variant=variant, causal=True, **small(variant))
     cache = zoo.new_cache(variant, batch_size=2, max_len=64, num_kv_heads=2, head_dim=8,
                           dtype=torch.float64, **small(variant))  # fmt: skip
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
     out = zoo.attention(q, k, v, cache=cache, key_padding_mask=padding, **kw)
     assert torch.isfinite(out).all() and (out[1, :, 2:] == 0).all()
     want = zoo.attention(q[1:, :, :2], k[1:, :, :2], v[1:, :, :2], **kw)
     assert torch.allclose(out[1:, :, :2], want, atol=1e-10, rtol=0)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))  # NaN queries reached no real key's
+    assert all(torch.isfinite(g).all() for g in grads)
 
 
 def test_a_learned_table_serves_rows_whose_padding_passes_its_end():
@@ -416,6 +419,9 @@ def test_explain_refuses_what_the_call_refuses():
     cache = zoo.new_cache("sliding_window", batch_size=1, max_len=8, num_kv_heads=2, head_dim=8)
     assert "decoding with a cache" in zoo.explain(q, q, q, variant="sliding_window",
                                                   causal=True, cache=cache)  # fmt: skip
+    q.requires_grad_(True)  # flex has no backward on a CPU: what the call would raise, said
+    said = zoo.explain(q, q, q, variant="sliding_window", causal=True, cache=cache, backend="flex")
+    assert "backend 'flex' cannot decode this call: it has no backward on cpu" in said
     for kw, message in (
         ({"variant": "causal", "causal": True}, "built for variant='sliding_window'"),
         ({"variant": "sliding_window", "causal": True, "window_size": 4}, "window_size"),

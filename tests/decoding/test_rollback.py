@@ -82,11 +82,15 @@ def test_a_ring_refuses_to_go_back_past_what_it_holds(variant):
 def test_a_cache_that_keeps_what_it_reads_rolls_back_any_number(variant):
     attn = module(variant)
     x = torch.randn(2, 40, 16, dtype=torch.float64)
+    y = torch.randn(2, 4, 16, dtype=torch.float64)
     with torch.no_grad():
         cache = filled(attn, x)
         cache.lengths = torch.tensor([3, 0])
-        assert ((cache.slot_pos < 0) | (cache.slot_pos < 3)).all()
-        assert (cache.slot_pos[1] < 0).all()
+        assert (cache.slot_pos < 3).all() and (cache.slot_pos[1] < 0).all()
+        got = torch.cat([attn(y[:, j : j + 1], cache=cache) for j in range(4)], 1)
+        want = attn(torch.cat([x[:1, :3], y[:1]], 1))[:, 3:]
+        assert torch.allclose(got[:1], want, atol=1e-10, rtol=0)
+        assert torch.allclose(got[1:], attn(y[1:]), atol=1e-10, rtol=0)
 
 
 def test_lengths_are_the_caches_own():
@@ -201,3 +205,25 @@ def test_a_rollback_on_fake_cuda_reads_no_value():
     except FakeCudaUnavailable as error:
         pytest.skip(str(error))
     assert cache.lengths.device.type == "cuda" and cache.longest is not None
+
+
+@pytest.mark.parametrize("variant", ["causal", "sliding_window", "moba"])
+def test_rollback_keeps_the_hosts_bound(variant):
+    """``cache.rollback(n)`` sets rows back as ``lengths -= n`` does and keeps the host's bound
+    of the lengths (an assignment leaves it to be read again: a synchronisation on a GPU);
+    per-row counts leave an upper bound, no longer exact. The steps after it are the same."""
+    attn = module(variant)
+    x = torch.randn(2, 40, 16, dtype=torch.float64)
+    y = torch.randn(2, 3, 16, dtype=torch.float64)
+    with torch.no_grad():
+        kept, assigned = filled(attn, x), filled(attn, x)
+        kept.rollback(1)
+        assigned.lengths -= 1
+        assert (kept.longest, kept.even) == (39, True) and assigned.longest is None
+        for j in range(3):
+            got, want = (attn(y[:, j : j + 1], cache=c) for c in (kept, assigned))
+            assert torch.equal(got, want)
+        kept.rollback(torch.tensor([1, 0]))
+        assert (kept.longest, kept.even) == (42, False) and kept.lengths.tolist() == [41, 42]
+        with pytest.raises(ValueError, match="rollback: n must hold counts >= 0"):
+            kept.rollback(torch.tensor([-1, 0]))

@@ -124,14 +124,23 @@ def test_zoo_imports_makes_a_one_file_pattern_a_variant_of_the_command_lines(tmp
             """
         )
     )
+    # a module that uses the zoo as it is imported: what it loads stays loaded
+    (tmp_path / "wide.yaml").write_text(
+        "variants:\n  wide_local:\n    pattern: local\n    params: {window_size: 512}\n"
+        "    description: d\n"
+    )
+    (tmp_path / "loads_yaml.py").write_text(
+        f"import zoo\nzoo.load_registry({str(tmp_path / 'wide.yaml')!r})\n"
+    )
     path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "ZOO_IMPORTS": f"band{os.pathsep}not_a_module", "PYTHONPATH": path}
+    modules = os.pathsep.join(["band", "loads_yaml", "not_a_module"])
+    env = {**os.environ, "ZOO_IMPORTS": modules, "PYTHONPATH": path}
     listed = subprocess.run([sys.executable, "-m", "zoo", "list"], env=env, capture_output=True,
                             text=True, cwd=tmp_path)  # fmt: skip
     assert listed.returncode == 0, listed.stderr
     assert "band_with_first" in listed.stdout
     assert "ZOO_IMPORTS names 'not_a_module', which did not import" in listed.stderr
-    code = "import zoo; print('band_with_first' in zoo.list_attention())"
+    code = "import zoo; print({'band_with_first', 'wide_local'} <= set(zoo.list_attention()))"
     checked = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                              text=True, cwd=tmp_path)  # fmt: skip
     assert checked.stdout.strip() == "True", checked.stderr

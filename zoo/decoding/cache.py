@@ -22,7 +22,8 @@ kept as the kernel sees them (rotated by rope); ``slot_pos`` (B, slots) holds ea
 position, -1 where empty.
 
 A refused call (wrong shape, dtype, device or variant, a step past ``max_len``, positions that do
-not continue the row) raises before anything in the cache changes.
+not continue the row) raises before anything in the cache changes. (On a GPU, checks that read
+values are device-side assertions, which fire after the call has queued its work.)
 
 Setting ``lengths`` back rolls rows back (speculative decoding): their later tokens are forgotten,
 and a ring that has overwritten keys the next query reads refuses (``new_cache(rollback=k)``
@@ -57,6 +58,7 @@ from bisect import bisect_left
 import torch
 from torch import Tensor
 
+from ..core.arguments import check_int
 from ..core.device_build import can_read_values, refuse_where
 from ..core.shape_cache import per_shape
 from ..layout.block_layout import with_heads
@@ -156,6 +158,24 @@ class KVCache:
         self.slot_pos.masked_fill_(forgotten, -1)
         self._lengths.copy_(value)
         self.longest = None
+
+    def rollback(self, n: int | Tensor) -> KVCache:
+        """Set each row back by ``n`` tokens (an int, or a (B,) tensor of counts per row), as
+        ``cache.lengths -= n`` does, keeping the host's bound of the lengths: the next step reads
+        no length on the host (a synchronisation on a GPU, which the assignment costs once).
+        Speculative decoding's rounds call this."""
+        longest, even = self.longest, self.even
+        if isinstance(n, int) and not isinstance(n, bool):
+            check_int("n", n, minimum=0)
+            self.lengths = self._lengths - n
+            self.longest = None if longest is None else max(longest - n, 0)
+            self.even = even
+        else:
+            n = self._per_row("rollback: n", n)
+            refuse_where(n < 0, "rollback: n must hold counts >= 0", lambda _: f", {n.tolist()}")
+            self.lengths = self._lengths - n
+            self.longest, self.even = longest, False  # lengths lowered: still a bound
+        return self
 
     def _per_row(self, name: str, value: object) -> Tensor:
         """``value`` as a (B,) int64 tensor on the cache's device, or a ValueError naming it."""

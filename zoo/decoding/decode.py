@@ -71,7 +71,7 @@ def decode_backend(
     it declares decoding (``Capabilities.decode``); sdpa for dot scores and the reference for
     others under ``auto`` or a backend without a decoding path (``explain`` says so). A backend
     that decodes but not these settings (``backward_on``: the device type where the call records
-    gradients, ``records_grad``) raises, naming the reason and the backends that can: before
+    gradients, ``recording_device``) raises, naming the reason and the backends that can: before
     the call writes anything into the cache."""
     chosen = backend_named(backend)
     if chosen is not None and chosen.capabilities.decode:
@@ -88,7 +88,7 @@ def decode_backend(
     return get_backend("sdpa" if score.kind == "dot" else "reference")
 
 
-def records_grad(cache: KVCache, *tensors: Tensor) -> str | None:
+def recording_device(cache: KVCache, *tensors: Tensor) -> str | None:
     """The device type where a cached call records gradients (autograd on, and a tensor of the
     call or the cache's stores requires them), or None."""
     tracked = (*tensors, cache.keys, cache.values)
@@ -102,9 +102,17 @@ def decoders() -> list[str]:
     return [n for n in list_backends() if get_backend(n).capabilities.decode]
 
 
-def explain_decode(backend: object, score: DotProduct | AdditiveScore, cache: KVCache) -> str:
-    """What ``explain`` says for a call with a cache."""
-    chosen = decode_backend(backend, score, 0.0, cache.keys.dtype)
+def explain_decode(
+    backend: object,
+    score: DotProduct | AdditiveScore,
+    cache: KVCache,
+    backward_on: str | None = None,
+) -> str:
+    """What ``explain`` says for a call with a cache (``backward_on``: ``recording_device``)."""
+    try:
+        chosen = decode_backend(backend, score, 0.0, cache.keys.dtype, backward_on)
+    except ValueError as refused:  # what the call would raise, said
+        return str(refused)
     shown = f"flex ({chosen!r})" if chosen.name == "flex" else chosen.name
     plan = cache.plan
     asked = backend if isinstance(backend, str) else getattr(backend, "name", "?")
@@ -207,8 +215,9 @@ def cache_attention(
     positions = cache.next_positions(t)  # (B, t) absolute positions
     valid = steps < counts[:, None]
     padding = None if full else ~valid[:, None, :, None]
-    if padding is not None:  # padding may hold anything (NaN, inf): never read, never kept
-        k, v = k.masked_fill(padding, 0), v.masked_fill(padding, 0)
+    if padding is not None:  # padding may hold anything (NaN, inf): never read, never kept,
+        # and no NaN query row reaches the real keys' gradients
+        q, k, v = (x.masked_fill(padding, 0) for x in (q, k, v))
     if encoding is not None and encoding.kind == "rotate":
         q, k = encoding.rotate(q, k, positions[:, None], positions[:, None])
     # Written first when that overwrites nothing a query of this call reads: one token (the ring

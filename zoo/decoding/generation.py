@@ -19,7 +19,7 @@ from ..layout.block_layout import specialized, with_heads
 from ..patterns import Pattern
 from ..patterns.retention import keep_all
 from .cache import KVCache, cache_plan, cache_signature
-from .decode import cache_attention, decode_backend, records_grad
+from .decode import cache_attention, decode_backend, recording_device
 
 
 def new_cache(
@@ -182,7 +182,7 @@ def module_step(
     cache.check_step(k, v, counts, positions)
     score = module.score if module.score is not None else DotProduct(module.head_dim**-0.5)
     dropout = module.dropout if module.training else 0.0
-    grad_on = records_grad(cache, q, k, v)
+    grad_on = recording_device(cache, q, k, v)
     out = cache_attention(
         q,
         k,

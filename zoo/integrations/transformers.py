@@ -23,8 +23,10 @@ the padding; shift-invariant patterns (causal, local, sliding_window) do not not
 the zoo un-repeated (grouped-query attention), with the model's ``scaling`` and ``dropout``.
 
 Not supported, each with an error that says so: static caches (``cache_implementation="static"``),
-the cross-attention of encoder-decoder models (refused where its keys do not end with its queries;
-where the two lengths are equal it runs the variant's pattern between them),
+the cross-attention of encoder-decoder models (refused where its keys do not end with its
+queries; where the two lengths are equal the mask function cannot tell it from self-attention, and
+it would run the variant's pattern between the two sequences' positions, which an encoder-decoder
+model does not mean: register zoo names for decoder-only and encoder-only models),
 masks the zoo cannot express (extra mask functions for image tokens, packed sequences, chunked
 attention, a prepared 4-D mask), soft-capping, attention sinks and position biases.
 """

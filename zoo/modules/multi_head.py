@@ -293,8 +293,8 @@ class MultiHeadAttention(nn.Module):
         if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
             shown = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"x must have shape (batch, length, {self.dim}), got {shown}")
-        weight = self.q_proj.weight
-        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        weight = getattr(self.q_proj, "weight", None)  # a method in a quantized Linear
+        if isinstance(weight, Tensor) and x.dtype != weight.dtype and not _autocast(x.device):
             raise ValueError(
                 f"x is {x.dtype} but the module's parameters are {weight.dtype}: convert one "
                 f"(module.to({x.dtype}) or x.to({weight.dtype})), or run under torch.autocast"
@@ -402,3 +402,11 @@ def create_attention(
     if not is_mechanism_name(name):
         get_spec(name)  # an unknown name fails here, with suggestions
     return MultiHeadAttention(dim, num_heads, variant=name, **overrides)
+
+
+def _autocast(device: torch.device) -> bool:
+    """Whether autocast is on for ``device`` (which casts the projections' inputs)."""
+    try:
+        return torch.is_autocast_enabled(device.type)
+    except RuntimeError:  # a device type without autocast (meta)
+        return False

@@ -12,7 +12,8 @@ makes the first n blocks global, a list names block indices. BigBird's two globa
     x . . . x                 x . . x x
 
 (Pictures with the diagonal are this pattern united with ``local``; alone, a non-global query sees
-the global keys only.) A global position must exist among the keys: a position at or beyond
+the global keys only.) An int n means the first n blocks, so a shorter sequence (a short prompt)
+has fewer global keys. A listed block must exist among the keys: one that starts at or beyond
 ``kv_len`` is an error, not a silent change of pattern.
 """
 
@@ -99,7 +100,7 @@ class Global(Pattern):
 
     def specialize(self, q_len: int, kv_len: int, device: torch.device | None = None) -> Pattern:
         start = self._ranges[-1][1] - self.block_size  # the last global block's first position
-        if start >= kv_len:
+        if isinstance(self.global_tokens, tuple) and start >= kv_len:  # a listed block
             raise ValueError(
                 f"global_tokens={self.global_tokens!r} (block_size={self.block_size}) puts a "
                 f"global position at {start}, beyond the {kv_len} keys; use positions below "

@@ -400,6 +400,7 @@ def _load_once() -> bool:
     global _registry
     if _registry is None:
         _import_user_modules()
+    if _registry is None:  # (a module that used the zoo as it was imported has loaded it)
         fresh = Registry()
         fresh.load(BUILTIN_REGISTRY)
         for name, info in code_variants().items():  # registered before this load

@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 from torch.nn.functional import dropout, scaled_dot_product_attention
 
-from ...core.arguments import check_int, check_probability
+from ...core.arguments import check_int
 from ...core.call import AttentionCall
 from ...layout.block_layout import head_layout
 from ...layout.frames import Frame, build_frame
@@ -218,7 +218,9 @@ class BlockedBackend(Backend):
                 f"compute_dtype must be a floating torch.dtype or None, got {compute_dtype!r}"
             )
         self.compute_dtype = compute_dtype
-        self.waste = check_probability("waste", waste)
+        if isinstance(waste, bool) or not isinstance(waste, int | float) or not 0 <= waste <= 1:
+            raise ValueError(f"waste must be a number in [0, 1], got {waste!r}")
+        self.waste = float(waste)
 
     def __repr__(self) -> str:
         dtype = "" if self.compute_dtype is None else f", compute_dtype={self.compute_dtype}"
