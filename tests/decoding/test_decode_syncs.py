@@ -233,9 +233,10 @@ STEP_VARIANTS = ["causal", "sliding_window", "longformer", "bigbird", "strided",
 @pytest.mark.parametrize("backend", ["sdpa", "reference", "flex"])
 @pytest.mark.parametrize("variant", STEP_VARIANTS)
 def test_steps_on_a_gpu_do_not_synchronise(variant, backend, valid_lens):
-    """One-token steps under torch.cuda.set_sync_debug_mode("error"): a synchronisation raises.
-    The prefill and a first step (which compiles flex and computes the host's tables) run
-    before; the steps' outputs match those of a cache on the CPU."""
+    """One-token steps, and a rollback between them (``KVCache.rollback``), under
+    torch.cuda.set_sync_debug_mode("error"): a synchronisation raises. The prefill and a first
+    step (which compiles flex and computes the host's tables) run before; the steps' outputs
+    match those of a cache on the CPU."""
     torch.manual_seed(0)
     choice = FlexBackend(block_size=16) if backend == "flex" else backend
     attn = zoo.create_attention(variant, dim=64, num_heads=4, num_kv_heads=2, pos="rope",
@@ -256,6 +257,8 @@ def test_steps_on_a_gpu_do_not_synchronise(variant, backend, valid_lens):
                 torch.cuda.set_sync_debug_mode("error")
             try:
                 for i in range(13, 24):
+                    if i == 18:  # a round of speculative decoding: one token taken back
+                        cache.rollback(1)
                     step = lens[1 + i % 3] if valid_lens else None
                     got.append(model(rows[:, i : i + 1], cache=cache, valid_lens=step))
             finally:
