@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", default=str(TABLE), help="the table to update (default: the zoo's)"
     )
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # options among the names
     entries = write_table(args.bench, args.out)
     print(f"{args.out}: {len(entries)} entries")
     return 0

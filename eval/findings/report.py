@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", default=None, help="default eval/results/findings (with --gpu: findings-gpu)"
     )
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # options among the names
     default = "eval/results/findings-gpu" if args.gpu else "eval/results/findings"
     out = Path(args.out) if args.out else ROOT / default
     unknown = [n for n in args.names if n not in FINDINGS]

@@ -33,7 +33,8 @@ def _suggest(key: str, known: list[str]) -> str:
 
 def _check_type(value: Any, annotation: Any, where: str) -> Any:
     """Check a YAML value against a field annotation (int, float, str, bool, list, dict, union)."""
-    origin = typing.get_origin(annotation)
+    # a bare list or dict takes any items
+    origin = typing.get_origin(annotation) or (annotation if annotation in (list, dict) else None)
     if annotation is Any:
         return value
     if origin in (typing.Union, types.UnionType):
@@ -55,7 +56,8 @@ def _check_type(value: Any, annotation: Any, where: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where} must be a mapping, got {value!r}")
-        return value
+        _, item = typing.get_args(annotation) or (Any, Any)
+        return {k: _check_type(v, item, f"{where}: {k}") for k, v in value.items()}
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if annotation in (int, float, str, bool):
@@ -90,7 +92,9 @@ def build(schema: type[T], data: dict[str, Any], where: str) -> T:
 def _set(data: dict[str, Any], dotted: str, value: Any) -> None:
     *parents, last = dotted.split(".")
     for part in parents:
-        data = data.setdefault(part, {})
+        if data.get(part) is None:  # a section whose keys are all commented out reads as null
+            data[part] = {}
+        data = data[part]
         if not isinstance(data, dict):
             raise ConfigError(f"override {dotted}: {part!r} is not a section")
     data[last] = value
@@ -121,11 +125,21 @@ def load_config(schema: type[T], path: str | Path | None, overrides: list[str] =
             raise ConfigError(f"cannot read config {path}: {error}") from error
         except yaml.YAMLError as error:
             raise ConfigError(f"{path}: not valid YAML: {error}") from error
+        if not isinstance(data, dict):
+            raise ConfigError(
+                f"{path} must be a mapping of settings (name: ..., tasks: [...]), got a "
+                f"{type(data).__name__}: {data!r}"
+            )
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like key=value (e.g. train.steps=100)")
-        _set(data, key.strip(), yaml.safe_load(text))
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            why = getattr(error, "problem", None) or error  # without the marks' extra lines
+            raise ConfigError(f"override {item!r}: {text!r} is not valid YAML ({why})") from error
+        _set(data, key.strip(), value)
     return build(schema, data, source)
 
 

@@ -28,17 +28,22 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 import zoo
 from zoo.core.arguments import suggest
 
-from ..tasks import get_task, list_tasks
+from ..tasks import Task, get_task, list_tasks
 from . import distributed
 from .config import ConfigError, build, load_config
 from .workers import append_record, parse_shard, run_in_processes
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from .model import SequenceModel
 
 
 @dataclass
@@ -147,11 +152,37 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
+# What each setting of a train or model section takes: (test, what the error says). A value
+# outside would fail every cell at run time (several only after training), or train wrongly
+# without failing: clip_grad_norm_ scales the gradient by grad_clip / its norm, so a negative
+# grad_clip flips it (gradient ascent) and 0 zeroes it.
+LIMITS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "train.steps": (lambda v: v >= 1, ">= 1"),
+    "train.batch_size": (lambda v: v >= 1, ">= 1"),
+    "train.eval_samples": (lambda v: v >= 1, ">= 1"),
+    "train.eval_batch_size": (lambda v: v >= 1, ">= 1"),
+    "train.weight_decay": (lambda v: v >= 0, ">= 0"),
+    "train.warmup": (lambda v: 0 <= v <= 1, "a fraction of the steps, from 0 to 1"),
+    "train.grad_clip": (lambda v: v > 0, "a number > 0, the largest gradient norm (.inf: none)"),
+    "train.pool": (lambda v: v >= 0, ">= 0 (0: a fresh batch every step)"),
+    "train.context_parallel": (lambda v: v >= 1, ">= 1 (1: off)"),
+    "train.check_every": (lambda v: v >= 0, ">= 0 (0: no checks)"),
+    "model.depth": (lambda v: v >= 1, ">= 1"),
+    "model.mlp_dim": (lambda v: v >= 0, ">= 0 (0: no MLP)"),
+}
+
+# Cell seeds from 0 to 2**31 - 1: each spans 2**32 batch seeds per stream (train.sample_seed),
+# and the largest, 2**64 - 1, is the largest seed torch takes.
+SEEDS = 2**31
+
+
 def check_names(config: RunConfig, source: str) -> None:
-    """Every task, variant and encoding named in the config exists; errors name the key."""
+    """Every task, variant and encoding named in the config exists, and every setting is within
+    what it takes; errors name the key, the value and what was expected."""
+    variants = zoo.list_attention() + zoo.list_modules()  # patterns and mechanisms (nsa)
     for key, names, known in (
         ("tasks", config.tasks, list_tasks()),
-        ("variants", config.variants, zoo.list_attention() + zoo.list_modules()),
+        ("variants", config.variants, variants),
         ("encodings", config.encodings, zoo.list_encodings()),
     ):
         for i, name in enumerate(names):
@@ -159,7 +190,7 @@ def check_names(config: RunConfig, source: str) -> None:
                 raise ConfigError(f"{source}: {key}[{i}]: {suggest(key[:-1], name, known, key)}")
     for key, table, known in (
         ("task_params", config.task_params, list_tasks()),
-        ("variant_params", config.variant_params, zoo.list_attention() + zoo.list_modules()),
+        ("variant_params", config.variant_params, variants),
         ("encoding_params", config.encoding_params, zoo.list_encodings()),
     ):
         for name in table:
@@ -174,16 +205,19 @@ def check_names(config: RunConfig, source: str) -> None:
             )
         where = f"{source}: task_settings: {task}"
         for section, schema in (("model", ModelConfig), ("train", TrainConfig)):
-            build(schema, {**asdict(schema()), **settings.get(section, {})}, f"{where}: {section}")
+            build(schema, settings.get(section, {}), f"{where}: {section}")
         for key in ("train_lengths", "test_lengths"):
-            if key in settings and not all(isinstance(n, int) and n > 0 for n in settings[key]):
+            lengths = settings.get(key, [])
+            if not isinstance(lengths, list) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in lengths
+            ):
                 raise ConfigError(
                     f"{where}: {key} must be a list of positive ints, got {settings[key]!r}"
                 )
         for section in set(settings) - {"model", "train", "train_lengths", "test_lengths"}:
             known = "model, train, train_lengths, test_lengths"
             raise ConfigError(f"{where}: unknown key {section!r} (known keys: {known})")
-    known_by_key = {"task": list_tasks(), "variant": zoo.list_attention()}
+    known_by_key = {"task": list_tasks(), "variant": variants}
     known_by_key["encoding"] = zoo.list_encodings()
     for i, rule in enumerate(config.exclude):
         if not isinstance(rule, dict) or not rule or set(rule) - set(known_by_key):
@@ -211,8 +245,18 @@ def check_names(config: RunConfig, source: str) -> None:
     for i, name in enumerate(config.best_of):
         if name not in ("lr", "seed"):
             raise ConfigError(f"{source}: best_of[{i}] must be 'lr' or 'seed', got {name!r}")
-    if config.train.batch_size < 1 or config.train.steps < 1:
-        raise ConfigError(f"{source}: train.steps and train.batch_size must be positive")
+    for where, sections in (
+        (f"{source}: ", {"model": asdict(config.model), "train": asdict(config.train)}),
+        *(
+            (f"{source}: task_settings: {task}: ", settings)
+            for task, settings in config.task_settings.items()
+        ),
+    ):
+        for section in ("model", "train"):
+            for key, value in sections.get(section, {}).items():
+                test, expected = LIMITS.get(f"{section}.{key}", (lambda v: True, ""))
+                if not test(value):
+                    raise ConfigError(f"{where}{section}.{key} must be {expected}, got {value!r}")
     for where, train in (
         ("train", asdict(config.train)),
         *(
@@ -222,6 +266,51 @@ def check_names(config: RunConfig, source: str) -> None:
         ),
     ):
         check_until(train, f"{source}: {where}")
+    for i, seed in enumerate(config.seeds):
+        if not 0 <= seed < SEEDS:
+            raise ConfigError(f"{source}: seeds[{i}] must be from 0 to 2**31 - 1, got {seed}")
+    for key, values in (
+        ("tasks", config.tasks),
+        ("variants", config.variants),
+        ("encodings", config.encodings),
+        ("train_lengths", config.train_lengths),
+        ("test_lengths", config.test_lengths),
+        ("seeds", config.seeds),
+        ("train.lr", learning_rates(config.train.lr)),
+        *(
+            (f"task_settings: {task}: {key}", settings[key])
+            for task, settings in config.task_settings.items()
+            for key in ("train_lengths", "test_lengths")
+            if key in settings
+        ),
+        *(
+            (f"task_settings: {task}: train.lr", learning_rates(settings["train"]["lr"]))
+            for task, settings in config.task_settings.items()
+            if "lr" in settings.get("train", {})
+        ),
+    ):
+        repeated = [v for i, v in enumerate(values) if v in values[:i]]
+        if repeated:
+            raise ConfigError(
+                f"{source}: {key} lists {repeated[0]!r} twice; list each value once (a repeat "
+                "trains or tests the same cells again)"
+            )
+    backends = ["auto", *zoo.list_backends()]
+    if config.backend not in backends:
+        message = suggest("backend", config.backend, backends, "zoo.list_backends()")
+        raise ConfigError(f"{source}: backend: {message}")
+    if config.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(
+            f"{source}: device must be 'auto', 'cpu' or 'cuda', got {config.device!r}"
+        )
+    try:
+        results_file(config)
+    except (KeyError, IndexError, AttributeError, ValueError) as error:
+        raise ConfigError(
+            f"{source}: out must be a folder, in which {{name}} is the config's name (the one "
+            f"field it may hold; {{{{ and }}}} for braces), got {config.out!r} "
+            f"({type(error).__name__}: {error})"
+        ) from error
     if config.workers != "auto" and not (isinstance(config.workers, int) and config.workers >= 1):
         raise ConfigError(
             f"{source}: workers must be an int >= 1 or 'auto', got {config.workers!r}"
@@ -252,8 +341,6 @@ def check_until(train: dict[str, Any], where: str) -> None:
             f"{where}.until: learned needs max_steps >= steps (the budget), got max_steps "
             f"{train['max_steps']} with steps {train['steps']}"
         )
-    if train["check_every"] < 0:
-        raise ConfigError(f"{where}.check_every must be >= 0, got {train['check_every']}")
     checks = train["until"] == "learned" or train["check_every"] > 0
     if checks and train["context_parallel"] > 1:
         raise ConfigError(
@@ -333,24 +420,30 @@ def make_cell(
     return cell
 
 
-def check_cells(cells_: list[dict[str, Any]], source: str) -> None:
+def check_cells(cells_: list[dict[str, Any]], source: str, world: int | None = 1) -> None:
     """Fail before training on what a cell could only fail later: task parameters, lengths the
-    encoding cannot reach, per-rank batch sizes, a 2-D model tested on another image grid."""
+    encoding cannot reach, generation without a causal token model, a graph variant on a task
+    without a graph, a batch that does not split over the ``world`` processes of this run or a
+    context parallelism of another number of processes (None: not known here, as for Ray's
+    driver; a cell that Ray trains over several processes is checked in them), a 2-D model tested
+    on another image grid."""
     from .train import build_model, variant_params
 
     for cell in cells_:
-        trained = None
+        trained = problem = None
+        where = f"{cell['task']} / {cell['variant']} / {cell['encoding']}"
         for length in sorted({cell["train_len"], *cell["test_lengths"]}):
             try:
                 task = get_task(cell["task"], seq_len=length, **cell["task_params"])
-                build_model(cell, task).check_length(length)
+                model = build_model(cell, task)
+                model.check_length(length)
                 if length == cell["train_len"]:
                     trained = variant_params(cell, task)
+                    problem = training_problem(cell, task, model, world)
             except (TypeError, ValueError) as error:
-                where = (
-                    f"{cell['task']} / {cell['variant']} / {cell['encoding']} at length {length}"
-                )
-                raise ConfigError(f"{source}: {where}: {error}") from error
+                raise ConfigError(f"{source}: {where} at length {length}: {error}") from error
+        if problem is not None:
+            raise ConfigError(f"{source}: {where}: {problem}")
         for length in cell["test_lengths"]:  # a model built for one image grid keeps it
             task = get_task(cell["task"], seq_len=length, **cell["task_params"])
             if variant_params(cell, task) != trained:
@@ -360,6 +453,41 @@ def check_cells(cells_: list[dict[str, Any]], source: str) -> None:
                     f"cannot be tested at length {length} (grid {task.grid}); test 2-D variants "
                     "at their train length"
                 )
+
+
+def training_problem(
+    cell: dict[str, Any], task: Task, model: SequenceModel, world: int | None
+) -> str | None:
+    """What keeps the cell from training or evaluating with its task and model, or None."""
+    train = cell["train"]
+    if train["generation"] and not (cell["causal"] and task.head == "token"):
+        got = "causal=false" if not cell["causal"] else f"a {task.head!r} head, one label"
+        return (
+            "train.generation=true decodes token by token, which needs causal=true and a task "
+            f"with a per-token head; got {got}"
+        )
+    given = task.sample(1, 0).attention_inputs if model.reads else {}
+    missing = [name for name in model.reads if name not in given]
+    if missing:
+        return (
+            f"variant {cell['variant']!r} reads the call's {', '.join(missing)} (a graph per "
+            f"sequence), which task {cell['task']!r} does not give; use a task that does "
+            "(graph_hops)"
+        )
+    # Data parallel, each of the world's ranks trains batch_size // world sequences; context
+    # parallel, every rank reads the whole batch and its shard of each sequence.
+    shards = train.get("context_parallel", 1)
+    if world is not None and shards == 1 and train["batch_size"] % world:
+        return (
+            f"train.batch_size={train['batch_size']} does not split over the {world} processes "
+            f"of this run (each trains batch_size // {world} sequences); use a multiple of {world}"
+        )
+    if world is not None and shards > 1 and shards != world:
+        return (
+            f"train.context_parallel={shards} splits each sequence over {shards} processes, this "
+            f"run has {world}; run it under torchrun --nproc-per-node {shards}"
+        )
+    return None
 
 
 def results_file(config: RunConfig) -> Path:
@@ -537,17 +665,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard", default=None, help=argparse.SUPPRESS)
     # one cell, its record to a file (a Ray task's torchrun; not for direct use)
     parser.add_argument("--cell", nargs=2, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    # intermixed: options may come between the overrides (run CFG --no-progress train.steps=3)
+    args = parser.parse_intermixed_args(argv)
+    inner = args.shard is not None or args.cell is not None or "WORLD_SIZE" in os.environ
     try:
         config = load_config(RunConfig, args.config, args.overrides)
         check_names(config, args.config)
-        check_cells(cells(config), args.config)
+        # this run's processes: torchrun's, or one; Ray's driver does not know a cell's
+        ray = config.launcher == "ray" and not inner
+        world = None if ray else int(os.environ.get("WORLD_SIZE", "1"))
+        check_cells(cells(config), args.config, world)
         shard = (0, 1) if args.shard is None else parse_shard(args.shard)
         workers = resolve_workers(config.workers)
     except (ConfigError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    inner = args.shard is not None or args.cell is not None or "WORLD_SIZE" in os.environ
     if config.launcher == "ray" and not inner:
         from .ray_launcher import run_on_ray
 
@@ -565,7 +697,11 @@ def main(argv: list[str] | None = None) -> int:
         status = run_in_processes(args.config, args.overrides, workers, gpu_count())
         main_process = True
     else:
-        context = distributed.start(config.device)
+        try:
+            context = distributed.start(config.device)
+        except ValueError as error:  # device=cuda on a machine without one
+            print(f"error: {args.config}: {error}", file=sys.stderr)
+            return 2
         only = None if args.cell is None else (args.cell[0], Path(args.cell[1]))
         try:
             run(config, args.config, context, not args.no_progress, shard, only)

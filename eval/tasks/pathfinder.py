@@ -29,7 +29,9 @@ What it simplifies, so that a label can be checked from the tokens alone:
 * The two circles are at least ``min_marker_distance`` cells apart (Euclidean), so that a
   positive label is never read off two circles that touch. (LRA's seed_distance plays a
   similar role.) A snake that cannot be drawn is drawn again; a distractor that cannot be
-  placed after some tries is left out (``meta["distractors"]`` counts those drawn).
+  placed after some tries is left out (``meta["distractors"]`` counts those drawn). Parameters
+  whose two long snakes seldom fit the image (in fewer than 5 of 100 seeded tries) are refused
+  when the task is built, with the smallest ``seq_len`` at which they fit.
 * Labels are balanced within every batch (half positive, in a random order, one more of a
   random class when n is odd).
 
@@ -44,6 +46,7 @@ on a NumPy canvas; the 32 x 32 image is more crowded, so more walks are drawn ag
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 from collections import deque
@@ -55,7 +58,14 @@ from .base import Batch, Task, check_int
 
 BACKGROUND, PATH, MARKER = 1, 2, 3
 DIRECTIONS = ((0, 1), (1, 1), (1, 0), (1, -1), (0, -1), (-1, -1), (-1, 0), (-1, 1))
-SNAKE_TRIES, IMAGE_TRIES = 50, 200
+SNAKE_TRIES, IMAGE_TRIES = 50, 1000
+# Parameters whose two long snakes and circles do not fit the image would fail every cell while
+# sampling, after the config checks: the constructor tries PROBE_TRIES images of a fixed seed and
+# needs PROBE_PLACED of them placed, a rate of about 5%, at which an image all but never runs
+# out of its IMAGE_TRIES (0.95 ** 1000 < 1e-22).
+PROBE_TRIES, PROBE_PLACED = 100, 5
+# How the parameters that the errors name are derived when left unset (None).
+DERIVED = {"dash": "derived as max(2, size // 16)", "min_marker_distance": "derived as size // 4"}
 
 
 class _Failed(Exception):
@@ -94,47 +104,91 @@ class Pathfinder(Task):
                 f"seq_len={seq_len} is not a square image: pathfinder reads a size x size image "
                 f"row by row; use seq_len = size * size (1024: 32 x 32, 4096: 64 x 64)."
             )
+        given = {
+            "contour_length": contour_length,
+            "distractor_length": distractor_length,
+            "num_distractors": num_distractors,
+            "dash": dash,
+            "gap": gap,
+            "marker_radius": marker_radius,
+            "min_marker_distance": min_marker_distance,
+        }
+        self._configure(size, given)
+        problem = self._problem(given)
+        if problem is not None:
+            raise ValueError(f"{problem}{self._smallest(given)}.")
+        self.grid = (size, size)
+
+    def _configure(self, size: int, given: dict[str, int | None]) -> None:
+        """The parameters of a ``size`` x ``size`` image: those ``given``, checked, and those
+        given as None derived as ``DERIVED`` says."""
         self.size = size
-        self.contour_length = check_int("contour_length", contour_length, minimum=1)
+
+        def value(name: str, derived: int) -> int:
+            return derived if given[name] is None else given[name]
+
+        self.contour_length = check_int("contour_length", given["contour_length"], minimum=1)
         self.distractor_length = check_int(
-            "distractor_length",
-            max(1, contour_length // 3) if distractor_length is None else distractor_length,
+            "distractor_length", value("distractor_length", max(1, self.contour_length // 3))
         )
         self.num_distractors = check_int(
-            "num_distractors",
-            20 // self.distractor_length if num_distractors is None else num_distractors,
-            minimum=0,
+            "num_distractors", value("num_distractors", 20 // self.distractor_length), minimum=0
         )
-        self.dash = check_int("dash", max(2, size // 16) if dash is None else dash)
-        self.gap = check_int("gap", gap, minimum=0)
-        self.marker_radius = check_int("marker_radius", marker_radius, minimum=0)
+        self.dash = check_int("dash", value("dash", max(2, size // 16)))
+        self.gap = check_int("gap", given["gap"], minimum=0)
+        self.marker_radius = check_int("marker_radius", given["marker_radius"], minimum=0)
         self.min_marker_distance = check_int(
-            "min_marker_distance",
-            size // 4 if min_marker_distance is None else min_marker_distance,
-            minimum=0,
+            "min_marker_distance", value("min_marker_distance", size // 4), minimum=0
         )
-        if self.min_marker_distance < 2 * self.marker_radius + 2:
-            raise ValueError(
-                f"min_marker_distance={self.min_marker_distance} lets the two circles of radius "
-                f"{self.marker_radius} touch; use at least {2 * self.marker_radius + 2}."
+        self.params = {name: getattr(self, name) for name in given}
+
+    def _problem(self, given: dict[str, int | None]) -> str | None:
+        """Why images cannot be drawn with these parameters, or None."""
+        size, radius = self.size, self.marker_radius
+
+        def named(name: str) -> str:  # a derived value says so: the user never set it
+            value = f"{name}={getattr(self, name)}"
+            return value if given[name] is not None else f"{value} (not set: {DERIVED[name]})"
+
+        if self.min_marker_distance < 2 * radius + 2:
+            return (
+                f"{named('min_marker_distance')} lets the two circles of radius {radius} touch "
+                f"on the {size} x {size} image; set min_marker_distance >= {2 * radius + 2}"
             )
         span = self.contour_length * (self.dash + self.gap)
         if span > 4 * size:
-            raise ValueError(
-                f"contour_length={contour_length} paddles of dash={self.dash} and gap={gap} make "
-                f"paths of {span} cells, too long for a {size} x {size} image (at most {4 * size}"
-                "); lower contour_length or dash, or raise seq_len."
+            return (
+                f"contour_length={self.contour_length} paddles of {named('dash')} and "
+                f"gap={self.gap} make paths of {span} cells, too long for a {size} x {size} "
+                f"image (at most {4 * size}); lower contour_length or dash"
             )
-        self.params = {
-            "contour_length": self.contour_length,
-            "distractor_length": self.distractor_length,
-            "num_distractors": self.num_distractors,
-            "dash": self.dash,
-            "gap": self.gap,
-            "marker_radius": self.marker_radius,
-            "min_marker_distance": self.min_marker_distance,
-        }
-        self.grid = (size, size)
+        rng, placed = random.Random(0), 0
+        for i in range(PROBE_TRIES):
+            try:
+                self._try_image(rng, i % 2)
+                placed += 1
+            except _Failed:
+                continue
+            if placed == PROBE_PLACED:
+                return None
+        return (
+            f"two snakes of contour_length={self.contour_length} paddles, {named('dash')}, "
+            f"gap={self.gap}, their circles of marker_radius={radius} at least "
+            f"{named('min_marker_distance')} apart, seldom fit a {size} x {size} image: "
+            f"{placed} of {PROBE_TRIES} tries placed them (at least {PROBE_PLACED} needed); "
+            "lower contour_length or dash"
+        )
+
+    def _smallest(self, given: dict[str, int | None]) -> str:
+        """Where these parameters work: the smallest larger image at which they do, if any."""
+        larger = copy.copy(self)
+        for size in range(self.size + 1, 2 * self.size + 64):
+            larger._configure(size, given)
+            if larger._problem(given) is None:
+                return (
+                    f", or use seq_len >= {size * size} ({size} x {size}), the smallest that fits"
+                )
+        return ""
 
     def sample(self, n: int, seed: int) -> Batch:
         self._check_sample_args(n, seed)

@@ -3,6 +3,8 @@ purity, the image's layout, and the grid the harness hands to 2-D variants."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -73,6 +75,21 @@ def test_bad_parameters(params: dict, words: list[str]) -> None:
     with pytest.raises(ValueError) as error:
         get_task("pathfinder", **params)
     assert all(w in str(error.value) for w in words), str(error.value)
+
+
+@pytest.mark.parametrize("seq_len, words", [(64, "8 x 8"), (256, "seldom fit a 16 x 16")])
+def test_an_image_too_small_for_the_defaults_names_the_smallest_that_fits(seq_len, words):
+    """At 8 x 8 the derived min_marker_distance lets the circles touch; at 16 x 16 two snakes of
+    14 paddles never fit, which sampling found only after the config checks, in every cell."""
+    with pytest.raises(ValueError) as error:
+        get_task("pathfinder", seq_len=seq_len)
+    message = str(error.value)
+    assert words in message and "min_marker_distance" in message, message
+    assert "(not set: derived as size // 4)" in message  # a parameter the user never set
+    smallest = int(re.search(r"use seq_len >= (\d+)", message).group(1))
+    assert smallest > seq_len
+    batch = get_task("pathfinder", seq_len=smallest).sample(16, seed=3)
+    assert batch.inputs.shape == (16, smallest)
 
 
 def _cell(variant: str, **over) -> dict:
