@@ -31,6 +31,12 @@ POINT = ("device", "dtype", "variant", "params", "causal", "pass", "n")
 
 
 def entries_from(bench: dict[str, Any], source: str) -> list[dict[str, Any]]:
+    """The table's entries of one benchmark file: the fastest backend at each point."""
+    return _entries(timed_at_points(bench, source))
+
+
+def timed_at_points(bench: dict[str, Any], source: str) -> dict[tuple, dict[str, tuple]]:
+    """Each point's backends that ran there: point -> {backend: (ms, source)}."""
     device = bench["header"]["device_type"]
     direct: dict[tuple, dict[str, float | None]] = defaultdict(dict)  # None: ran, not ok
     through_auto: dict[tuple, dict[str, float]] = defaultdict(dict)
@@ -56,11 +62,17 @@ def entries_from(bench: dict[str, Any], source: str) -> list[dict[str, Any]]:
         stand_ins = through_auto.get(point, {}).items()
         ran |= {name: ms for name, ms in stand_ins if name not in direct.get(point, {})}
         if ran:
-            timed[point] = ran
+            timed[point] = {name: (ms, source) for name, ms in ran.items()}
+    return timed
+
+
+def _entries(timed: dict[tuple, dict[str, tuple]]) -> list[dict[str, Any]]:
+    """One entry per point: the fastest backend, and the runner-up."""
     entries = []
     for point, ran in sorted(timed.items()):
-        times = sorted((ms, name) for name, ms in ran.items())
-        best, runner = times[0], times[1] if len(times) > 1 else (float("nan"), "-")
+        times = sorted((ms, name, source) for name, (ms, source) in ran.items())
+        best = times[0]
+        runner = times[1] if len(times) > 1 else (float("nan"), "-", None)
         entry = dict(zip(POINT, point, strict=True))
         entry["params"] = json.loads(entry["params"])
         entries.append(
@@ -70,7 +82,7 @@ def entries_from(bench: dict[str, Any], source: str) -> list[dict[str, Any]]:
                 "time_ms": round(best[0], 4),
                 "runner_up": runner[1],
                 "runner_up_ms": round(runner[0], 4),
-                "source": source,
+                "source": best[2],
             }
         )
     return entries
@@ -93,8 +105,13 @@ def merge(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str
 def write_table(bench_files: list[str], out: str | Path = TABLE) -> list[dict[str, Any]]:
     out = Path(out)
     old = json.loads(out.read_text())["entries"] if out.exists() else []
-    new = [e for f in bench_files for e in entries_from(json.loads(Path(f).read_text()), str(f))]
-    entries = merge(old, new)
+    # The files' points pooled: one entry per point, the fastest of every file's backends there
+    # (a backend timed in two files: the later file's time).
+    timed: dict[tuple, dict[str, tuple]] = defaultdict(dict)
+    for f in bench_files:
+        for point, ran in timed_at_points(json.loads(Path(f).read_text()), str(f)).items():
+            timed[point] |= ran
+    entries = merge(old, _entries(timed))
     out.write_text(
         json.dumps({"written_by": "python -m eval auto-table", "entries": entries}, indent=1) + "\n"
     )

@@ -46,9 +46,11 @@ from pathlib import Path
 import torch
 
 import zoo
+from zoo.core.arguments import suggest
 
 from ..harness.config import ConfigError, config_arguments, load_config
 from ..harness.distributed import device_name, pick_device
+from .measure import failed_cell
 from .profile import profile_calls
 
 PEERS = ("sdpa_dense", "flex_sliced")
@@ -217,7 +219,8 @@ def markdown(header: dict, cells: list[dict]) -> str:
     for variant, impl in impls:
         row = {c["n"]: c for c in cells if c["variant"] == variant and c["impl"] == impl}
         ms = [f"{row[n]['ms']:.3f}" if row.get(n, {}).get("ms") else "-" for n in lengths]
-        mib = [f"{row[n]['bytes'] / 2**20:.2f}" if n in row else "-" for n in lengths]
+        mib = [f"{row[n]['bytes'] / 2**20:.2f}" if "bytes" in row.get(n, {}) else "-"
+               for n in lengths]  # fmt: skip
         lines.append(f"| {variant} | {impl} | " + " | ".join(ms + mib) + " |")
     worst = max((c.get("error", 0.0) for c in cells), default=0.0)
     lines += ["", f"Largest error of a zoo step against the reference decoding path: {worst:.1e}."]
@@ -274,9 +277,21 @@ def main(argv: list[str] | None = None) -> int:
         if backend not in ("auto", "flex"):
             raise SystemExit(f"{path}: backends: unknown decoding backend {backend!r}; known: "
                              "auto, flex")  # fmt: skip
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if config.dtype not in ("auto", *dtypes):
+        raise SystemExit(f"{path}: dtype must be auto or one of {', '.join(dtypes)}, got "
+                         f"{config.dtype!r}")  # fmt: skip
+    for key, value, least in (("repeats", config.repeats, 1), ("warmup", config.warmup, 0)):
+        if value < least:
+            raise SystemExit(f"{path}: {key} must be >= {least}, got {value}")
+    known = zoo.list_attention()
+    for variant in config.variants:
+        if variant not in known:
+            message = suggest("variant", variant, known, "zoo.list_attention()")
+            raise SystemExit(f"{path}: variants: {message}")
     device = pick_device(config.device)
-    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
-             "float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]  # fmt: skip
+    dtypes["auto"] = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = dtypes[config.dtype]
     if config.threads:
         torch.set_num_threads(config.threads)
     out = Path(config.out.format(device=device.type))
@@ -295,9 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     cells: list[dict] = []
     for variant in config.variants:
         for n in config.lengths:
-            cells += measure(config, variant, n, device, dtype)
-            zoo_cells = len(config.backends) * len(config.compile)
-            print(json.dumps(cells[-zoo_cells - len(config.peers)]), flush=True)
+            try:
+                measured = measure(config, variant, n, device, dtype)
+            except Exception as error:  # recorded with its reason; the others still run
+                measured = [failed_cell(error, impl=f"zoo:{variant}", variant=variant, n=n)]
+            cells += measured
+            print(json.dumps(measured[0]), flush=True)
             (out / "bench-decode.json").write_text(json.dumps({"header": header, "cells": cells}))
     (out / "bench-decode.md").write_text(markdown(header, cells))
     print(f"wrote {out / 'bench-decode.md'}")

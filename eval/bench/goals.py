@@ -220,12 +220,13 @@ def goal_a(runs: dict[str, list[Run]]) -> Goal:
                 ratio = auto["time_ms"] / twin["time_ms"]
                 note = f"{auto['time_ms']:.3g} ms / {twin['time_ms']:.3g} ms"
                 result = (ratio, note, ratio <= A_RATIO)
-            elif _ok(auto):
+            elif _ok(auto) and twin is not None and twin.get("status") == "oom":
                 result = (0.0, f"auto ran, flex_standard {_status(twin)}", True)
             elif _ok(twin):
                 result = (math.inf, f"auto {_status(auto)}", False)
             else:
-                continue  # neither ran here: not measured in this run
+                continue  # not measured in this run: neither ran, or the twin is missing or
+                # failed other than out of memory (no comparison: a cut stage, a broken peer)
             if key not in results or result[0] > results[key][0]:
                 results[key] = result
     failed = [k for k, r in results.items() if not r[2]]

@@ -57,6 +57,13 @@ def is_oom(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(t in text for t in _OOM_TEXT)
 
 
+def failed_cell(error: Exception, **cell: object) -> dict:
+    """A cell that raised, recorded with its reason (``oom`` or ``error``) so that a run goes on
+    and keeps what the others measured."""
+    status = "oom" if is_oom(error) else "error"
+    return {**cell, "status": status, "reason": f"{type(error).__name__}: {error}"[:500]}
+
+
 def free_memory(device: torch.device) -> None:
     """Drop what a failed cell left behind (its traceback frames hold tensors)."""
     gc.collect()

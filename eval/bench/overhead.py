@@ -44,6 +44,7 @@ from zoo.testing.shape_only_kernels import OperationCount, ShapeOnlyEfficientOps
 
 from ..harness.config import ConfigError, config_arguments, load_config
 from ..harness.distributed import device_name, pick_device, thread_count
+from .measure import failed_cell
 
 STUBBED = {
     "flex": "zoo.backends.flex_kernel._kernel",
@@ -142,6 +143,10 @@ def markdown(data: dict) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for c in data["cells"]:
+        if c.get("status", "ok") != "ok":
+            lines.append(f"| {c['variant']} | {c['backend']} | {c['n']} | {c['status']}: "
+                         f"{c['reason'][:80]} | | | | |")  # fmt: skip
+            continue
         b = c.get("blocks")
         blocks = f"{b['full']:.4g} / {b['partial']:.4g} / {b['all']}" if b else "-"
         lines.append(
@@ -183,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         for variant in config.variants:
             for backend in config.backends:
                 for n in config.lengths:
-                    cells.append(measure(config, variant, backend, n, device))
+                    try:
+                        cells.append(measure(config, variant, backend, n, device))
+                    except Exception as error:  # recorded with its reason; the others still run
+                        cells.append(failed_cell(error, variant=variant, backend=backend, n=n))
                     print(json.dumps(cells[-1]), flush=True)
                     # after every cell: a run stopped at its time limit keeps those it measured
                     (out / "overhead.json").write_text(json.dumps(data, indent=1))

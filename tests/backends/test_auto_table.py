@@ -67,6 +67,18 @@ def test_merge_replaces_a_device_and_keeps_the_others(tmp_path):
     assert len(load_table(str(out))) == 3
 
 
+def test_files_measuring_one_point_give_one_entry_the_fastest(tmp_path):
+    """Two files time one point (blocked in one, flex in the other): one entry, the faster
+    backend with the other as runner-up (before, an entry per file, and lookup took the
+    first: the slower)."""
+    slow, fast = tmp_path / "slow.json", tmp_path / "fast.json"
+    slow.write_text(json.dumps({**BENCH, "cells": [cell("local", "blocked", 4096, 10.0)]}))
+    fast.write_text(json.dumps({**BENCH, "cells": [cell("local", "sdpa", 4096, 5.0)]}))
+    (entry,) = write_table([str(slow), str(fast)], tmp_path / "table.json")
+    assert (entry["backend"], entry["runner_up"]) == ("sdpa", "blocked")
+    assert entry["source"] == str(fast)
+
+
 def test_lookup_takes_the_nearest_measured_length():
     entries = tuple(entries_from(BENCH, "bench.json"))
 

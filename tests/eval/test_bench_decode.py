@@ -61,3 +61,29 @@ def test_static_caches_time_steps_of_one_shape(tmp_path, capsys):
         assert "compile_mode: 'fast' is not one of torch.compile's modes" in str(error)
     else:
         raise AssertionError("compile_mode=fast was accepted")
+
+
+def test_a_cell_that_raises_is_recorded_and_the_others_run(tmp_path):
+    """A variant that cannot decode (a mechanism) is a cell with its reason; the next variant is
+    measured (before, the run stopped with a traceback and wrote nothing)."""
+    argv = [*TINY, "variants=[linear,causal]", "peers=[]", f"out={tmp_path}"]
+    assert main(argv) == 0
+    cells = json.loads((tmp_path / "bench-decode.json").read_text())["cells"]
+    assert cells[0]["variant"] == "linear" and cells[0]["status"] == "error"
+    assert "mechanism" in cells[0]["reason"]
+    assert cells[1]["variant"] == "causal" and cells[1]["ms"] > 0
+    assert "| linear | zoo:linear | - | - |" in (tmp_path / "bench-decode.md").read_text()
+
+
+def test_config_errors_are_named(tmp_path):
+    for override, message in (
+        ("dtype=float8", "dtype must be auto or one of float32, bfloat16, float16"),
+        ("repeats=0", "repeats must be >= 1"),
+        ("variants=[nope]", "unknown variant 'nope'"),
+    ):
+        try:
+            main([*TINY, override, f"out={tmp_path}"])
+        except SystemExit as stop:
+            assert message in str(stop), (override, stop)
+        else:
+            raise AssertionError(f"{override} ran")

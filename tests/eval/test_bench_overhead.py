@@ -66,3 +66,16 @@ def test_a_run_stopped_midway_keeps_the_cells_it_measured(tmp_path, monkeypatch)
         overhead.main(argv)
     data = json.loads((tmp_path / "overhead.json").read_text())
     assert [c["variant"] for c in data["cells"]] == ["causal"]
+
+
+def test_a_cell_that_raises_is_recorded_and_the_others_run(tmp_path):
+    """linear attention has no flex-style kernel to stub on sdpa: its cell is recorded with its
+    reason, and local is still measured (before, a traceback and no overhead.json)."""
+    argv = ["variants=[linear,local]", "backends=[sdpa]", "lengths=[128]", "repeats=3",
+            "device=cpu", f"out={tmp_path}"]  # fmt: skip
+    assert overhead.main(argv) == 0
+    cells = json.loads((tmp_path / "overhead.json").read_text())["cells"]
+    assert [c["variant"] for c in cells] == ["linear", "local"]
+    assert cells[0]["status"] == "error" and cells[0]["reason"]
+    assert cells[1]["added_us"] >= 0
+    assert "| linear | sdpa | 128 | error: " in (tmp_path / "overhead.md").read_text()

@@ -87,6 +87,14 @@ def test_goal_a_counts_a_failed_twin_for_auto_and_a_failed_auto_against_it(tmp_p
                                    reason="boom"),
                               cell("local", "flex_standard", 8192, 1.0, params=W256)])  # fmt: skip
     assert verdicts(tmp_path)["a"] == "not held"
+    # no twin, or one that failed other than out of memory: nothing to compare, not measured
+    # (before: held)
+    bench(tmp_path, "goals", [cell("local", "auto", 8192, 1.0, params=W256)])
+    assert verdicts(tmp_path)["a"] != "held"
+    bench(tmp_path, "goals", [cell("local", "auto", 8192, 1.0, params=W256),
+                              cell("local", "flex_standard", 8192, None, params=W256,
+                                   status="error", reason="boom")])  # fmt: skip
+    assert verdicts(tmp_path)["a"] != "held"
 
 
 def moba_run(folder, moba_ms, twin_pairs=1536 * 16384, lengths=(16384,), blocked_ms=None):
