@@ -175,9 +175,15 @@ def merge(paths: list[Path], out: Path, argv: list[str] | None = None) -> Path:
     datas = [load(p) for p in paths]
     check_comparable(paths, datas)
     cells = merge_cells(paths, datas)
-    pieces = [
-        piece for path, data in zip(paths, datas, strict=True) for piece in pieces_of(path, data)
-    ]
+    pieces, seen = [], set()
+    for path, data in zip(paths, datas, strict=True):
+        for piece in pieces_of(path, data):
+            # a piece held by a merged file and given again (or by two merged files) counts
+            # once: its cells are merged once, and so are its wall time and its entry
+            key = (Path(piece["file"]).resolve(), piece.get("command"), piece.get("wall_seconds"))
+            if key not in seen:
+                seen.add(key)
+                pieces.append(piece)
     header = datas[0]["header"] if len(paths) == 1 else merge_headers(pieces, argv or [])
     complete = all(p["complete"] for p in pieces)
     print(f"bench-report: {len(cells)} cells from {len(pieces)} pieces -> {out}", flush=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from test_bench import write_config
@@ -156,6 +157,12 @@ def test_a_merged_report_merges_again_with_its_pieces_kept(pieces, tmp_path):
     again, once = read(tmp_path / "again" / "bench.json"), read(tmp_path / "once" / "bench.json")
     assert [p["file"] for p in again["header"]["pieces"]] == [str(a), b64, b256]
     assert again["cells"] == once["cells"] and again["goals"] == once["goals"]
+    # a piece given again beside the merged file that holds it counts once (before, its wall
+    # time was summed twice and it was listed twice)
+    assert bench_merge.main([first, str(a), f"out={tmp_path / 'twice'}"]) == 0
+    twice = read(tmp_path / "twice" / "bench.json")["header"]
+    assert [p["file"] for p in twice["pieces"]] == [str(a), b64]
+    assert twice["wall_seconds"] == read(Path(first))["header"]["wall_seconds"]
 
 
 @pytest.mark.parametrize(
