@@ -31,7 +31,6 @@ A cell is (variant, backend or peer, n, causal, pass). Its record (one entry of 
 from __future__ import annotations
 
 import math
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +39,7 @@ from .measure import (
     TOLERANCE,
     CellSkip,
     compare,
-    is_oom,
+    failure,
     median,
     peak_memory_mb,
     time_runs,
@@ -100,12 +99,7 @@ def measure_cell(
     except CellSkip as skip:
         record.update(status=skip.status, reason=skip.reason)
     except Exception as error:  # a cell's failure is data; the sweep goes on
-        oom = is_oom(error)
-        where = traceback.extract_tb(error.__traceback__)[-1]
-        reason = f"{type(error).__name__}: {str(error).strip()[:400]}"
-        if not oom:
-            reason += f" (at {where.filename}:{where.lineno})"
-        record.update(status="oom" if oom else "error", reason=reason)
+        record.update(failure(error))
     return record
 
 

@@ -24,6 +24,7 @@ import gc
 import math
 import statistics
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -57,11 +58,21 @@ def is_oom(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(t in text for t in _OOM_TEXT)
 
 
+def failure(error: Exception) -> dict[str, str]:
+    """A cell's failure as data: its status (``oom`` or ``error``) and reason, with where it was
+    raised unless it ran out of memory."""
+    oom = is_oom(error)
+    reason = f"{type(error).__name__}: {str(error).strip()[:400]}"
+    if not oom:
+        where = traceback.extract_tb(error.__traceback__)[-1]
+        reason += f" (at {where.filename}:{where.lineno})"
+    return {"status": "oom" if oom else "error", "reason": reason}
+
+
 def failed_cell(error: Exception, **cell: object) -> dict:
-    """A cell that raised, recorded with its reason (``oom`` or ``error``) so that a run goes on
-    and keeps what the others measured."""
-    status = "oom" if is_oom(error) else "error"
-    return {**cell, "status": status, "reason": f"{type(error).__name__}: {error}"[:500]}
+    """A cell that raised, recorded with its ``failure`` so that a run goes on and keeps what
+    the others measured."""
+    return {**cell, **failure(error)}
 
 
 def free_memory(device: torch.device) -> None:

@@ -38,7 +38,6 @@ import shlex
 import statistics
 import sys
 import time
-import traceback
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -50,7 +49,7 @@ from ..harness.distributed import device_name, thread_count
 from .config import BenchConfig, check_config, resolve_device, resolve_dtype
 from .goals import twin_rows
 from .impls import Point, clear_zoo_caches
-from .measure import CellSkip, free_memory, is_oom, synchronize
+from .measure import CellSkip, failure, free_memory, synchronize
 from .run import compiler_settings
 from .sweep import Sweep, make_point, random_inputs
 
@@ -240,12 +239,7 @@ def profile_cell(impl: Any, point: Point, warmup: int, repeats: int) -> dict[str
     except CellSkip as skip:
         cell.update(status=skip.status, reason=skip.reason)
     except Exception as error:  # a cell's failure is data; the others still run
-        where = traceback.extract_tb(error.__traceback__)[-1]
-        cell.update(
-            status="oom" if is_oom(error) else "error",
-            reason=f"{type(error).__name__}: {str(error).strip()[:300]} "
-            f"(at {where.filename}:{where.lineno})",
-        )
+        cell.update(failure(error))
     if impl.kind == "zoo":
         clear_zoo_caches()
     if cell["status"] != "ok":

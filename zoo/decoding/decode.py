@@ -49,7 +49,7 @@ from torch import Tensor
 
 from ..backends import Backend, backend_named, get_backend, list_backends
 from ..backends.base import DecodeStep
-from ..core.device_build import can_read_values
+from ..core.device_build import can_read_values, refuse_where
 from ..core.scores import AdditiveScore, DotProduct
 from ..layout.block_layout import with_heads
 from ..patterns import Pattern, RouteInputs
@@ -155,11 +155,7 @@ def counts_from_padding(
         "with a cache, key_padding_mask must be right padding (each row: real tokens, then "
         "padding), since a row's tokens take consecutive positions"
     )
-    if can_read_values(mask) and mask.device.type == "cpu":
-        if not torch.equal(mask, right):
-            raise ValueError(message)
-    else:
-        torch._assert_async((mask == right).all(), message)
+    refuse_where(mask != right, message)
     return counts
 
 

@@ -114,12 +114,9 @@ def step_counts(valid_lens: Tensor | None, batch: int, length: int, device) -> T
     if valid_lens.is_floating_point():
         raise ValueError(f"{message}, got {valid_lens.tolist()}")
     counts = valid_lens.to(device=device, dtype=torch.long)
-    out_of_range = (counts < 0) | (counts > length)
-    if can_read_values(counts) and counts.device.type == "cpu":
-        if bool(out_of_range.any()):
-            raise ValueError(f"{message}, got {valid_lens.tolist()}")
-    else:
-        torch._assert_async(~out_of_range.any(), message)
+    refuse_where(
+        (counts < 0) | (counts > length), message, lambda _: f", got {valid_lens.tolist()}"
+    )
     return counts
 
 
