@@ -200,16 +200,16 @@ def test_auto_on_cuda_takes_flex_where_the_h100_measured_it():
     assert checked == 13  # 5 points at 16K, 8 at 64K
 
 
-def test_auto_on_cuda_runs_moba_inference_on_blocked_as_the_campaign_measured():
-    """The H100 campaign timed MoBA's forward at 16K on blocked (runs by key block through the
-    memory-efficient kernel) at 50.8 ms against flex's 275 ms: auto's order starts with blocked
-    there; training (fwd+bwd), measured only when blocked ran out of memory, stays on flex."""
+def test_auto_on_cuda_runs_moba_on_flex_as_the_h200_campaign_measured():
+    """The H200 campaign timed MoBA's forward at 16K on flex (its gathered rows) at 3.41 ms against
+    blocked's 13.1 ms; the H100 campaign's 275 ms on flex, which had put blocked first, measured
+    the union path since replaced. auto's order starts with flex, for inference and training."""
     params = {"block_size": 512, "top_k": 3}
     backends = {name: get_backend(name) for name in zoo.list_backends()}
     inference = cuda_call("moba", 16384, False, False, params)
     entry = lookup(inference, load_table())
-    assert (entry["backend"], entry["runner_up"]) == ("blocked", "flex")
-    assert entry["source"] == "eval/results/gpu-campaign-h100-2026-11-27/bench-moba.json"
-    assert auto.fallback_order(inference, backends)[0] == "blocked"
+    assert (entry["backend"], entry["runner_up"]) == ("flex", "blocked")
+    assert entry["source"] == "eval/results/gpu-campaign-h200-2026-11-28/bench-moba.json"
+    assert auto.fallback_order(inference, backends)[0] == "flex"
     training = cuda_call("moba", 16384, False, True, params)
     assert auto.fallback_order(training, backends)[0] == "flex"

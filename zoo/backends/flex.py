@@ -57,7 +57,7 @@ from .flex_chosen import (
     rows_per_query,
 )
 from .flex_decode import flex_decode
-from .flex_kernel import _flex_module, flex_block_tensors, run_kernel
+from .flex_kernel import _flex_module, cuda_block_reason, flex_block_tensors, run_kernel
 from .flex_lookup import lookup_mask_mod, lookup_pays
 from .lse_merge import merge, merge_along
 
@@ -256,6 +256,15 @@ class FlexBackend(Backend):
         except ImportError as error:
             return f"torch.nn.attention.flex_attention does not import ({error})"
         return None
+
+    def reason_against(self, call: AttentionCall) -> str | None:
+        """The capabilities' reasons, and on CUDA a block size Inductor's kernels cannot tile
+        (``cuda_block_reason``)."""
+        reason = super().reason_against(call)
+        if reason is None and call.device.type == "cuda":
+            head = max(call.q.shape[-1], call.v.shape[-1])
+            reason = cuda_block_reason(self.block_size, head, call.q.dtype, call.needs_grad)
+        return reason
 
     def whole_blocks(self, call: AttentionCall) -> bool:
         """Whether q, k and v are padded to whole blocks for this call (see the module doc): on a
@@ -461,4 +470,4 @@ class FlexBackend(Backend):
         """A block mask over the step's query rows and the cache's slots (``flex_decode``)."""
         sizes = step.q.shape[-1], step.values.shape[-1]
         least = self.capabilities.head_padding(step.q.device, *sizes)
-        return flex_decode(step, self.block_size, self.compile, least)
+        return flex_decode(step, self.block_size, self.compile, least, self.kernel_options)

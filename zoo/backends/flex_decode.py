@@ -46,10 +46,12 @@ def _pad(x: Tensor, dim: int, size: int, value: float | bool | int) -> Tensor:
 
 
 def flex_decode(
-    step: DecodeStep, block: int, compile: bool, least_head: int | None = None
-) -> Tensor:
+    step: DecodeStep, block: int, compile: bool, least_head: int | None = None,
+    kernel_options: dict | None = None,
+) -> Tensor:  # fmt: skip
     """A decoding step (``zoo.backends.base.DecodeStep``) on FlexAttention with blocks of
-    ``block`` -> (B, H, t, Dv); heads padded to ``least_head`` if given (``run_kernel``)."""
+    ``block`` -> (B, H, t, Dv); heads padded to ``least_head`` if given (``run_kernel``), the
+    backend's ``kernel_options`` passed on."""
     q, keys, values, pattern = step.q, step.keys, step.values, step.pattern
     q_pos, key_pos, key_ok, valid, mask = (
         step.q_pos,
@@ -90,5 +92,6 @@ def flex_decode(
     out = run_kernel(
         compile, least_head, q, keys, values, score_mod=score_mod, block_mask=block_mask,
         scale=scale, enable_gqa=q.shape[1] != keys.shape[1],
+        kernel_options=dict(kernel_options) if kernel_options else None,
     )  # fmt: skip
     return out[:, :, :t]

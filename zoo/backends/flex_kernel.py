@@ -60,6 +60,11 @@ def run_kernel(
     kernel = _kernel(compiled, q)
     if lse:
         kwargs.update(_lse_request())
+    if q.device.type == "cuda" and kwargs.get("block_mask") is not None:
+        options = cuda_kernel_options(
+            kwargs["block_mask"].BLOCK_SIZE[1], q, k, kwargs.get("kernel_options") or {}
+        )
+        kwargs["kernel_options"] = options or None
     width = v.shape[-1]
     if least_head is not None:
         if kwargs.get("scale") is None:
@@ -72,6 +77,94 @@ def run_kernel(
     if not lse:
         return out
     return out, getattr(aux, "lse", aux)  # AuxOutput(lse=...), or the lse itself (older torch)
+
+
+# Inductor's CUDA kernels prove a length whole in tiles only where it is a static multiple of
+# 128 (``IS_DIVISIBLE``); below that multiple a tile is a power of two, tl.dot's least 16.
+_WHOLE_LENGTH = 128
+_LEAST_TILE = 16
+# The decoding kernel's key tile (FlexDecodeConfig's block_n), filtered before any option applies.
+_DECODE_KEY_TILE = 64
+_TILES = ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")
+
+
+def block_tile(block: int) -> int:
+    """The largest tile of Inductor's CUDA kernels that divides a block of ``block`` tokens: its
+    largest power-of-two divisor, at most 128 (below 16 none runs)."""
+    return min(block & -block, _WHOLE_LENGTH)
+
+
+def cuda_kernel_options(block: int, q: Tensor, k: Tensor, options: dict) -> dict:
+    """The kernel options of a call on CUDA with blocks of ``block`` tokens: the caller's, and
+    where it set none of them,
+    - ``IS_DIVISIBLE`` where both lengths are multiples of 128: Inductor proves that only for
+      static lengths, and the flex backend's kernel takes symbolic lengths from a second length
+      on (``_compiled_kernel``), which then bounds-checks every load (the kernel time it
+      costs: eval/results/gpu-campaign-h200-2026-11-28);
+    - forward tiles that divide the block where 128 does not (Inductor's default tiles are 64 or
+      128, and a tile that does not divide the block is refused);
+    - for fewer than 128 queries (Inductor's decoding kernel, whose query tile is the next power
+      of two of the queries times the query heads per key head, at least 16): that tile cut to
+      the block's, or the main kernel where the decoding kernel has no tile for the block."""
+    out = dict(options)
+    tile = block_tile(block)
+    q_len, kv_len = q.shape[-2], k.shape[-2]
+    if block % _WHOLE_LENGTH:
+        out.setdefault("fwd_BLOCK_M", min(tile, _DECODE_KEY_TILE))
+        out.setdefault("fwd_BLOCK_N", min(tile, _DECODE_KEY_TILE))
+    if q_len < _WHOLE_LENGTH:
+        group = max(q.shape[1] // max(k.shape[1], 1), 1)
+        rows = max(1 << max(q_len * group - 1, 0).bit_length(), _LEAST_TILE)
+        if block % rows:
+            out.setdefault("BLOCK_M", tile)
+        query_tile = out.get("fwd_BLOCK_M", out.get("BLOCK_M", rows))
+        decodable = block < _DECODE_KEY_TILE or block % _DECODE_KEY_TILE == 0
+        # torch 2.13 refuses the older switch beside its successor, BACKEND, if the caller set it
+        if (not decodable or block % query_tile or query_tile % group) and "BACKEND" not in out:
+            out.setdefault("FORCE_USE_FLEX_ATTENTION", True)
+    tiles = [out.get(prefix + name, 0) for prefix in ("", "fwd_", "bwd_") for name in _TILES]
+    if q_len % _WHOLE_LENGTH == 0 and kv_len % _WHOLE_LENGTH == 0 and max(tiles) <= _WHOLE_LENGTH:
+        out.setdefault("IS_DIVISIBLE", True)
+    return out
+
+
+def cuda_block_reason(block: int, head_size: int, dtype: torch.dtype, backward: bool) -> str | None:
+    """Why Inductor's CUDA kernels cannot run blocks of ``block`` tokens, or None: a block whose
+    largest power-of-two divisor is under 16 has no tile; with ``backward``, on a GPU at hand,
+    the backward kernel's tiles for this head size and dtype (Inductor's choice per device, which
+    no option changes) must divide the block (H100 and H200, head size 64-128, bfloat16:
+    (64, 128, 128, 64), so a block of 64 has no backward there)."""
+    if block_tile(block) < _LEAST_TILE:
+        return (
+            f"its CUDA kernels tile a block by a power of two from {_LEAST_TILE}, and "
+            f"block_size={block} has none (use a multiple of {_LEAST_TILE})"
+        )
+    if not backward:
+        return None
+    tiles = _backward_tiles(head_size, dtype)
+    if tiles is not None and all(block % max(c) for c in tiles):
+        best = min(tiles, key=max)
+        return (
+            f"its CUDA backward kernel on this GPU tiles head size {head_size} in "
+            f"{str(dtype).removeprefix('torch.')} by {best}, and block_size={block} is not a "
+            f"multiple of {max(best)} (Inductor's choice; use block_size={_WHOLE_LENGTH})"
+        )
+    return None
+
+
+def _backward_tiles(head_size: int, dtype: torch.dtype) -> list[tuple[int, ...]] | None:
+    """The (BLOCK_M1, BLOCK_N1, BLOCK_N2, BLOCK_M2) tiles Inductor may choose for the backward
+    kernel on this machine's GPU, or None where no GPU answers (a CPU, fake CUDA tensors) or this
+    torch has no such query."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from torch._inductor.choices import InductorChoices
+
+        configs = InductorChoices().get_flex_attention_bwd_configs(head_size, dtype, "cuda")
+        return [(c.block_m1, c.block_n1, c.block_n2, c.block_m2) for c in configs] or None
+    except Exception:  # an internal API of Inductor: where it moved, nothing is refused
+        return None
 
 
 def _lse_request() -> dict[str, object]:
