@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 import torch
-from helpers import LargestTensor, subprocess_timeout
+from helpers import SELF_CONTAINED_VARIANTS, LargestTensor, subprocess_timeout
 
 import zoo
 
@@ -122,3 +122,60 @@ def test_sdpa_with_grouped_heads_does_not_copy_a_shared_mask_per_head():
         out = zoo.attention(q, k, v, variant="sliding_window", window_size=64, backend="sdpa")
     assert out.shape == q.shape
     assert watch.largest <= n * n, (watch.largest, n * n)
+
+
+def _bench_params(variant: str) -> dict:
+    """The GPU benchmark's parameters of a variant (eval/configs/bench.yaml), else its own."""
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[2]
+    config = yaml.safe_load((root / "eval" / "configs" / "bench.yaml").read_text())
+    return dict(config["params"].get(variant, {}))
+
+
+@pytest.mark.parametrize("variant", SELF_CONTAINED_VARIANTS)
+def test_every_variants_cuda_path_at_131072_tokens_allocates_nothing_near_n_squared(
+    monkeypatch, variant
+):
+    """The CUDA path (auto's choice, and ``explain``) of every variant at 131072 tokens, 16 heads,
+    bfloat16, on fake CUDA tensors with the kernels stubbed (their own memory is theirs: flex's
+    is linear, SDPA's FlashAttention's too; on fake tensors SDPA runs its n^2 math form): no
+    tensor of the zoo's own path (block masks, layouts, choices, gathers, merges) is larger than
+    4 copies of the inputs (MoBA's gathered rows hold each query once per chosen block, top 3,
+    padded to whole kernel blocks: 3.25 copies). Causal for every other variant, to keep the CPU
+    time of the host's tables down."""
+    from zoo.backends import flex_kernel, sdpa
+    from zoo.testing.fake_cuda import FakeCudaUnavailable, fake_cuda
+
+    def stubbed_flex(compiled, q=None):
+        def kernel(q, k, v, return_aux=None, return_lse=False, **kwargs):
+            out = q.new_empty(*q.shape[:-1], v.shape[-1])
+            lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+            return (out, lse) if return_aux is not None or return_lse else out
+
+        return kernel
+
+    def stubbed_sdpa(q, k, v, *args, **kwargs):
+        return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+    monkeypatch.setattr(flex_kernel, "_kernel", stubbed_flex)
+    monkeypatch.setattr(sdpa, "scaled_dot_product_attention", stubbed_sdpa)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", stubbed_sdpa)
+    n, heads, causal = 131072, 16, SELF_CONTAINED_VARIANTS.index(variant) % 2 == 1
+    try:
+        context = fake_cuda()
+    except FakeCudaUnavailable as error:  # no C++ compiler on a CPU-only build
+        pytest.skip(str(error))
+    with context:
+        q = torch.randn(1, heads, n, 64, device="cuda", dtype=torch.bfloat16)
+        watch = LargestTensor()
+        with watch:
+            kwargs = dict(variant=variant, causal=causal, **_bench_params(variant))
+            zoo.explain(q, q, q, **kwargs)
+            out = zoo.attention(q, q, q, **kwargs)
+    assert out.shape == q.shape and out.device.type == "cuda"
+    assert watch.largest <= 4 * q.numel(), (
+        f"largest tensor {watch.largest} elements: {watch.largest / n**2:.3g} of n^2"
+    )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import LargestTensor
+from helpers import GRAPH_VARIANTS, LargestTensor
 
 import zoo
 from eval.bench import routed
@@ -126,3 +126,27 @@ def test_a_choice_that_cannot_be_made_gives_no_count():
     """A graph needs its edges: no count (its cells record why), the sweep goes on."""
     q, k = inputs(64)
     assert chosen_pairs_for("graph", {}, False, q, k) is None
+
+
+@pytest.mark.parametrize("variant", zoo.list_variants())
+def test_every_variants_pair_count_at_131072_tokens_builds_nothing_near_n_squared(variant):
+    """The sweep's count of a point's allowed pairs (``Runner.count``) for every registry variant
+    with the GPU benchmark's parameters (eval/configs/bench.yaml) at 131072 tokens, causal: no
+    tensor over n^2 / 64 elements (the inputs are n x 8); a graph has no count without edges."""
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[2]
+    params = yaml.safe_load((root / "eval" / "configs" / "bench.yaml").read_text())["params"]
+    n = 131072
+    q, k = inputs(n, batch=1, heads=1, kv_heads=1)
+    point = Point(n, True, False, q, k, k, q, False)
+    impl = type("Impl", (), {"variant": variant, "params": dict(params.get(variant, {}))})
+    with LargestTensor() as mode:
+        pairs = Runner.count(impl, point)
+    assert mode.largest < n * n // 64, f"{mode.largest / n**2:.3g} of n^2"
+    if variant in GRAPH_VARIANTS:
+        assert pairs is None
+        return
+    assert pairs is not None and 0 < pairs <= n * (n + 1) // 2
