@@ -157,6 +157,28 @@ def test_goal_c_floor_from_the_keys_read_and_the_sdpa_step(tmp_path):
     assert "2.01x the floor plus one kernel's step (5 us)" in "\n".join(goal.details)
 
 
+def test_goal_c_judges_the_faster_of_the_eager_and_the_compiled_step(tmp_path):
+    """A second file of compiled steps (CUDA graphs over a static cache) beside the eager one:
+    the faster is judged, and the figures say which and give the other's time."""
+    decode_run(tmp_path, 0.5, sdpa_ms=0.1)  # eager: 0.5 ms, 5x SDPA
+    assert verdicts(tmp_path)["c"] == "not held"
+    data = json.loads((tmp_path / "bench-decode.json").read_text())
+    data["cells"] = [
+        {"impl": "zoo:sliding_window+compile", "variant": "sliding_window", "n": 4096,
+         "ms": 3.5e-5},
+        {"impl": "sdpa_dense", "variant": "sliding_window", "n": 4096, "ms": 0.2},
+    ]  # fmt: skip
+    (tmp_path / "bench-decode-compiled.json").write_text(json.dumps(data))
+    goal = goals.goal_c([tmp_path], None, [])
+    assert goal.verdict == "held", goal.details
+    row = next(line for line in goal.details if "| sliding_window | 4096 |" in line)
+    assert "step 3.5e-05 ms (compiled; eager 0.5 ms)" in row and "sdpa_dense 0.1 ms" in row
+    data["cells"][0]["ms"] = 0.6  # slower than the eager step: the eager one is judged
+    (tmp_path / "bench-decode-compiled.json").write_text(json.dumps(data))
+    row = next(line for line in goals.goal_c([tmp_path], None, []).details if "| sliding" in line)
+    assert "step 0.5 ms (eager; compiled 0.6 ms)" in row
+
+
 def test_keys_read_by_a_decoding_step():
     assert goals.keys_read("sliding_window", {"window_size": 256}, 5000, 4, 2) == (257.0, 0)
     assert goals.keys_read("causal", {}, 99, 2, 2) == (100.0, 0)
