@@ -253,7 +253,12 @@ def _cached_attention(q, k, v, cache: KVCache, *, variant, backend, causal, key_
                       dropout_p, scale, score, pos, params) -> Tensor:  # fmt: skip
     """``attention`` with a cache: checked here, computed by ``zoo.decoding.decode``."""
     _check_cached_call(q, k, v, cache, variant, causal, params)
-    counts = counts_from_padding(key_padding_mask, q.shape[0], q.shape[2], q.device).to(q.device)
+    if key_padding_mask is None:  # every row adds the whole call: the cache's own constant
+        counts = cache.whole_counts(q.shape[2])
+    else:
+        counts = counts_from_padding(key_padding_mask, q.shape[0], q.shape[2], q.device).to(
+            q.device
+        )
     cache.check_step(k, v, counts, None)
     new_call()
     score = call_score(score, scale, q)

@@ -81,8 +81,9 @@ class DecodeStep:
     """New tokens' queries against a key-value cache, as ``zoo.decoding.decode`` prepares them
     for a backend's ``decode_step``: q (B, H, t, D), keys and values (B, H_kv, S, D) (the cache's
     slots, and the call's own tokens for a long call), positions q_pos (B, t) and key_pos (B, S),
-    key_ok (B, S) slots in use, valid (B, t) real queries, a positional bias or None, the score
-    and dropout; ``mask``, the pairs the pattern allows, made on first use."""
+    ``slots_ok`` (B, S) the slots in use (None: those holding a position, ``key_ok`` made on
+    first use), valid (B, t) real queries, a positional bias or None, the score and dropout;
+    ``mask``, the pairs the pattern allows, made on first use."""
 
     q: Tensor
     keys: Tensor
@@ -90,7 +91,7 @@ class DecodeStep:
     pattern: object
     q_pos: Tensor
     key_pos: Tensor
-    key_ok: Tensor
+    slots_ok: Tensor | None
     valid: Tensor
     bias: Callable | None
     score: object
@@ -104,6 +105,12 @@ class DecodeStep:
     slots_in_use: int | None = None
     most_allowed: int | None = None
     every_allowed: bool = False
+
+    @property
+    def key_ok(self) -> Tensor:
+        """(B, S) the slots in use: ``slots_ok``, else those holding a position. Made where it is
+        read: a step on sdpa whose every query attends every slot in use reads none."""
+        return self.key_pos >= 0 if self.slots_ok is None else self.slots_ok
 
     @property
     def mask(self) -> Tensor:

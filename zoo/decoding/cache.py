@@ -54,12 +54,13 @@ import copy
 import dataclasses
 from array import array
 from bisect import bisect_left
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from ..core.arguments import check_int
-from ..core.device_build import can_read_values, refuse_where
+from ..core.device_build import can_read_values, has_no_data, refuse_where
 from ..core.shape_cache import per_shape
 from ..layout.block_layout import with_heads
 from ..patterns import Pattern
@@ -126,6 +127,44 @@ class KVCache:
         self._block_sums: dict[int, RunningBlockSums] = {}  # by block size, made on first use
         self._bounds: dict[int, tuple[array, array] | None] = {}  # by query heads
         self._static_most: dict[int, int | None] = {}  # by query heads (``static_most``)
+        self._constants: dict[tuple, Tensor] = {}  # by what and shape (``_constant``)
+
+    def _constant(self, key: tuple, make: Callable[[], Tensor]) -> Tensor:
+        """A small tensor a step needs and that never changes for this cache (index ranges,
+        counts of a whole call, all-true masks), made once on the cache's device: on a GPU each
+        made per step was a kernel launch. Made anew while traced (the graph holds it) and on
+        fake tensors (never kept: ``zoo.core.device_build``); made outside inference mode, so
+        that a later step that records gradients may save it."""
+        if torch.compiler.is_compiling() or has_no_data(self._lengths):
+            return make()
+        found = self._constants.get(key)
+        if found is None:
+            with torch.inference_mode(False):
+                found = self._constants[key] = make()
+        return found
+
+    def steps(self, t: int) -> Tensor:
+        """(t,) 0 .. t - 1: a call's token offsets."""
+        return self._constant(("steps", t), lambda: torch.arange(t, device=self._lengths.device))
+
+    def whole_counts(self, t: int) -> Tensor:
+        """(B,) t in every row: the counts of a call whose every row adds all t tokens."""
+        B, device = self.batch_size, self._lengths.device
+        return self._constant(
+            ("counts", B, t), lambda: torch.full((B,), t, dtype=torch.long, device=device)
+        )
+
+    def all_valid(self, t: int) -> Tensor:
+        """(B, t) True: the valid tokens of a call whose every row adds all t."""
+        B, device = self.batch_size, self._lengths.device
+        return self._constant(
+            ("valid", B, t), lambda: torch.ones(B, t, dtype=torch.bool, device=device)
+        )
+
+    def _row_index(self) -> Tensor:
+        """(B, 1) each row's index."""
+        B, device = self.batch_size, self._lengths.device
+        return self._constant(("rows", B), lambda: torch.arange(B, device=device)[:, None])
 
     def _mark_static(self, *stores: Tensor) -> None:
         """A static cache's stores as static addresses for torch.compile: a step writes them in
@@ -227,7 +266,7 @@ class KVCache:
     def next_positions(self, t: int) -> Tensor:
         """(B, t) the absolute positions of a call's t new tokens in each row: the row's length
         onwards (no copy of the lengths)."""
-        return self._lengths[:, None] + torch.arange(t, device=self._lengths.device)
+        return self._lengths[:, None] + self.steps(t)
 
     def host_lengths(self) -> tuple[int, bool]:
         """(an upper bound of the rows' lengths, whether every row holds exactly that many),
@@ -451,9 +490,11 @@ class KVCache:
         scatter of token indices (O(B * slots) small ints)."""
         B, t = positions.shape
         slots = self.plan.slots
-        slot = self.plan.slot(positions)  # (B, t), -1: not kept
+        # (B, t), -1: not kept; a kept position of a prefix is its own slot
+        keeps_itself = every_kept and self.plan.kept_at_position
+        slot = positions if keeps_itself else self.plan.slot(positions)
         kept, target = (valid, slot) if every_kept else (valid & (slot >= 0), slot.clamp(min=0))
-        rows = torch.arange(B, device=positions.device)[:, None].expand(B, t)
+        rows = self._row_index().expand(B, t)
         tracked = k.requires_grad or v.requires_grad or self.keys.requires_grad
         grad = torch.is_grad_enabled() and tracked
         canonical = None

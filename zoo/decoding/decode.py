@@ -207,9 +207,8 @@ def cache_attention(
         cache.static_most(q.shape[1], cache.plan.slots)
     longest, even = cache.host_lengths()  # before this call: the host's bound of the rows
     after = min(longest + t, cache.max_len)
-    steps = torch.arange(t, device=q.device)
     positions = cache.next_positions(t)  # (B, t) absolute positions
-    valid = steps < counts[:, None]
+    valid = cache.all_valid(t) if full else cache.steps(t) < counts[:, None]
     padding = None if full else ~valid[:, None, :, None]
     if padding is not None:  # padding may hold anything (NaN, inf): never read, never kept,
         # and no NaN query row reaches the real keys' gradients
@@ -224,7 +223,7 @@ def cache_attention(
     if write_first:
         cache.write(k, v, positions, valid, every_kept)
         keys, values, key_pos = cache.keys, cache.values, cache.slot_pos
-        key_ok = key_pos >= 0
+        key_ok = None  # those holding a position (``DecodeStep.key_ok``, made where read)
         width = cache.plan.slots if cache.static else cache.slots_used(after)
     else:
         keys, values = torch.cat((cache.keys, k), dim=2), torch.cat((cache.values, v), dim=2)
@@ -236,8 +235,8 @@ def cache_attention(
         most, every = _host_bounds(cache, pattern, q.shape[1], after, width, even and full)
     if pattern.routed:  # chosen here from the cache's keys, slot j at position j (retention)
         pattern = pattern.bind(  # a cache with a ring has no block sums (key_block_sums)
-            RouteInputs(q, keys, ~key_ok, causal=True, q_pos=positions,
-                        block_sums=cache.key_block_sums)
+            RouteInputs(q, keys, key_pos < 0 if key_ok is None else ~key_ok, causal=True,
+                        q_pos=positions, block_sums=cache.key_block_sums)
         )  # fmt: skip
     bias = encoding.bias if encoding is not None and encoding.kind == "bias" else None
     step = DecodeStep(

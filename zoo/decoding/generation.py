@@ -170,7 +170,10 @@ def module_step(
     batch, t = x.shape[:2]
     if batch != cache.batch_size:
         raise ValueError(f"cache holds {cache.batch_size} sequences, x has {batch}")
-    counts = step_counts(valid_lens, batch, t, cache.keys.device)
+    if valid_lens is None:  # every row adds the whole call: the cache's own constant
+        counts = cache.whole_counts(t)
+    else:
+        counts = step_counts(valid_lens, batch, t, cache.keys.device)
     if module.pos.kind == "embed":
         x = embed_at(module.pos, x, cache, counts, valid_lens is None)
     q = rearrange(module.q_proj(x), "b l (h d) -> b h l d", h=module.num_heads)
@@ -193,5 +196,7 @@ def module_step(
         full=valid_lens is None,
     )
     out = module.out_proj(rearrange(out, "b h l d -> b l (h d)"))  # (B, t, dim)
-    padding = torch.arange(t, device=out.device) >= counts[:, None].to(out.device)
+    if valid_lens is None:  # no padding column
+        return out
+    padding = cache.steps(t).to(out.device) >= counts[:, None].to(out.device)
     return out.masked_fill(padding[:, :, None], 0.0)  # padding columns: zeros

@@ -74,6 +74,14 @@ class Retention:
         P."""
         return self.ring > 0 or (self.prefix and length <= self.pinned.numel())
 
+    @property
+    def kept_at_position(self) -> bool:
+        """Whether a position that has a slot (``keeps_below``) is kept at slot = position: a
+        pinned prefix 0 .. P - 1 and no ring, or one ring slot for the last position alone
+        (P = max_len - 1 at slot P: full and causal attention)."""
+        count = self.pinned.numel()
+        return self.prefix and (self.ring == 0 or (self.ring == 1 and count == self.max_len - 1))
+
     def slot(self, positions: Tensor) -> Tensor:
         """The slot of each key position (-1: not kept), in the positions' shape; elementwise on
         the positions' device (no value read on the host, no tensor made from host data)."""

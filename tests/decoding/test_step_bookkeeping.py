@@ -1,0 +1,117 @@
+"""What a one-token step launches around its attention kernel (``zoo.decoding.decode``): the
+cache's constants (token offsets, whole-call counts, all-true masks, row indices) made once, a
+prefix's slot taken as the position itself, the slots in use made only where a backend reads
+them, and a module step without padding columns masks nothing. On a GPU each operation of a step
+is a kernel launch, and the eager steps of the H200 run were host-bound (0.4-1.5 ms against
+0.06-0.34 ms for SDPA over the whole cache)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import FIXED_VARIANTS, GRAPH_VARIANTS, cache_params
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import zoo
+from zoo.functional import resolve_pattern
+from zoo.layout.block_layout import specialized
+from zoo.patterns.retention import retention
+
+VIEWS = {
+    "aten.view.default", "aten.unsqueeze.default", "aten.expand.default", "aten.transpose.int",
+    "aten.slice.Tensor", "aten.select.int", "aten.alias.default", "aten._unsafe_view.default",
+    "aten.squeeze.dim", "aten.permute.default", "aten.as_strided.default", "aten.detach.default",
+}  # fmt: skip
+# On a CPU the step also checks the rows' room against max_len: 4 operations that read lengths,
+# which on a GPU would wait for the device and run there only on a static cache.
+CPU_RANGE_CHECK = 4
+
+
+class Launches(TorchDispatchMode):
+    """The operations that are not views, outside the attention kernel's own call."""
+
+    def __init__(self, kernel: str) -> None:
+        super().__init__()
+        self.kernel, self.names = kernel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) not in VIEWS and not self.inside_kernel:
+            self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def inside_kernel(self) -> bool:
+        import traceback
+
+        return any(self.kernel in (frame.line or "") for frame in traceback.extract_stack())
+
+
+@pytest.mark.parametrize(
+    "variant, most", [("causal", 5), ("full", 5), ("sliding_window", 6), ("longformer", 9)]
+)
+def test_a_steps_bookkeeping_launches_few_operations(variant, most):
+    """Writing the token (keys, values, positions), the lengths' advance, and what the pattern
+    needs; 12 for causal before (counts, offsets twice, valid, the slot's clamp, row indices,
+    slots in use), 12 for sliding_window and 15 for longformer."""
+    params = {"sliding_window": {"window_size": 16}, "longformer": {"window_size": 16}}
+    kwargs = dict(variant=variant, causal=True, **params.get(variant, {}))
+    cache = zoo.new_cache(variant, batch_size=4, max_len=256, num_kv_heads=2, head_dim=16,
+                          num_heads=4, **params.get(variant, {}))  # fmt: skip
+    with torch.no_grad():
+        q, k = torch.randn(4, 4, 100, 16), torch.randn(4, 2, 100, 16)
+        zoo.attention(q, k, k, cache=cache, backend="sdpa", **kwargs)
+        for _ in range(3):
+            q, k = torch.randn(4, 4, 1, 16), torch.randn(4, 2, 1, 16)
+            launches = Launches("scaled_dot_product_attention(")
+            with launches:
+                zoo.attention(q, k, k, cache=cache, backend="sdpa", **kwargs)
+    assert len(launches.names) <= most + CPU_RANGE_CHECK, launches.names
+    for name in ("aten.full.default", "aten.arange.default", "aten.ones.default"):
+        assert name not in launches.names  # the cache's constants, made once
+
+
+def test_a_module_step_without_valid_lens_masks_no_padding_column():
+    attn = zoo.create_attention("causal", dim=32, num_heads=4, num_kv_heads=2, causal=True).eval()
+    cache = attn.new_cache(2, 64)
+    x = torch.randn(2, 9, 32)
+    with torch.no_grad():
+        attn(x[:, :8], cache=cache)
+        launches = Launches("scaled_dot_product_attention(")
+        with launches:
+            attn(x[:, 8:], cache=cache)
+    assert "aten.masked_fill.Scalar" not in launches.names, launches.names
+
+
+def test_constants_made_in_inference_mode_serve_a_later_step_that_records_gradients():
+    """A cache used under torch.inference_mode, then by a step whose keys record gradients:
+    an inference tensor saved for backward would raise there."""
+    cache = zoo.new_cache("causal", batch_size=2, max_len=32, num_kv_heads=2, head_dim=8)
+    with torch.inference_mode():
+        q = torch.randn(2, 2, 4, 8)
+        zoo.attention(q, q, q, variant="causal", causal=True, cache=cache, backend="reference")
+    cache.reset()
+    q = torch.randn(2, 2, 3, 8, requires_grad=True)
+    out = zoo.attention(q, q, q, variant="causal", causal=True, cache=cache, backend="reference")
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+    twin = zoo.attention(q.detach(), q.detach(), q.detach(), variant="causal", causal=True)
+    assert torch.allclose(out, twin, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", [v for v in FIXED_VARIANTS if v not in GRAPH_VARIANTS])
+@pytest.mark.parametrize("max_len", [48, 64])
+def test_a_retention_kept_at_its_position_puts_each_kept_position_there(variant, max_len):
+    """``Retention.kept_at_position``, which lets a step write a token at slot = position
+    without computing the slot, holds exactly where ``slot`` maps every position it keeps
+    (``keeps_below``) to itself."""
+    params = cache_params(variant, max_len)
+    pattern = specialized(resolve_pattern(variant, True, params), max_len, max_len, "cpu")
+    plan = retention(pattern, max_len)
+    positions = torch.arange(max_len)
+    kept = torch.tensor([plan.keeps_below(p + 1) for p in range(max_len)])
+    identity = bool((plan.slot(positions)[kept] == positions[kept]).all()) and bool(kept.any())
+    if plan.kept_at_position:
+        assert identity, (variant, plan)
+    for ring in (1, 2):  # a ring beside the prefix: slots shared, never the position itself
+        wider = plan.__class__(max_len, 0, ring, torch.arange(max_len // 2), prefix=True)
+        assert not wider.kept_at_position
