@@ -183,7 +183,11 @@ def test_the_backward_tiles_are_read_from_inductor_on_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert flex_kernel._backward_tiles(64, torch.bfloat16) is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    flex_kernel._backward_tiles_on.cache_clear()
     tiles = flex_kernel._backward_tiles(64, torch.bfloat16)
+    flex_kernel._backward_tiles_on.cache_clear()  # not kept for a real GPU's answer
     assert tiles and max(max(t) for t in tiles) == 128
     assert "multiple of 128" in cuda_block_reason(64, 64, torch.bfloat16, backward=True)
+    assert cuda_block_reason(128, 64, torch.bfloat16, backward=True) is None

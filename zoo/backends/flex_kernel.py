@@ -139,7 +139,7 @@ def cuda_block_reason(block: int, head_size: int, dtype: torch.dtype, backward: 
             f"its CUDA kernels tile a block by a power of two from {_LEAST_TILE}, and "
             f"block_size={block} has none (use a multiple of {_LEAST_TILE})"
         )
-    if not backward:
+    if not backward or block % _WHOLE_LENGTH == 0:  # Inductor's tiles are at most 128
         return None
     tiles = _backward_tiles(head_size, dtype)
     if tiles is not None and all(block % max(c) for c in tiles):
@@ -158,6 +158,12 @@ def _backward_tiles(head_size: int, dtype: torch.dtype) -> list[tuple[int, ...]]
     torch has no such query."""
     if not torch.cuda.is_available():
         return None
+    return _backward_tiles_on(torch.cuda.current_device(), head_size, dtype)
+
+
+@lru_cache(maxsize=64)
+def _backward_tiles_on(device: int, head_size: int, dtype: torch.dtype):
+    """``_backward_tiles`` on one GPU, asked once."""
     try:
         from torch._inductor.choices import InductorChoices
 
