@@ -160,6 +160,12 @@ def test_a_block_size_no_cuda_kernel_tiles_is_refused_by_name():
             zoo.attention(q, q, q, variant="local", window_size=8, backend=backend)
     assert "block_size=24" in text and "power of two from 16" in text
     assert cuda_block_reason(48, 64, torch.bfloat16, backward=False) is None  # tiles of 16
+    with _fake_cuda_or_skip():
+        q = torch.randn(1, 2, 96, 32, device="cuda")
+        text = zoo.explain(
+            q, q, q, variant="local", window_size=8, backend=FlexBackend(block_size=48)
+        )
+    assert "forward tiles of 16 (block_size=48 is no multiple of Inductor's 128)" in text
 
 
 def test_a_backward_the_gpus_tiles_do_not_divide_is_refused(monkeypatch):

@@ -57,7 +57,13 @@ from .flex_chosen import (
     rows_per_query,
 )
 from .flex_decode import flex_decode
-from .flex_kernel import _flex_module, cuda_block_reason, flex_block_tensors, run_kernel
+from .flex_kernel import (
+    _flex_module,
+    cuda_block_reason,
+    flex_block_tensors,
+    forward_tile,
+    run_kernel,
+)
 from .flex_lookup import lookup_mask_mod, lookup_pays
 from .lse_merge import merge, merge_along
 
@@ -345,6 +351,16 @@ class FlexBackend(Backend):
         return round((full + partial) * self.block_size**2)
 
     def layout_note(self, call: AttentionCall) -> str:
+        note = self._block_note(call)
+        tile = forward_tile(self.block_size)
+        if call.device.type == "cuda" and tile is not None:
+            note += (
+                f"; its CUDA kernels' forward tiles of {tile} (block_size={self.block_size} is no "
+                f"multiple of Inductor's 128)"
+            )
+        return note
+
+    def _block_note(self, call: AttentionCall) -> str:
         if call.pattern.routed and has_no_data(call.q):
             return f"block mask of {self.block_size}: chosen by content, counted per call"
         full, partial, blocks = self.block_counts(call)

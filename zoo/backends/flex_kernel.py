@@ -94,6 +94,12 @@ def block_tile(block: int) -> int:
     return min(block & -block, _WHOLE_LENGTH)
 
 
+def forward_tile(block: int) -> int | None:
+    """The forward kernel's tile the backend passes for blocks of ``block`` tokens, or None where
+    Inductor's own (64 or 128) divide it: the block's tile, at most 64."""
+    return None if block % _WHOLE_LENGTH == 0 else min(block_tile(block), _DECODE_KEY_TILE)
+
+
 def cuda_kernel_options(block: int, q: Tensor, k: Tensor, options: dict) -> dict:
     """The kernel options of a call on CUDA with blocks of ``block`` tokens: the caller's, and
     where it set none of them,
@@ -109,9 +115,9 @@ def cuda_kernel_options(block: int, q: Tensor, k: Tensor, options: dict) -> dict
     out = dict(options)
     tile = block_tile(block)
     q_len, kv_len = q.shape[-2], k.shape[-2]
-    if block % _WHOLE_LENGTH:
-        out.setdefault("fwd_BLOCK_M", min(tile, _DECODE_KEY_TILE))
-        out.setdefault("fwd_BLOCK_N", min(tile, _DECODE_KEY_TILE))
+    if (forward := forward_tile(block)) is not None:
+        out.setdefault("fwd_BLOCK_M", forward)
+        out.setdefault("fwd_BLOCK_N", forward)
     if q_len < _WHOLE_LENGTH:
         group = max(q.shape[1] // max(k.shape[1], 1), 1)
         rows = max(1 << max(q_len * group - 1, 0).bit_length(), _LEAST_TILE)
