@@ -115,3 +115,17 @@ def test_a_retention_kept_at_its_position_puts_each_kept_position_there(variant,
     for ring in (1, 2):  # a ring beside the prefix: slots shared, never the position itself
         wider = plan.__class__(max_len, 0, ring, torch.arange(max_len // 2), prefix=True)
         assert not wider.kept_at_position
+
+
+@pytest.mark.parametrize("variant", ["neighborhood_2d", "axial_2d", "block_local_2d"])
+def test_a_cache_of_a_2d_pattern_needs_its_grid(variant):
+    """Without ``grid`` the cache took the grid of max_len (8 x 8 at 64) while a call over 35
+    tokens takes 5 x 7: prefill and steps then disagreed with one causal forward by up to 3.07.
+    Refused by name; with a grid, decoding is that grid's."""
+    with pytest.raises(ValueError, match="needs its grid: pass grid=\\(H, W\\)"):
+        zoo.new_cache(variant, batch_size=1, max_len=64, num_kv_heads=1, head_dim=8)
+    attn = zoo.create_attention(variant, dim=16, num_heads=2, causal=True)
+    with pytest.raises(ValueError, match="needs its grid"):
+        attn.new_cache(1, 64)
+    params = cache_params(variant, 64)
+    assert zoo.new_cache(variant, batch_size=1, max_len=64, num_kv_heads=1, head_dim=8, **params)

@@ -260,3 +260,15 @@ def test_a_shared_graph_in_a_union_matches_the_reference(causal):
 
     for got, want in zip(run(BlockedBackend(block_size=8)), run("reference"), strict=True):
         assert torch.allclose(got, want, atol=1e-12)
+
+
+def test_global_nodes_as_one_int_through_the_registry():
+    """``global_nodes=1`` through zoo.attention and the registry: tuple(1) raised a bare "'int'
+    object is not iterable" before Graph could take the int; a string is refused by name."""
+    q = torch.randn(1, 2, 6, 8)
+    edges = torch.tensor([[0, 1, 2, 3, 4], [1, 2, 3, 4, 5]])
+    one = zoo.attention(q, q, q, variant="graph", edge_index=edges, global_nodes=1)
+    pair = zoo.attention(q, q, q, variant="graph", edge_index=edges, global_nodes=(1,))
+    assert torch.equal(one, pair)
+    with pytest.raises(TypeError, match="global_nodes must be a tuple of node indices, got '12'"):
+        zoo.attention(q, q, q, variant="graph", edge_index=edges, global_nodes="12")

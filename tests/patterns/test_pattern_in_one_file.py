@@ -91,8 +91,36 @@ def test_it_is_a_variant_with_its_metadata(one_file, capsys):
     assert layer(torch.randn(2, 30, 16)).shape == (2, 30, 16)
     from zoo.__main__ import main
 
-    assert main(["list"]) == 0 and NAME in capsys.readouterr().out
+    assert main(["list"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if f"`{NAME}`" in line)
+    assert "| w=5 " in row  # its defaults, its parameters: "-" before
     assert main(["check", NAME, "--lengths", "37,100"]) == 0
+
+
+def test_a_pattern_that_is_not_frozen_is_left_out_with_a_sentence():
+    """A dataclass without frozen=True is not hashable: every backend's first call failed with a
+    bare "unhashable type"; now its registration says why (a ValueError once the registry is
+    loaded, as here; a RegistryWarning and the variant left out if it loads later)."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Band(zoo.Pattern):
+        w: int = 4
+
+        def allowed(self, q_pos, kv_pos):
+            return (q_pos - kv_pos).abs() <= self.w
+
+    assert "longformer" in zoo.list_variants()  # the registry loaded
+    try:
+        with pytest.raises(ValueError, match="not hashable .*@dataclass\\(frozen=True\\)"):
+            zoo.register_pattern("band_not_frozen", description="keys within w")(Band)
+        assert "band_not_frozen" not in zoo.list_variants()
+        zoo.register_pattern("band_not_frozen")(Band)  # a family alone: refused where built
+        with pytest.raises(TypeError, match="pattern 'band_not_frozen' returned a Band that is"):
+            families.build_family("band_not_frozen", {})
+    finally:
+        families._FAMILIES.pop("band_not_frozen", None)
+        families._CODE_VARIANTS.pop("band_not_frozen", None)
 
 
 def test_a_taken_name_raises_and_registers_nothing(one_file):

@@ -7,6 +7,8 @@ cache holds and ``zoo.decoding.decode`` for how a call attends it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from einops import rearrange
 from torch import Tensor
@@ -17,6 +19,7 @@ from ..core.scores import DotProduct
 from ..functional import resolve_pattern, resolved_params
 from ..layout.block_layout import specialized, with_heads
 from ..patterns import Pattern
+from ..patterns.grid import GridPattern
 from ..patterns.retention import keep_all
 from .cache import KVCache, cache_plan, cache_signature
 from .decode import cache_attention, decode_backend, recording_device
@@ -73,6 +76,13 @@ def new_cache(
         )
     device = torch.device("cpu") if device is None else torch.device(device)
     resolved = resolve_pattern(variant, True, dict(params))
+    if _grid_unset(resolved):
+        raise ValueError(
+            f"a cache of the 2-D pattern {variant!r} needs its grid: pass grid=(H, W) (the cache "
+            f"decodes the grid's H * W cells in row-major order, max_len = H * W); without one "
+            f"a call infers the grid from its own length, so a cache of max_len={max_len} and a "
+            f"call over fewer tokens would place the tokens on different grids"
+        )
     cpu = specialized(resolved, max_len, max_len, torch.device("cpu"))  # the same random draw
     pattern = specialized(resolved, max_len, max_len, device)
     if num_heads is not None:
@@ -118,6 +128,20 @@ def step_counts(valid_lens: Tensor | None, batch: int, length: int, device) -> T
         (counts < 0) | (counts > length), message, lambda _: f", got {valid_lens.tolist()}"
     )
     return counts
+
+
+def _grid_unset(pattern: object) -> bool:
+    """Whether the pattern or any pattern it is made of is a 2-D pattern without a grid."""
+    if isinstance(pattern, GridPattern):
+        return pattern.grid is None
+    if not dataclasses.is_dataclass(pattern):
+        return False
+    for field in dataclasses.fields(pattern):
+        value = getattr(pattern, field.name)
+        members = value if isinstance(value, tuple | list) else (value,)
+        if any(isinstance(m, Pattern) and _grid_unset(m) for m in members):
+            return True
+    return False
 
 
 def embed_at(encoding, x: Tensor, cache: KVCache, counts: Tensor, full: bool) -> Tensor:

@@ -145,4 +145,12 @@ def build_family(name: str, params: dict[str, object]) -> Pattern:
     pattern = factory(**args)
     if not isinstance(pattern, Pattern):
         raise TypeError(f"pattern {name!r} returned {type(pattern).__name__}, not a zoo Pattern")
+    try:
+        hash(pattern)
+    except TypeError as error:  # its first call would fail on every backend, less clearly
+        raise TypeError(
+            f"pattern {name!r} returned a {type(pattern).__name__} that is not hashable "
+            f"({error}); backends cache layouts by pattern, so make it a frozen dataclass: "
+            "@dataclass(frozen=True)"
+        ) from error
     return pattern

@@ -141,7 +141,7 @@ def graph(
     reorder: bool = True,
 ) -> Graph:
     """Attention along the edges of the call's graph (``edge_index``)."""
-    return Graph(self_loops, tuple(global_nodes), undirected, reorder)
+    return Graph(self_loops, global_nodes, undirected, reorder)  # Graph checks global_nodes
 
 
 @dataclass(frozen=True, eq=False)

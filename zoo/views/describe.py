@@ -43,9 +43,9 @@ def variant_table() -> str:
     for name in list_variants():
         spec = get_spec(name)
         pattern = spec.pattern if isinstance(spec.pattern, str) else "composition"
-        rows.append(
-            [f"`{name}`", pattern, format_params(spec.params), spec.description, spec.complexity]
-        )
+        params = spec.params or spec.parameters()  # a variant registered in code: its defaults
+        row = [f"`{name}`", pattern, format_params(params), spec.description, spec.complexity]
+        rows.append(row)
     for name in list_modules():  # mechanisms with parameters of their own (NSA)
         spec = get_module_spec(name)
         rows.append(
