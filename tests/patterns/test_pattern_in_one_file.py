@@ -112,7 +112,7 @@ def test_a_pattern_that_is_not_frozen_is_left_out_with_a_sentence():
 
     assert "longformer" in zoo.list_variants()  # the registry loaded
     try:
-        with pytest.raises(ValueError, match="not hashable .*@dataclass\\(frozen=True\\)"):
+        with pytest.raises(ValueError, match=r"not hashable .*@dataclass\(frozen=True\)"):
             zoo.register_pattern("band_not_frozen", description="keys within w")(Band)
         assert "band_not_frozen" not in zoo.list_variants()
         zoo.register_pattern("band_not_frozen")(Band)  # a family alone: refused where built
