@@ -120,8 +120,9 @@ def measure(config: DecodeConfig, variant: str, n: int, device, dtype) -> list[d
     kv_heads = config.kv_heads or config.heads
     params = dict(config.params.get(variant, {}))
     gen = torch.Generator().manual_seed(0)
-    # The check's step, the timed ones, and the profiled ones (the first outside the profiler)
-    steps = config.warmup + config.repeats + 2 + 2 * config.profile
+    # The check's step, the timed ones, a compiled step's own check, and the profiled ones (the
+    # first outside the profiler)
+    steps = config.warmup + config.repeats + 3 + 2 * config.profile
     cache = zoo.new_cache(variant, batch_size=config.batch, max_len=n + steps, device=device,
                           num_kv_heads=kv_heads, head_dim=config.head_dim, dtype=dtype,
                           static=config.static_cache, **params)  # fmt: skip
@@ -163,6 +164,10 @@ def measure(config: DecodeConfig, variant: str, n: int, device, dtype) -> list[d
             dynamic = False if config.static_cache else None
             step = torch.compile(step, mode=config.compile_mode, dynamic=dynamic)
         cell["ms"] = _timed(step, device, config.warmup, config.repeats)
+        if compiled:  # its own output, against the reference on a copy of its cache
+            twin = timed.clone()
+            ref = zoo.attention(q, k, v, cache=twin, backend="reference", **kw)
+            cell["error"] = float((step().float() - ref.float()).abs().max())
         if config.profile:
             cell["profile"] = profile_calls(step, device, 0, config.profile)
         cells.append(cell)

@@ -389,6 +389,7 @@ def goal_c(folders: list[Path], bandwidth: float | None, problems: list[str]) ->
         # compiled, is the one judged; SDPA's fastest is its peer.
         steps: dict[tuple, dict[str, tuple]] = {}  # (variant, n) -> kind -> (ms, header, config)
         sdpa_ms: dict[tuple, float] = {}
+        broken: dict[tuple, dict[str, str]] = {}  # (variant, n) -> kind -> why it has no time
         for path in sorted(folder.glob("bench-decode*.json")):
             data = _read_json(path, problems)
             if data is None:
@@ -400,11 +401,14 @@ def goal_c(folders: list[Path], bandwidth: float | None, problems: list[str]) ->
             }
             for c in cells:
                 key, ms = (c["variant"], c["n"]), c.get("ms")
+                kind = {f"zoo:{c['variant']}": "eager", f"zoo:{c['variant']}+compile": "compiled"}
                 if not ms:
+                    if c["impl"] in kind:
+                        why = c.get("reason") or c.get("status") or "no time"
+                        broken.setdefault(key, {})[kind[c["impl"]]] = str(why)[:80]
                     continue
                 if c["impl"] == "sdpa_dense":
                     sdpa_ms[key] = min(sdpa_ms.get(key, ms), ms)
-                kind = {f"zoo:{c['variant']}": "eager", f"zoo:{c['variant']}+compile": "compiled"}
                 if c["impl"] in kind:
                     mine = steps.setdefault(key, {})
                     if kind[c["impl"]] not in mine or ms < mine[kind[c["impl"]]][0]:
@@ -444,6 +448,11 @@ def goal_c(folders: list[Path], bandwidth: float | None, problems: list[str]) ->
                         )
             others = "".join(
                 f"; {kind} {kinds[kind][0]:.3g} ms" for kind in sorted(kinds) if kind != best
+            )
+            others += "".join(
+                f"; {kind} failed: {why}"
+                for kind, why in sorted(broken.get((variant, n), {}).items())
+                if kind not in kinds
             )
             note = f"step {step_ms:.3g} ms ({best}{others}); {note}" + (
                 f"; sdpa_dense {sdpa:.3g} ms" if sdpa_ratio is not None else ""

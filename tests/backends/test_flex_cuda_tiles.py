@@ -52,6 +52,8 @@ def _lowers(block: int, q_len: int, group: int, options: dict, fwd, decode) -> s
         final_m = options.get("fwd_BLOCK_M", block_m)  # the prefix applies per configuration
         if final_m % group or block % final_m:
             return f"decoding kernel: query tile {final_m} for {group} heads per key head"
+        if final_m != block_m:  # SAFE_M_BOUNDARY is read from BLOCK_M: rows past the end
+            return f"decoding kernel: runs tile {final_m}, bounds from {block_m}"
         return None
     for m, n in fwd:
         m = options.get("fwd_BLOCK_M", options.get("BLOCK_M", m))
@@ -96,11 +98,25 @@ def test_the_gpu_runs_failing_decoding_calls_lower_now(monkeypatch):
     assert _lowers(16, 12, 2, {**forced, **cuda_kernel_options(16, q, k, {})}, fwd, decode) is None
 
 
-def test_lengths_of_whole_128s_are_declared_divisible_and_others_not():
+def test_lengths_of_whole_blocks_are_declared_divisible_and_others_not():
+    """True where 128 and the block divide both lengths; False where the block does not divide
+    one (the kernel would walk a listed block's last tiles past the end unchecked: Inductor's
+    own rule declares 384 whole in blocks of 256); else Inductor's rule."""
     q, k = _cuda(1, 4, 8192, 64), _cuda(1, 4, 8192, 64)
     assert cuda_kernel_options(128, q, k, {}) == {"IS_DIVISIBLE": True}
-    assert "IS_DIVISIBLE" not in cuda_kernel_options(128, _cuda(1, 4, 8000, 64), k, {})
-    assert "IS_DIVISIBLE" not in cuda_kernel_options(128, q, _cuda(1, 4, 8100, 64), {})
+    assert cuda_kernel_options(128, _cuda(1, 4, 8000, 64), k, {})["IS_DIVISIBLE"] is False
+    assert cuda_kernel_options(128, q, _cuda(1, 4, 8100, 64), {})["IS_DIVISIBLE"] is False
+    n384 = _cuda(1, 4, 384, 64)
+    assert cuda_kernel_options(256, n384, n384, {})["IS_DIVISIBLE"] is False
+    assert cuda_kernel_options(48, _cuda(1, 4, 128, 64), _cuda(1, 4, 128, 64), {})[
+        "IS_DIVISIBLE"
+    ] is False  # fmt: skip
+    assert cuda_kernel_options(256, _cuda(1, 4, 512, 64), _cuda(1, 4, 512, 64), {}) == {
+        "IS_DIVISIBLE": True
+    }
+    assert "IS_DIVISIBLE" not in cuda_kernel_options(
+        64, _cuda(1, 4, 192, 64), _cuda(1, 4, 192, 64), {}
+    )
     # the caller's options win, and a tile over 128 is not known to divide the lengths
     assert cuda_kernel_options(128, q, k, {"IS_DIVISIBLE": False})["IS_DIVISIBLE"] is False
     assert "IS_DIVISIBLE" not in cuda_kernel_options(128, q, k, {"BLOCK_N": 256})

@@ -129,3 +129,34 @@ def test_a_cache_of_a_2d_pattern_needs_its_grid(variant):
         attn.new_cache(1, 64)
     params = cache_params(variant, 64)
     assert zoo.new_cache(variant, batch_size=1, max_len=64, num_kv_heads=1, head_dim=8, **params)
+
+
+def test_a_constant_made_under_a_fake_mode_is_not_kept():
+    """A real cache touched while a fake tensor mode is active (``zoo.testing.fake_cuda``
+    installs one that takes real inputs) kept a fake constant: every later real step wrote
+    nothing (slot positions stayed -1 while the lengths advanced)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cache = zoo.new_cache("causal", batch_size=2, max_len=16, num_kv_heads=1, head_dim=8)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        cache.steps(1)
+        cache.whole_counts(1)
+    q, k = torch.randn(2, 2, 1, 8), torch.randn(2, 1, 1, 8)
+    out = zoo.attention(q, k, k, variant="causal", causal=True, cache=cache)
+    assert torch.equal(cache.slot_pos[:, 0], torch.zeros(2, dtype=torch.long))
+    assert torch.equal(cache.lengths, torch.ones(2, dtype=torch.long))
+    assert torch.allclose(out, zoo.attention(q, k, k, variant="causal", causal=True), atol=1e-6)
+
+
+def test_moba_block_sums_made_in_inference_mode_serve_a_step_that_records_gradients():
+    """MoBA's running block sums, first made under torch.inference_mode, were inference tensors:
+    the next step recording gradients failed ("Inplace update to inference tensor")."""
+    kwargs = dict(variant="moba", causal=True, block_size=16, top_k=2, backend="sdpa")
+    cache = zoo.new_cache("moba", batch_size=1, max_len=64, num_kv_heads=1, head_dim=8,
+                          num_heads=1, block_size=16, top_k=2)  # fmt: skip
+    with torch.inference_mode():
+        x = torch.randn(1, 1, 20, 8)
+        zoo.attention(x, x, x, cache=cache, **kwargs)
+    q, k, v = (torch.randn(1, 1, 1, 8, requires_grad=True) for _ in range(3))
+    zoo.attention(q, k, v, cache=cache, **kwargs).sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()

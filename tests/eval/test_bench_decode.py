@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from eval.bench.decode import main
 
 TINY = ["variants=[causal,moba]", "lengths=[64]", "batch=2", "heads=4", "kv_heads=2",
@@ -43,6 +45,21 @@ def test_compiled_steps_are_cells_of_their_own(tmp_path):
     cells = json.loads((tmp_path / "bench-decode.json").read_text())["cells"]
     assert [c["impl"] for c in cells] == ["zoo:sliding_window", "zoo:sliding_window+compile"]
     assert all(c["ms"] > 0 and c["error"] < 1e-5 for c in cells)
+
+
+def test_a_compiled_step_is_checked_on_its_own_output(tmp_path, monkeypatch):
+    """The compiled cell's error is its own step's against the reference (it was the eager
+    step's): a compiled step one off everywhere shows as such."""
+    import eval.bench.decode as decode
+
+    def off_by_one(step, **kwargs):
+        return lambda: step() + 1
+
+    monkeypatch.setattr(decode.torch, "compile", off_by_one)
+    argv = [*TINY, "variants=[causal]", "peers=[]", "compile=[false,true]"]
+    assert main([*argv, f"out={tmp_path}"]) == 0
+    eager, compiled = json.loads((tmp_path / "bench-decode.json").read_text())["cells"]
+    assert eager["error"] < 1e-5 and compiled["error"] == pytest.approx(1.0, abs=1e-4)
 
 
 def test_static_caches_time_steps_of_one_shape(tmp_path, capsys):

@@ -173,6 +173,10 @@ def test_goal_c_judges_the_faster_of_the_eager_and_the_compiled_step(tmp_path):
     assert goal.verdict == "held", goal.details
     row = next(line for line in goal.details if "| sliding_window | 4096 |" in line)
     assert "step 3.5e-05 ms (compiled; eager 0.5 ms)" in row and "sdpa_dense 0.1 ms" in row
+    data["cells"][0].update(ms=None, status="failed", reason="RuntimeError: no graph")
+    (tmp_path / "bench-decode-compiled.json").write_text(json.dumps(data))
+    row = next(line for line in goals.goal_c([tmp_path], None, []).details if "| sliding" in line)
+    assert "step 0.5 ms (eager; compiled failed: RuntimeError: no graph)" in row
     data["cells"][0]["ms"] = 0.6  # slower than the eager step: the eager one is judged
     (tmp_path / "bench-decode-compiled.json").write_text(json.dumps(data))
     row = next(line for line in goals.goal_c([tmp_path], None, []).details if "| sliding" in line)

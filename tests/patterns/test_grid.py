@@ -139,3 +139,19 @@ def test_errors_name_the_argument():
         axial_2d(grid=64)
     with pytest.raises(ValueError, match=r"kernel_size\[1\] must be"):
         neighborhood_2d(kernel_size=(3, 0))
+
+
+@pytest.mark.parametrize("grid, most", [((1, 512), 1.1), ((2, 256), 1.1), ((16, 32), 0.55)])
+def test_tiles_of_a_grid_of_few_rows_are_not_mostly_padding(grid, most):
+    """axial_2d on a grid of one or two rows is full attention: in 8 x 8 tiles whatever the grid,
+    blocked computed 15.5x (1 x 512) and 4x (2 x 256) the Lq x Lk scores; now tiles as wide
+    as the grid needs (1 x 64, 2 x 32)."""
+    from zoo.layout.tiles import tile_shape
+
+    q = torch.randn(1, 1, 512, 8)
+    text = zoo.explain(q, q, q, variant="axial_2d", grid=grid, backend="blocked")
+    share = float(text.split(" of Lq x Lk")[0].rsplit(" ", 1)[-1])
+    assert share <= most, text
+    assert tile_shape(64, 1, 512) == (1, 64) and tile_shape(64, 2, 256) == (2, 32)
+    assert tile_shape(64, 30, 16) == (8, 8) and tile_shape(64) == (8, 8)  # square where it fits
+    assert tile_shape(16, 30, 16) == (4, 4)  # 512 padded cells against 2 x 8's 480: within 1.25x

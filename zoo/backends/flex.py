@@ -268,7 +268,9 @@ class FlexBackend(Backend):
         (``cuda_block_reason``)."""
         reason = super().reason_against(call)
         if reason is None and call.device.type == "cuda":
-            head = max(call.q.shape[-1], call.v.shape[-1])
+            # Inductor picks the backward's tiles by the (padded) query head size
+            least = self.capabilities.head_padding(call.device, call.q.shape[-1], call.v.shape[-1])
+            head = max(call.q.shape[-1], least or 0)
             reason = cuda_block_reason(self.block_size, head, call.q.dtype, call.needs_grad)
         return reason
 

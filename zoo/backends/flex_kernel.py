@@ -103,34 +103,48 @@ def forward_tile(block: int) -> int | None:
 def cuda_kernel_options(block: int, q: Tensor, k: Tensor, options: dict) -> dict:
     """The kernel options of a call on CUDA with blocks of ``block`` tokens: the caller's, and
     where it set none of them,
-    - ``IS_DIVISIBLE`` where both lengths are multiples of 128: Inductor proves that only for
-      static lengths, and the flex backend's kernel takes symbolic lengths from a second length
-      on (``_compiled_kernel``), which then bounds-checks every load (the kernel time it
-      costs: eval/results/gpu-campaign-h200-2026-11-28);
+    - ``IS_DIVISIBLE`` where both lengths are multiples of 128 and of the block: Inductor proves
+      that only for static lengths, and the flex backend's kernel takes symbolic lengths from a
+      second length on (``_compiled_kernel``), which then bounds-checks every load (the kernel
+      time it costs: eval/results/gpu-campaign-h200-2026-11-28). False where the block does not
+      divide a length: the kernel walks every tile of a listed block, the last one's past the
+      end unchecked, and Inductor's own rule (multiples of 128) would declare a length of 384
+      whole in blocks of 256;
     - forward tiles that divide the block where 128 does not (Inductor's default tiles are 64 or
       128, and a tile that does not divide the block is refused);
     - for fewer than 128 queries (Inductor's decoding kernel, whose query tile is the next power
       of two of the queries times the query heads per key head, at least 16): that tile cut to
-      the block's, or the main kernel where the decoding kernel has no tile for the block."""
+      one that divides the block, the same as the forward tile (Inductor reads whether the rows
+      fill the tile from ``BLOCK_M`` and runs ``fwd_BLOCK_M``: two sizes would load and store
+      past the rows), or the main kernel where the decoding kernel has no tile that fits."""
     out = dict(options)
-    tile = block_tile(block)
     q_len, kv_len = q.shape[-2], k.shape[-2]
-    if (forward := forward_tile(block)) is not None:
-        out.setdefault("fwd_BLOCK_M", forward)
-        out.setdefault("fwd_BLOCK_N", forward)
+    forward = forward_tile(block)
     if q_len < _WHOLE_LENGTH:
         group = max(q.shape[1] // max(k.shape[1], 1), 1)
         rows = max(1 << max(q_len * group - 1, 0).bit_length(), _LEAST_TILE)
-        if block % rows:
-            out.setdefault("BLOCK_M", tile)
-        query_tile = out.get("fwd_BLOCK_M", out.get("BLOCK_M", rows))
+        query = rows if block % rows == 0 else min(block_tile(block), _DECODE_KEY_TILE)
+        query = query if forward is None else min(query, forward)
+        if query != rows:
+            out.setdefault("BLOCK_M", query)
+        if forward is not None:
+            out.setdefault("fwd_BLOCK_M", query)
+            out.setdefault("fwd_BLOCK_N", forward)
+        runs = out.get("fwd_BLOCK_M", out.get("BLOCK_M", rows))
         decodable = block < _DECODE_KEY_TILE or block % _DECODE_KEY_TILE == 0
+        fits = runs == out.get("BLOCK_M", rows) and block % runs == 0 and runs % group == 0
         # torch 2.13 refuses the older switch beside its successor, BACKEND, if the caller set it
-        if (not decodable or block % query_tile or query_tile % group) and "BACKEND" not in out:
+        if not (decodable and fits) and "BACKEND" not in out:
             out.setdefault("FORCE_USE_FLEX_ATTENTION", True)
+    elif forward is not None:
+        out.setdefault("fwd_BLOCK_M", forward)
+        out.setdefault("fwd_BLOCK_N", forward)
     tiles = [out.get(prefix + name, 0) for prefix in ("", "fwd_", "bwd_") for name in _TILES]
-    if q_len % _WHOLE_LENGTH == 0 and kv_len % _WHOLE_LENGTH == 0 and max(tiles) <= _WHOLE_LENGTH:
+    lengths = (q_len, kv_len)
+    if all(n % _WHOLE_LENGTH == 0 and n % block == 0 for n in lengths) and max(tiles) <= 128:
         out.setdefault("IS_DIVISIBLE", True)
+    elif any(n % block for n in lengths):
+        out.setdefault("IS_DIVISIBLE", False)
     return out
 
 

@@ -134,28 +134,34 @@ class KVCache:
         counts of a whole call, all-true masks), made once on the cache's device: on a GPU each
         made per step was a kernel launch. Made anew while traced (the graph holds it) and on
         fake tensors (never kept: ``zoo.core.device_build``); made outside inference mode, so
-        that a later step that records gradients may save it."""
+        that a later step that records gradients may save it. Shared by every step: never
+        modified."""
         if torch.compiler.is_compiling() or has_no_data(self._lengths):
             return make()
         found = self._constants.get(key)
         if found is None:
             with torch.inference_mode(False):
-                found = self._constants[key] = make()
+                found = make()
+            if has_no_data(found):  # made under a fake tensor mode: for this call only
+                return found
+            self._constants[key] = found
         return found
 
     def steps(self, t: int) -> Tensor:
-        """(t,) 0 .. t - 1: a call's token offsets."""
+        """(t,) 0 .. t - 1: a call's token offsets (shared: never modify it)."""
         return self._constant(("steps", t), lambda: torch.arange(t, device=self._lengths.device))
 
     def whole_counts(self, t: int) -> Tensor:
-        """(B,) t in every row: the counts of a call whose every row adds all t tokens."""
+        """(B,) t in every row: the counts of a call whose every row adds all t tokens (shared:
+        never modify them)."""
         B, device = self.batch_size, self._lengths.device
         return self._constant(
             ("counts", B, t), lambda: torch.full((B,), t, dtype=torch.long, device=device)
         )
 
     def all_valid(self, t: int) -> Tensor:
-        """(B, t) True: the valid tokens of a call whose every row adds all t."""
+        """(B, t) True: the valid tokens of a call whose every row adds all t (shared: never
+        modify it)."""
         B, device = self.batch_size, self._lengths.device
         return self._constant(
             ("valid", B, t), lambda: torch.ones(B, t, dtype=torch.bool, device=device)
@@ -350,7 +356,9 @@ class KVCache:
         if self.plan.ring:
             return None
         if block not in self._block_sums:  # then kept up to date by each write
-            made = self._block_sums[block] = RunningBlockSums(self.keys, self.slot_pos, block)
+            with torch.inference_mode(False):  # a later step recording gradients updates them
+                made = RunningBlockSums(self.keys, self.slot_pos, block)
+            self._block_sums[block] = made
             self._mark_static(made.sums, made.counts)
         sums = self._block_sums[block]
         return sums.sums, sums.counts

@@ -2,8 +2,9 @@
 
 In row-major order a kernel block of 64 tokens is a strip of a row, and a 7 x 7 neighborhood
 touches a strip from each of 7 rows: nearly every block pair is partly inside. Here each block is
-a tile of the grid instead (a block of b slots is a th x tw tile, th the largest divisor of b with
-th^2 <= b: 64 -> 8 x 8, 128 -> 8 x 16), so a neighborhood touches the few tiles around its own.
+a tile of the grid instead (a block of b slots is a th x tw tile, the squarest that does not pad
+the grid much: 64 -> 8 x 8 and 128 -> 8 x 16 on a large grid, 1 x 64 on one row), so a
+neighborhood touches the few tiles around its own.
 With dilation (dh, dw) the residue classes are folded first, as NATTEN's token permutation does:
 class (rh, rw) holds rows rh, rh + dh, ... and columns rw, rw + dw, ...; its tiles come one class
 after another. A 4 x 6 grid, blocks of 4 (2 x 2 tiles)::
@@ -20,8 +21,6 @@ Queries at negative positions (more queries than keys; they attend nothing) come
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -31,17 +30,26 @@ from ..patterns.grid import Tiles
 _FAR = 2**62
 
 
-def tile_shape(block: int) -> tuple[int, int]:
-    """(th, tw) with th * tw == block, as square as the block's divisors allow."""
-    th = max(d for d in range(1, math.isqrt(block) + 1) if block % d == 0)
-    return th, block // th
+def tile_shape(block: int, rows: int | None = None, cols: int | None = None) -> tuple[int, int]:
+    """(th, tw) with th * tw == block, as square as the block's divisors allow: a neighborhood
+    then touches the fewest tiles. For a grid (of one residue class) of ``rows`` x ``cols``, the
+    squarest of the shapes that pad it at most 1.25x as much as the least padding one: a grid of
+    fewer rows than a square tile's would be mostly padding (a 1 x 512 grid in 8 x 8 tiles: 7 of
+    every 8 slots)."""
+    shapes = [(d, block // d) for d in range(1, block + 1) if block % d == 0]
+    if rows is not None and cols is not None:
+        padded = {(th, tw): -(-rows // th) * th * (-(-cols // tw) * tw) for th, tw in shapes}
+        least = min(padded.values())
+        shapes = [shape for shape in shapes if padded[shape] * 4 <= least * 5]
+    return min(shapes, key=lambda s: (abs(s[0] - s[1]), s[0] > s[1]))
 
 
 def tiled_slots(
     order: Tiles, length: int, start: int, block: int, device: torch.device
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(index, position, valid, slot_of) of positions start .. start + length - 1 in tiled order."""
-    (h, w), (dh, dw), (th, tw) = order.grid, order.dilation, tile_shape(block)
+    (h, w), (dh, dw) = order.grid, order.dilation
+    th, tw = tile_shape(block, -(-h // dh), -(-w // dw))  # one shape for every residue class
     stop = start + length
     positions, valids = [], []
     if start < 0:  # off-grid queries, in order, padded to whole blocks
