@@ -43,11 +43,16 @@
 # command (ARGS_goals='lengths=[65536,131072]' measures the longer cells in another session;
 # `python -m eval goals OUT1 OUT2` reads both). ZOO_GPU_SESSION_BUNDLE=1 packs every file of $OUT
 # but summary.md and stages.tsv into $OUT/campaign.tar.gz at the end (the device tool brings back
-# at most 8 files). On a cold H100 machine the GPU tests did not finish in 175 s at 8 workers,
-# nor in 270 s at 14 workers right after (2026-11-27): a session with one command gives it to
-# `tests` (LIMIT=540), and runs `all` in another, where tests get their default share. Tests of this script: STAGE_CMD_<stage>='...'
-# replaces a stage's command (run by bash, with $OUT set), and ZOO_GPU_SESSION_FAKE=1 makes every
-# other stage a no-op (tests/eval/test_gpu_session.py).
+# at most 8 files). The GPU tests alone took 398 s at 12 workers on an H200 (2026-11-28; they
+# did not finish in 175 s at 8 workers nor in 270 s at 14 on an H100), so a session of 15
+# minutes of device time runs two commands, one right after the other on the warm machine:
+#   LIMIT=560 bash eval/gpu_session.sh tests                              # timeout_s 590
+#   ZOO_GPU_SESSION_BUNDLE=1 ZOO_GPU_SESSION_SHARES="env:4 realization:8 goals:24 moba:8 \
+#     overhead:3 profile:9 profile_moba:6 decode:12 decode_compiled:10 compiles:6" \
+#     bash eval/gpu_session.sh all 400                                    # timeout_s 430
+# (with ARGS_goals='lengths=[16384,65536]' where the 8K cells are known). Tests of this script:
+# STAGE_CMD_<stage>='...' replaces a stage's command (run by bash, with $OUT set), and
+# ZOO_GPU_SESSION_FAKE=1 makes every other stage a no-op (tests/eval/test_gpu_session.py).
 #
 # On a machine with 2 or more GPUs (not a stage: it needs torchrun over every GPU), context
 # parallelism's bytes and time beside PyTorch's ring and an all-gather, with NCCL:
