@@ -29,3 +29,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+from helpers import CXX_MISSING  # noqa: E402
+
+_NO_CXX = ("No working C++ compiler", "InvalidCxxCompiler", "need a C++ compiler")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Where no C++ compiler is found, a test that failed for that alone (Inductor's
+    InvalidCxxCompiler, in the test or in the output of a subprocess it ran) is skipped, saying
+    so, as a test that needs a GPU is skipped without one. With a compiler nothing changes."""
+    outcome = yield
+    report = outcome.get_result()
+    if not (CXX_MISSING and report.failed and call.excinfo is not None):
+        return
+    text = str(call.excinfo.getrepr(style="short"))
+    if any(sign in text for sign in _NO_CXX):
+        report.outcome = "skipped"
+        reason = "Skipped: needs a C++ compiler (torch.compile on a CPU; install g++ or set CXX)"
+        report.longrepr = (str(item.path), item.location[1] or 0, reason)

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from helpers import needs_cxx
 
 import eval.bench.cell as bench_cell
 from eval.bench import run as bench
@@ -98,6 +99,7 @@ def test_a_backend_that_cannot_run_a_call_is_recorded_and_the_sweep_goes_on(tmp_
     assert by_backend["blocked"]["status"] == "ok" and by_backend["blocked"]["checked"]
 
 
+@needs_cxx
 def test_flex_peer_draws_a_mask_per_head_for_a_pattern_per_head(tmp_path):
     """BigBird's random blocks differ per head: the create_block_mask peer must build its mask
     for every head (one mask from head 0's table fails the check against the reference)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import needs_cxx
 
 from eval.bench.decode import main
 
@@ -38,6 +39,7 @@ def test_without_profile_a_step_is_timed_only(tmp_path):
     assert "Where a step's time goes" not in (tmp_path / "bench-decode.md").read_text()
 
 
+@needs_cxx
 def test_compiled_steps_are_cells_of_their_own(tmp_path):
     """``compile=[false,true]``: each zoo step eager and under torch.compile, side by side."""
     argv = [*TINY, "variants=[sliding_window]", "peers=[]", "compile=[false,true]"]
@@ -62,6 +64,7 @@ def test_a_compiled_step_is_checked_on_its_own_output(tmp_path, monkeypatch):
     assert eager["error"] < 1e-5 and compiled["error"] == pytest.approx(1.0, abs=1e-4)
 
 
+@needs_cxx
 def test_static_caches_time_steps_of_one_shape(tmp_path, capsys):
     """``static_cache=true``: the caches are static (every slot read, masked), their steps
     checked against the reference, eager and compiled once with static shapes; a mode that
