@@ -98,36 +98,26 @@ def test_the_gpu_runs_failing_decoding_calls_lower_now(monkeypatch):
     assert _lowers(16, 12, 2, {**forced, **cuda_kernel_options(16, q, k, {})}, fwd, decode) is None
 
 
-def test_lengths_of_whole_blocks_are_declared_divisible_and_others_not():
-    """True where 128 and the block divide both lengths; False where the block does not divide
-    one (the kernel would walk a listed block's last tiles past the end unchecked: Inductor's
-    own rule declares 384 whole in blocks of 256); else Inductor's rule."""
-    q, k = _cuda(1, 4, 8192, 64), _cuda(1, 4, 8192, 64)
-    assert cuda_kernel_options(128, q, k, {}) == {"IS_DIVISIBLE": True}
-    assert cuda_kernel_options(128, _cuda(1, 4, 8000, 64), k, {})["IS_DIVISIBLE"] is False
-    assert cuda_kernel_options(128, q, _cuda(1, 4, 8100, 64), {})["IS_DIVISIBLE"] is False
-    n384 = _cuda(1, 4, 384, 64)
+def test_lengths_inductor_would_call_whole_in_blocks_that_do_not_divide_them_are_not():
+    """Inductor declares static lengths that are multiples of 128 whole in tiles
+    (``IS_DIVISIBLE``), and the kernel then walks a listed block's every tile unchecked: a
+    length of 384 in blocks of 256 read 128 keys past the end. False there; elsewhere nothing
+    (never True: a second compiled family beside the other lengths)."""
+    n384, n512 = _cuda(1, 4, 384, 64), _cuda(1, 4, 512, 64)
     assert cuda_kernel_options(256, n384, n384, {})["IS_DIVISIBLE"] is False
+    assert cuda_kernel_options(256, n512, n384, {})["IS_DIVISIBLE"] is False
     assert cuda_kernel_options(48, _cuda(1, 4, 128, 64), _cuda(1, 4, 128, 64), {})[
         "IS_DIVISIBLE"
     ] is False  # fmt: skip
-    assert cuda_kernel_options(256, _cuda(1, 4, 512, 64), _cuda(1, 4, 512, 64), {}) == {
-        "IS_DIVISIBLE": True
-    }
-    assert "IS_DIVISIBLE" not in cuda_kernel_options(
-        64, _cuda(1, 4, 192, 64), _cuda(1, 4, 192, 64), {}
-    )
-    # the caller's options win, and a tile over 128 is not known to divide the lengths
-    assert cuda_kernel_options(128, q, k, {"IS_DIVISIBLE": False})["IS_DIVISIBLE"] is False
-    assert "IS_DIVISIBLE" not in cuda_kernel_options(128, q, k, {"BLOCK_N": 256})
-    assert "IS_DIVISIBLE" not in cuda_kernel_options(128, q, k, {"bwd_BLOCK_N1": 256})
-    assert cuda_kernel_options(128, q, k, {"num_warps": 4}) == {
-        "num_warps": 4, "IS_DIVISIBLE": True,
-    }  # fmt: skip
+    assert "IS_DIVISIBLE" not in cuda_kernel_options(256, n512, n512, {})
+    n8192, n8000 = _cuda(1, 4, 8192, 64), _cuda(1, 4, 8000, 64)
+    for q, k in ((n8192, n8192), (n8000, n8192), (n8192, n8000)):  # blocks of 128: one family
+        assert cuda_kernel_options(128, q, k, {}) == {}
+    assert cuda_kernel_options(256, n384, n384, {"IS_DIVISIBLE": True})["IS_DIVISIBLE"] is True
 
 
 def test_a_cuda_call_hands_its_options_to_the_kernel_and_a_cpu_call_none(monkeypatch):
-    """What ``run_kernel`` passes: on fake CUDA tensors of 256 tokens ``IS_DIVISIBLE`` and the
+    """What ``run_kernel`` passes: on fake CUDA tensors the tiles of a block of 48 and the
     backend's own options; on a CPU only the backend's."""
     seen = []
 
@@ -136,13 +126,14 @@ def test_a_cuda_call_hands_its_options_to_the_kernel_and_a_cpu_call_none(monkeyp
         return torch.empty_like(q)
 
     monkeypatch.setattr(flex_kernel, "_kernel", lambda compiled, q=None: kernel)
-    backend = FlexBackend(kernel_options={"num_stages": 2})
+    backend = FlexBackend(block_size=48, kernel_options={"num_stages": 2})
     with _fake_cuda_or_skip():
-        q = torch.randn(1, 2, 256, 32, device="cuda")
+        q = torch.randn(1, 2, 240, 32, device="cuda")
         zoo.attention(q, q, q, variant="local", window_size=16, backend=backend)
-    q = torch.randn(1, 2, 256, 32)
+    q = torch.randn(1, 2, 240, 32)
     zoo.attention(q, q, q, variant="local", window_size=16, backend=backend)
-    assert seen == [{"num_stages": 2, "IS_DIVISIBLE": True}, {"num_stages": 2}]
+    tiles = {"fwd_BLOCK_M": 16, "fwd_BLOCK_N": 16}
+    assert seen == [{"num_stages": 2, **tiles}, {"num_stages": 2}]
 
 
 def test_a_decoding_step_hands_the_backends_options_to_the_kernel(monkeypatch):

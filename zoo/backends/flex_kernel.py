@@ -85,7 +85,6 @@ _WHOLE_LENGTH = 128
 _LEAST_TILE = 16
 # The decoding kernel's key tile (FlexDecodeConfig's block_n), filtered before any option applies.
 _DECODE_KEY_TILE = 64
-_TILES = ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")
 
 
 def block_tile(block: int) -> int:
@@ -103,13 +102,14 @@ def forward_tile(block: int) -> int | None:
 def cuda_kernel_options(block: int, q: Tensor, k: Tensor, options: dict) -> dict:
     """The kernel options of a call on CUDA with blocks of ``block`` tokens: the caller's, and
     where it set none of them,
-    - ``IS_DIVISIBLE`` where both lengths are multiples of 128 and of the block: Inductor proves
-      that only for static lengths, and the flex backend's kernel takes symbolic lengths from a
-      second length on (``_compiled_kernel``), which then bounds-checks every load (the kernel
-      time it costs: eval/results/gpu-campaign-h200-2026-11-28). False where the block does not
-      divide a length: the kernel walks every tile of a listed block, the last one's past the
-      end unchecked, and Inductor's own rule (multiples of 128) would declare a length of 384
-      whole in blocks of 256;
+    - ``IS_DIVISIBLE=False`` where both lengths are multiples of 128 but the block does not
+      divide one: Inductor's rule (static multiples of 128) would declare them whole, and the
+      kernel then walks every tile of a listed block, the last block's past the end, unchecked
+      (a length of 384 in blocks of 256). Never True: Inductor declares static multiples of
+      128 itself, and a symbolic length (the flex backend's kernel from a second length on,
+      ``_compiled_kernel``) declared so would be a second compiled family beside the lengths
+      that are not multiples (3 compiles for ``bench-compiles``' 20 lengths, where 2 hold), for
+      a kernel time not yet measured (eval/results/gpu-campaign-h200-2026-11-28);
     - forward tiles that divide the block where 128 does not (Inductor's default tiles are 64 or
       128, and a tile that does not divide the block is refused);
     - for fewer than 128 queries (Inductor's decoding kernel, whose query tile is the next power
@@ -139,11 +139,8 @@ def cuda_kernel_options(block: int, q: Tensor, k: Tensor, options: dict) -> dict
     elif forward is not None:
         out.setdefault("fwd_BLOCK_M", forward)
         out.setdefault("fwd_BLOCK_N", forward)
-    tiles = [out.get(prefix + name, 0) for prefix in ("", "fwd_", "bwd_") for name in _TILES]
     lengths = (q_len, kv_len)
-    if all(n % _WHOLE_LENGTH == 0 and n % block == 0 for n in lengths) and max(tiles) <= 128:
-        out.setdefault("IS_DIVISIBLE", True)
-    elif any(n % block for n in lengths):
+    if all(n % _WHOLE_LENGTH == 0 for n in lengths) and any(n % block for n in lengths):
         out.setdefault("IS_DIVISIBLE", False)
     return out
 
