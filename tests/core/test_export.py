@@ -78,3 +78,29 @@ def test_a_dynamic_length_is_refused_with_the_reason():
         torch.export.export(Functional("sdpa", window_size=4), qkv(), dynamic_shapes=shapes)
     out = Functional("sdpa", window_size=4)(*qkv())
     assert not isinstance(out, FakeTensor)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(variant="causal", backend="sdpa"), dict(variant="local", window_size=4,
+                                                           backend="blocked")],
+)  # fmt: skip
+def test_export_of_a_cuda_model_on_a_machine_without_a_gpu(kwargs):
+    """torch.export on fake CUDA tensors (a CUDA model exported on a CPU build machine): the
+    per-shape builds there are never cached entries, and naming one for the graph recursed
+    without end (RecursionError)."""
+    from zoo.testing.fake_cuda import FakeCudaUnavailable, fake_cuda
+
+    class Model(torch.nn.Module):
+        def forward(self, q):
+            return zoo.attention(q, q, q, **kwargs)
+
+    try:
+        context = fake_cuda()
+    except FakeCudaUnavailable as error:
+        pytest.skip(str(error))
+    with context:
+        q = torch.randn(1, 2, 32, 16, device="cuda")
+    program = torch.export.export(Model(), (q,))
+    output = next(n for n in program.graph.nodes if n.op == "output")
+    out = output.args[0][0].meta["val"]
+    assert out.shape == (1, 2, 32, 16) and out.device.type == "cuda"

@@ -144,7 +144,10 @@ class _ShapeCache:
                 qualified = f"{self.builder.__module__}.{self.builder.__qualname__}"
                 entry.name = f"{qualified}.{next(_NAMES)}".replace(".", "_")
                 setattr(_BUILT, entry.name, entry.result)
-            if _ENTRIES.get((id(self), args)) is not entry:  # evicted meanwhile: build anew
+            # evicted meanwhile: build anew; a build on a device that holds no data (fake or
+            # meta tensors: torch.export of a CUDA model on a CPU) is never an entry, and its
+            # graph reads it under this name alone
+            if not needs_device_build(args) and _ENTRIES.get((id(self), args)) is not entry:
                 return self.name(args)
             return entry.name
 
