@@ -48,6 +48,22 @@ class AlibiEncoding(PositionalEncoding):
         self.slopes: Tensor
         self.register_buffer("slopes", torch.tensor(alibi_slopes(num_heads)), persistent=False)
 
+    def _apply(self, fn, recurse: bool = True):
+        """Moves and casts as any module, then sets the slopes' values again: a function of the
+        heads alone, and not in the state dict (checkpoints without it load strictly), so a
+        model built on the meta device and materialised with ``to_empty`` would otherwise hold
+        uninitialised memory there."""
+        out = super()._apply(fn, recurse)
+        if self.slopes.device.type != "meta":
+            values = torch.tensor(alibi_slopes(self.num_heads), device=self.slopes.device)
+            with torch.no_grad():
+                self.slopes.copy_(values.to(self.slopes.dtype))
+        return out
+
     def bias(self, h: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         """``-slopes[h] * |q_pos - k_pos|`` in float32, in the broadcast shape of the arguments."""
-        return -self.slopes[h] * (q_pos - k_pos).abs().to(self.slopes.dtype)
+        slopes = self.slopes
+        if slopes.device.type == "meta" and q_pos.device.type != "meta":
+            # left on meta by load_state_dict(assign=True), which does not hold them
+            slopes = torch.tensor(alibi_slopes(self.num_heads), device=q_pos.device)
+        return -slopes[h] * (q_pos - k_pos).abs().to(slopes.dtype)
