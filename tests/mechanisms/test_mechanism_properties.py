@@ -214,3 +214,21 @@ def test_a_compiled_linear_module_trains_as_eager():
     (compiled_grad,) = torch.autograd.grad(got.square().sum(), x)
     assert torch.allclose(got, want, atol=1e-6) and torch.allclose(compiled_grad, grad, atol=1e-5)
     torch._dynamo.reset()
+
+
+def test_performer_resumed_from_a_checkpoint_redraws_on_the_same_schedule():
+    """``redraw_interval``: the draws so far and the calls since the last are in the state dict
+    (as a tensor); a module restored from one redraws at the same steps from the same seeds (it
+    redrew at other steps, reusing seeds already drawn, from the next redraw on)."""
+    torch.manual_seed(0)
+    kwargs = dict(dim=32, num_heads=2, redraw_interval=2, seed=3)
+    saved = zoo.create_attention("performer", **kwargs).train()
+    x = torch.randn(1, 12, 32)
+    for _ in range(5):
+        saved(x)
+    state = saved.state_dict()
+    assert all(isinstance(v, torch.Tensor) for v in state.values())
+    resumed = zoo.create_attention("performer", **kwargs).train()
+    resumed.load_state_dict(state)
+    for _ in range(6):
+        assert torch.equal(saved(x), resumed(x))

@@ -90,6 +90,15 @@ class PerformerAttention(Mechanism):
         projection = orthogonal_features(self.num_features, head_dim, seed)
         self.register_buffer("projection", projection.float())
 
+    def get_extra_state(self) -> Tensor:
+        """The redraw schedule, (draws so far, training calls since the last), saved beside the
+        projection as a tensor (as every other entry of a state dict): a module restored from a
+        checkpoint redraws at the same steps, from the same seeds, as the one saved."""
+        return torch.tensor([self.draws, self.calls], dtype=torch.int64)
+
+    def set_extra_state(self, state: Tensor) -> None:
+        self.draws, self.calls = (int(n) for n in state.tolist())
+
     def call_state(self) -> str | None:
         if self.redraw_interval is None:
             return None
