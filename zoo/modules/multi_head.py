@@ -8,8 +8,8 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from ..backends import Backend
-from ..core.arguments import check_int, check_probability
+from ..backends import Backend, backend_named
+from ..core.arguments import check_bool, check_int, check_probability
 from ..core.device_build import can_read_values
 from ..core.scores import AdditiveScore
 from ..decoding.cache import KVCache
@@ -18,6 +18,7 @@ from ..functional import attention, build_encoding, resolve_pattern, resolved_pa
 from ..mechanisms.dispatch import check_encoding
 from ..mechanisms.layer import module_mechanism
 from ..parallel.sharded_module import sharded_forward
+from ..parallel.shards import ORDERS
 from ..patterns import Pattern
 from ..positional import PositionalEncoding
 from ..registry import get_module_spec, get_spec, is_mechanism_name, list_modules
@@ -154,6 +155,10 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"score must be one of {SCORES}, got {score!r}")
         self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
         self.num_kv_heads = num_kv_heads
+        backend_named(backend)  # a misspelt name or a wrong type fails now, not at a forward
+        check_bool("bias", bias)
+        if cp_order not in ORDERS:
+            raise ValueError(f"cp_order must be one of {ORDERS}, got {cp_order!r}")
         self.variant, self.backend, self.causal = variant, backend, causal
         self.dropout = check_probability("dropout", dropout)
         # Context parallelism (zoo.parallel): x is then this rank's shard of each sequence.
