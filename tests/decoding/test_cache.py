@@ -454,3 +454,16 @@ def test_a_clone_forks_the_cache(variant, static):
                 seq = torch.cat([x[row, :n], x[row, :1], y[row]])[None]
                 want = attn(seq)[:, -6:]
                 assert torch.allclose(outs[name][row : row + 1], want, atol=1e-10, rtol=0)
+
+
+def test_a_cache_of_the_weights_dtype_under_autocast_names_the_dtype_to_build_it_in():
+    """Under torch.autocast the module's projections give bfloat16 while ``module.new_cache``
+    takes the weights' float32: the refusal said "build the cache with the model's dtype", which
+    the caller had done."""
+    attn = zoo.create_attention("causal", dim=32, num_heads=4, causal=True).eval()
+    x = torch.randn(1, 6, 32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(ValueError, match=r"new_cache\(\.\.\., dtype=torch.bfloat16\)"):
+            attn(x, cache=attn.new_cache(1, 16))
+        cache = attn.new_cache(1, 16, dtype=torch.bfloat16)
+        assert attn(x, cache=cache).shape == (1, 6, 32)

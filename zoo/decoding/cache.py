@@ -434,9 +434,18 @@ class KVCache:
                     f"got {tuple(t.shape)}"
                 )
             if t.dtype != want.dtype or t.device != want.device:
+                autocast = t.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(
+                    t.device.type
+                )
+                hint = (
+                    f" (under torch.autocast the projections give {t.dtype}: "
+                    f"new_cache(..., dtype={t.dtype}))"
+                    if autocast and t.dtype != want.dtype
+                    else ""
+                )
                 raise ValueError(
                     f"cache holds {want.dtype} on {want.device}, got {name} in {t.dtype} on "
-                    f"{t.device}; build the cache with the model's dtype and device"
+                    f"{t.device}; build the cache with the model's dtype and device{hint}"
                 )
         steps = k.shape[2]
         if positions is not None:
