@@ -31,11 +31,20 @@ def test_show_table_and_list(tmp_path, capsys):
         (["show", "bigbrid"], "did you mean 'bigbird'"),
         (["show", "local", "--out", "/no/such/folder/x.png"], "does not exist"),
         (["show", "local", "window=3"], "no parameter 'window'"),
+        (["show", "local", "causal=true"], "causal is zoo show's --causal flag"),
+        (["attention-map", "local", "--seq-len", "32", "seed=abc"], "seed must be an int"),
+        (["attention-map", "local", "--seq-len", "32", "backend=nosuch"], "unknown backend"),
+        (["gallery", "--seq-len", "37"], "the gallery cannot draw 'axial_2d' at seq_len=37"),
+        (["table", "--seq-len", "1"], "does not fit seq_len=1"),
     ],
 )
-def test_bad_input_exits_2_with_a_sentence(argv, message, capsys):
+def test_bad_input_exits_2_with_a_sentence(argv, message, capsys, tmp_path, monkeypatch):
+    """Also before any output; a bad backend passed silently (exit 0), ``causal=``, a seed that
+    is no int and a gallery length with no grid gave messages that named nothing."""
+    monkeypatch.chdir(tmp_path)
     assert main(argv) == 2
-    assert message in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert message in err and out == ""
 
 
 @pytest.mark.parametrize(

@@ -204,16 +204,16 @@ def run(args: argparse.Namespace) -> bool | None:
         from .views.pictures import draw_pattern
 
         out = args.out or f"{args.name}.png"
-        print(
-            draw_pattern(
-                args.name, args.seq_len, out, causal=args.causal, **parse_params(args.params)
-            )
-        )
+        params = parse_params(args.params)
+        if "causal" in params:
+            raise ValueError("causal is zoo show's --causal flag, not a key=value parameter")
+        print(draw_pattern(args.name, args.seq_len, out, causal=args.causal, **params))
     elif args.command == "table":
         from .views.comparison import comparison_table
 
+        table = comparison_table(args.seq_len, args.layers)  # a bad length fails before output
         print(f"n = {args.seq_len}, receptive field after {args.layers} layers\n")
-        print(comparison_table(args.seq_len, args.layers))
+        print(table)
     elif args.command == "attention-map":
         from .views.pictures import attention_map_of_random_model
 

@@ -17,6 +17,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from torch import Tensor
 
+from ..core.arguments import check_seed
 from ..functional import dense_mask, prepare_call
 from ..modules.multi_head import create_attention
 from ..patterns import reads_graph
@@ -145,7 +146,14 @@ def draw_gallery(path: str | os.PathLike, seq_len: int = 256, columns: int = 4) 
     figure = Figure(figsize=(3.2 * columns, 3.4 * rows))
     for i, name in enumerate(names):
         axes = figure.add_subplot(rows, columns, i + 1)
-        _draw_variant(axes, name, seq_len, False, GALLERY_PARAMS.get(name, {}), every_param=False)
+        try:
+            _draw_variant(axes, name, seq_len, False, GALLERY_PARAMS.get(name, {}),
+                          every_param=False)  # fmt: skip
+        except ValueError as error:  # a 2-D variant at a length with no grid, say
+            raise ValueError(
+                f"the gallery cannot draw {name!r} at seq_len={seq_len}: {error}; choose another "
+                f"seq_len (the default, 256, draws every variant)"
+            ) from error
         axes.title.set_fontsize(8)
         axes.tick_params(labelsize=6)
         axes.xaxis.label.set_fontsize(7)
@@ -237,6 +245,7 @@ def attention_map_of_random_model(
     """
     get_spec(name)
     _check_length(seq_len)
+    seed = check_seed("seed", seed)
     path = _check_path(path)
     with torch.random.fork_rng(devices=[]):  # do not disturb the caller's random stream
         torch.manual_seed(seed)
