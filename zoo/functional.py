@@ -8,6 +8,7 @@ from torch import Tensor
 from .backends import Backend, explain_backend, resolve_backend
 from .core import call_plans
 from .core.arguments import check_bool
+from .core.autocast import autocast_inputs
 from .core.call import AttentionCall, call_score, check_dropout, check_qkv
 from .core.prepare import (
     Encoding,
@@ -101,7 +102,8 @@ def attention(
         **params: the variant's parameters, overriding its registry defaults (e.g. window_size).
 
     Returns the output (B, H, Lq, Dv) in q's dtype, and the weights if asked. A query with no
-    allowed key gets zeros, never NaN.
+    allowed key gets zeros, never NaN. Under ``torch.autocast``, float32 q, k and v are cast to
+    its dtype first, as torch's own attention is, so every backend returns that dtype.
 
     Padded keys are never read: their k and v may hold anything (NaN, inf, uninitialised
     memory), on every backend, and reach no output or gradient; they get zero gradients. An
@@ -127,6 +129,7 @@ def attention(
     and raise ``torch._dynamo.config.recompile_limit`` (8) above 8 lengths. A Pattern passed as
     ``variant`` must be made outside the compiled region (a module attribute, say).
     """
+    q, k, v = autocast_inputs(q, k, v)
     plain = (
         cp_group is None and cache is None and score is None and edge_index is None
         and not return_weights and not isinstance(dropout_p, bool)

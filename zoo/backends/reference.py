@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..core.autocast import float32_inside
 from ..core.call import AttentionCall
 from ..core.shape_cache import per_shape
 from ..patterns import Pattern, query_positions
@@ -95,12 +96,15 @@ class ReferenceBackend(Backend):
         return reference_decode(step)
 
     def forward(self, call: AttentionCall) -> tuple[Tensor, Tensor]:
-        scores, v = masked_scores(call)
-        weights = safe_softmax(scores)
-        dropped = (
-            torch.nn.functional.dropout(weights, call.dropout_p) if call.dropout_p else weights
-        )
-        out = dropped @ v
+        # float32 as its definition says, also under torch.autocast (whose matmuls would lower
+        # it: the oracle would then be the least precise backend)
+        with float32_inside(call.device):
+            scores, v = masked_scores(call)
+            weights = safe_softmax(scores)
+            dropped = (
+                torch.nn.functional.dropout(weights, call.dropout_p) if call.dropout_p else weights
+            )
+            out = dropped @ v
         return out.to(call.q.dtype), weights
 
 

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from ..core.arguments import check_int
+from ..core.autocast import float32_inside
 from ..decoding.block_sums import block_sums
 from .base import Pattern
 from .families import register_pattern
@@ -90,7 +91,8 @@ def moba_choice(
     rows = max(1, CHOICE_ELEMENTS // max(B * H * blocks, 1))
     for start in range(0, q_len, rows):
         part = slice(start, start + rows)
-        scores = q[:, :, part].float() @ means  # (B, H, rows, blocks)
+        with float32_inside(q.device):  # also under autocast: the choice is made in float32
+            scores = q[:, :, part].float() @ means  # (B, H, rows, blocks)
         mine = own[..., part, :]
         available = has_keys & (block <= mine) if causal else has_keys
         chosen[:, :, part] = top_blocks(scores, top_k, available, block == mine)
