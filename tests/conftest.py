@@ -43,10 +43,10 @@ def pytest_runtest_makereport(item, call):
     so, as a test that needs a GPU is skipped without one. With a compiler nothing changes."""
     outcome = yield
     report = outcome.get_result()
-    if not (CXX_MISSING and report.failed and call.excinfo is not None):
+    if not (CXX_MISSING and report.failed and call.excinfo is not None) or call.when == "teardown":
         return
     text = str(call.excinfo.getrepr(style="short"))
     if any(sign in text for sign in _NO_CXX):
         report.outcome = "skipped"
         reason = "Skipped: needs a C++ compiler (torch.compile on a CPU; install g++ or set CXX)"
-        report.longrepr = (str(item.path), item.location[1] or 0, reason)
+        report.longrepr = (str(item.path), (item.location[1] or 0) + 1, reason)

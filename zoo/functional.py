@@ -129,7 +129,8 @@ def attention(
     and raise ``torch._dynamo.config.recompile_limit`` (8) above 8 lengths. A Pattern passed as
     ``variant`` must be made outside the compiled region (a module attribute, say).
     """
-    q, k, v = autocast_inputs(q, k, v)
+    if cache is None or cache.keys.dtype != torch.float32:  # a float32 cache keeps float32 keys
+        q, k, v = autocast_inputs(q, k, v)
     plain = (
         cp_group is None and cache is None and score is None and edge_index is None
         and not return_weights and not isinstance(dropout_p, bool)

@@ -35,3 +35,16 @@ def test_every_backend_returns_the_autocast_dtype_within_its_precision(variant, 
     assert out.dtype == torch.bfloat16
     # the output's rounding to bfloat16 (2^-8 relative) and bfloat16 arithmetic inside
     assert (out.double() - exact).abs().max() < 1e-2
+
+
+def test_a_float32_cache_under_autocast_takes_float32_keys():
+    """The cast to autocast's dtype made a float32 cache refuse the functional call's keys (it
+    took them before); a bfloat16 cache takes the cast keys."""
+    q = torch.randn(1, 2, 8, 16)
+    for dtype in (torch.float32, torch.bfloat16):
+        cache = zoo.new_cache("causal", batch_size=1, max_len=32, num_kv_heads=2, head_dim=16,
+                              dtype=dtype)  # fmt: skip
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = zoo.attention(q, q, q, variant="causal", causal=True, cache=cache)
+        assert out.shape == q.shape and cache.keys.dtype == dtype
+        assert torch.equal(cache.lengths, torch.tensor([8]))

@@ -202,3 +202,15 @@ def test_import_zoo_does_not_import_dynamo():
         timeout=subprocess_timeout(60),
     )  # fmt: skip
     assert result.stdout.strip() == "False"
+
+
+def test_builds_on_a_device_without_data_keep_one_name_per_arguments():
+    """Each trace of a fake or meta call named its build anew and kept it on the holder for the
+    life of the process; now one name per arguments, freed by ``clear``."""
+    from zoo.core import shape_cache
+
+    cache = shape_cache._ShapeCache(lambda n, d: torch.arange(n, device=d), 4)
+    names = {cache.name((8, torch.device("meta"))) for _ in range(5)}
+    assert len(names) == 1 and hasattr(shape_cache._BUILT, next(iter(names)))
+    cache.clear()
+    assert not hasattr(shape_cache._BUILT, next(iter(names)))

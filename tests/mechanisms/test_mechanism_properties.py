@@ -232,3 +232,12 @@ def test_performer_resumed_from_a_checkpoint_redraws_on_the_same_schedule():
     resumed.load_state_dict(state)
     for _ in range(6):
         assert torch.equal(saved(x), resumed(x))
+
+
+def test_performer_loads_a_state_dict_saved_before_its_schedule_was_kept():
+    """Strictly, as a module never redrawn (its schedule at 0)."""
+    module = zoo.create_attention("performer", dim=32, num_heads=2)
+    old = {k: v for k, v in module.state_dict().items() if not k.endswith("_extra_state")}
+    fresh = zoo.create_attention("performer", dim=32, num_heads=2)
+    fresh.load_state_dict(old)
+    assert fresh.mechanism.draws == 0 and fresh.mechanism.calls == 0

@@ -27,3 +27,14 @@ def test_meta_built_model_loads_to_the_same_outputs(pos):
         assigned = zoo.create_attention("full", dim=32, num_heads=4, pos=pos).eval()
     assigned.load_state_dict(saved.state_dict(), assign=True)
     assert torch.equal(assigned(x), want)
+
+
+def test_an_alibi_encoding_built_in_inference_mode_moves_and_casts():
+    """Its slopes, set again on every move or cast, were written in place outside inference
+    mode: "Inplace update to inference tensor outside InferenceMode"."""
+    from zoo.positional.alibi import AlibiEncoding, alibi_slopes
+
+    with torch.inference_mode():
+        encoding = AlibiEncoding(dim=48, num_heads=12)
+    encoding.to("cpu").float()
+    assert encoding.slopes.tolist() == pytest.approx(alibi_slopes(12))

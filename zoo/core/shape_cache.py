@@ -106,6 +106,9 @@ class _ShapeCache:
         self.builder = builder
         self.maxsize = maxsize
         self.keys: OrderedDict[tuple, None] = OrderedDict()
+        # builds on a device that holds no data are never entries: one name per arguments, its
+        # result replaced by each trace's (held until ``clear``, not one per trace)
+        self.transient_names: dict[tuple, str] = {}
         self.hits = self.misses = 0
         _CACHES[id(self)] = self
 
@@ -140,16 +143,21 @@ class _ShapeCache:
         """The attribute of _BUILT under which a traced graph reads the result of ``args``."""
         entry = self.get(args)
         with _LOCK:
+            if needs_device_build(args):  # fake or meta tensors (torch.export on a CPU)
+                name = self.transient_names.get(args) or self._new_name()
+                self.transient_names[args] = name
+                setattr(_BUILT, name, entry.result)
+                return name
             if entry.name is None:
-                qualified = f"{self.builder.__module__}.{self.builder.__qualname__}"
-                entry.name = f"{qualified}.{next(_NAMES)}".replace(".", "_")
+                entry.name = self._new_name()
                 setattr(_BUILT, entry.name, entry.result)
-            # evicted meanwhile: build anew; a build on a device that holds no data (fake or
-            # meta tensors: torch.export of a CUDA model on a CPU) is never an entry, and its
-            # graph reads it under this name alone
-            if not needs_device_build(args) and _ENTRIES.get((id(self), args)) is not entry:
+            if _ENTRIES.get((id(self), args)) is not entry:  # evicted meanwhile: build anew
                 return self.name(args)
             return entry.name
+
+    def _new_name(self) -> str:
+        qualified = f"{self.builder.__module__}.{self.builder.__qualname__}"
+        return f"{qualified}.{next(_NAMES)}".replace(".", "_")
 
     def drop(self, args: tuple) -> None:
         entry = _ENTRIES.pop((id(self), args))
@@ -167,6 +175,10 @@ class _ShapeCache:
         with _LOCK:
             for args in list(self.keys):
                 self.drop(args)
+            for name in self.transient_names.values():
+                if hasattr(_BUILT, name):
+                    delattr(_BUILT, name)
+            self.transient_names.clear()
 
     def info(self) -> functools._CacheInfo:
         return functools._CacheInfo(self.hits, self.misses, self.maxsize, len(self.keys))

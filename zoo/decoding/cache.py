@@ -438,7 +438,7 @@ class KVCache:
                     t.device.type
                 )
                 hint = (
-                    f" (under torch.autocast the projections give {t.dtype}: "
+                    f" (under torch.autocast the keys come in {t.dtype}: "
                     f"new_cache(..., dtype={t.dtype}))"
                     if autocast and t.dtype != want.dtype
                     else ""

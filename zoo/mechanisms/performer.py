@@ -99,6 +99,16 @@ class PerformerAttention(Mechanism):
     def set_extra_state(self, state: Tensor) -> None:
         self.draws, self.calls = (int(n) for n in state.tolist())
 
+    def _load_from_state_dict(self, state_dict, prefix, *args) -> None:
+        """A state dict without the schedule (saved before it was kept) loads strictly, as the
+        schedule of a module never redrawn: draws and calls 0."""
+        missing = args[2]  # local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        key = prefix + "_extra_state"
+        if key not in state_dict and key in missing:
+            missing.remove(key)
+            self.draws = self.calls = 0
+
     def call_state(self) -> str | None:
         if self.redraw_interval is None:
             return None

@@ -54,10 +54,12 @@ class AlibiEncoding(PositionalEncoding):
         model built on the meta device and materialised with ``to_empty`` would otherwise hold
         uninitialised memory there."""
         out = super()._apply(fn, recurse)
-        if self.slopes.device.type != "meta":
-            values = torch.tensor(alibi_slopes(self.num_heads), device=self.slopes.device)
-            with torch.no_grad():
-                self.slopes.copy_(values.to(self.slopes.dtype))
+        slopes = self.slopes
+        if slopes.device.type != "meta":
+            values = torch.tensor(alibi_slopes(self.num_heads), device=slopes.device)
+            # an inference tensor (built under inference_mode) is written in that mode
+            with torch.no_grad(), torch.inference_mode(torch.is_inference(slopes)):
+                slopes.copy_(values.to(slopes.dtype))
         return out
 
     def bias(self, h: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
