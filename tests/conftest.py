@@ -31,7 +31,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-from helpers import CXX_MISSING  # noqa: E402
+from helpers import CXX_MISSING, CXX_REASON  # noqa: E402
 
 _NO_CXX = ("No working C++ compiler", "InvalidCxxCompiler", "need a C++ compiler")
 
@@ -48,5 +48,4 @@ def pytest_runtest_makereport(item, call):
     text = str(call.excinfo.getrepr(style="short"))
     if any(sign in text for sign in _NO_CXX):
         report.outcome = "skipped"
-        reason = "Skipped: needs a C++ compiler (torch.compile on a CPU; install g++ or set CXX)"
-        report.longrepr = (str(item.path), (item.location[1] or 0) + 1, reason)
+        report.longrepr = (str(item.path), (item.location[1] or 0) + 1, f"Skipped: {CXX_REASON}")

@@ -55,9 +55,8 @@ def _cxx_missing() -> bool:
 CXX_MISSING = _cxx_missing()
 # A test whose compile failure a benchmark or the harness records as a cell (no exception to
 # see: conftest skips those that raise Inductor's InvalidCxxCompiler by themselves).
-needs_cxx = pytest.mark.skipif(
-    CXX_MISSING, reason="needs a C++ compiler (torch.compile on a CPU; install g++ or set CXX)"
-)
+CXX_REASON = "needs a C++ compiler (torch.compile on a CPU; install g++ or set CXX)"
+needs_cxx = pytest.mark.skipif(CXX_MISSING, reason=CXX_REASON)
 _NO_GPU = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU; this machine has none")
 
 

@@ -9,6 +9,14 @@ import torch
 from torch import Tensor
 
 
+def autocast_on(device: torch.device) -> bool:
+    """Whether torch.autocast is on for ``device`` (False for a device type without it: meta)."""
+    try:
+        return torch.is_autocast_enabled(device.type)
+    except RuntimeError:
+        return False
+
+
 def autocast_inputs(q: object, k: object, v: object) -> tuple:
     """q, k, v in the autocast dtype where autocast is on for their device and they are float32
     (the dtype autocast lowers); as given otherwise. Without it sdpa's and flex's kernels took
@@ -16,13 +24,9 @@ def autocast_inputs(q: object, k: object, v: object) -> tuple:
     dtype and precision."""
     if not all(isinstance(t, Tensor) and t.dtype == torch.float32 for t in (q, k, v)):
         return q, k, v
-    device = q.device.type
-    try:
-        if not torch.is_autocast_enabled(device):
-            return q, k, v
-        dtype = torch.get_autocast_dtype(device)
-    except RuntimeError:  # a device type without autocast (meta)
+    if not autocast_on(q.device):
         return q, k, v
+    dtype = torch.get_autocast_dtype(q.device.type)
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 

@@ -60,6 +60,7 @@ import torch
 from torch import Tensor
 
 from ..core.arguments import check_int
+from ..core.autocast import autocast_on
 from ..core.device_build import can_read_values, has_no_data, refuse_where
 from ..core.shape_cache import per_shape
 from ..layout.block_layout import with_heads
@@ -434,13 +435,10 @@ class KVCache:
                     f"got {tuple(t.shape)}"
                 )
             if t.dtype != want.dtype or t.device != want.device:
-                autocast = t.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(
-                    t.device.type
-                )
                 hint = (
                     f" (under torch.autocast the keys come in {t.dtype}: "
                     f"new_cache(..., dtype={t.dtype}))"
-                    if autocast and t.dtype != want.dtype
+                    if autocast_on(t.device) and t.dtype != want.dtype
                     else ""
                 )
                 raise ValueError(

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from ..backends import Backend, backend_named
 from ..core.arguments import check_bool, check_int, check_probability
+from ..core.autocast import autocast_on
 from ..core.device_build import can_read_values
 from ..core.scores import AdditiveScore
 from ..decoding.cache import KVCache
@@ -299,7 +300,7 @@ class MultiHeadAttention(nn.Module):
             shown = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"x must have shape (batch, length, {self.dim}), got {shown}")
         weight = getattr(self.q_proj, "weight", None)  # a method in a quantized Linear
-        if isinstance(weight, Tensor) and x.dtype != weight.dtype and not _autocast(x.device):
+        if isinstance(weight, Tensor) and x.dtype != weight.dtype and not autocast_on(x.device):
             raise ValueError(
                 f"x is {x.dtype} but the module's parameters are {weight.dtype}: convert one "
                 f"(module.to({x.dtype}) or x.to({weight.dtype})), or run under torch.autocast"
@@ -407,11 +408,3 @@ def create_attention(
     if not is_mechanism_name(name):
         get_spec(name)  # an unknown name fails here, with suggestions
     return MultiHeadAttention(dim, num_heads, variant=name, **overrides)
-
-
-def _autocast(device: torch.device) -> bool:
-    """Whether autocast is on for ``device`` (which casts the projections' inputs)."""
-    try:
-        return torch.is_autocast_enabled(device.type)
-    except RuntimeError:  # a device type without autocast (meta)
-        return False
