@@ -267,8 +267,7 @@ def _cached_attention(q, k, v, cache: KVCache, *, variant, backend, causal, key_
     new_call()
     score = call_score(score, scale, q)
     dropout_p = check_dropout(dropout_p)
-    chosen = decode_backend(backend, score, dropout_p, cache.keys.dtype,
-                            recording_device(cache, q, k, v))  # fmt: skip
+    chosen = decode_backend(backend, score, dropout_p, cache, recording_device(cache, q, k, v))
     return cache_attention(
         q, k, v, cache, counts=counts, encoding=attention_encoding(pos, q, k, causal),
         score=score, dropout_p=dropout_p, backend=chosen, full=key_padding_mask is None,

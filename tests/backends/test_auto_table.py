@@ -203,10 +203,10 @@ def test_auto_on_cuda_takes_flex_where_the_h100_measured_it():
 
 
 def test_auto_on_cuda_runs_moba_on_flex_as_the_h200_campaign_measured():
-    """The H200 campaigns timed MoBA's forward at 16K on flex (its gathered rows) at 3.41 and 4.62 ms
-    against blocked's 13.1 and 16.2 ms (the table keeps the later run); the H100 campaign's 275 ms
-    on flex, which had put blocked first, measured the union path since replaced. auto's order
-    starts with flex, for inference and training."""
+    """The H200 campaigns timed MoBA's forward at 16K on flex (its gathered rows) at 3.41 and
+    4.62 ms against blocked's 13.1 and 16.2 ms (the table keeps the later run); the H100
+    campaign's 275 ms on flex, which had put blocked first, measured the union path since
+    replaced. auto's order starts with flex, for inference and training."""
     params = {"block_size": 512, "top_k": 3}
     backends = {name: get_backend(name) for name in zoo.list_backends()}
     inference = cuda_call("moba", 16384, False, False, params)

@@ -19,10 +19,10 @@ after them, ``zoo.decoding.decode``). The block mask covers exactly those rows a
 - A pattern chosen by content (moba) is bound to the cache's keys first; its mask is per head.
 
 Compiled FlexAttention on CPU (by the backend, or by a torch.compile around the step) pads q, k
-and v to whole blocks (``zoo.backends.flex``); the
-padded slots are empty and the padded queries invalid, so the output is cropped. Inference only:
-dropout is refused (``Backend.decode_reason_against``: flex declares no dropout) and compiled
-flex has no backward on CPU.
+and v to whole blocks (``zoo.backends.flex``); the padded slots are empty and the padded queries
+invalid, so the output is cropped. Elsewhere only the mask is padded, to read its blocks.
+Inference only: dropout is refused (``Backend.decode_reason_against``: flex declares no dropout)
+and compiled flex has no backward on CPU.
 """
 
 from __future__ import annotations
@@ -63,15 +63,17 @@ def flex_decode(
     bias, scale = step.bias, step.score.scale
     t, slots = q.shape[2], keys.shape[2]
     # See FlexBackend.whole_blocks: on a CPU wherever the kernel is compiled, here or around us.
+    # Elsewhere the kernel bounds a last block cut short itself, so the cache is not copied to
+    # pad it (a copy of every slot per step); only the mask is, to read its blocks' states.
     whole = (compile or torch.compiler.is_compiling()) and q.device.type == "cpu"
-    q_len = -(-t // block) * block if whole else t
-    kv_len = -(-slots // block) * block
+    q_blocks, kv_blocks = -(-t // block) * block, -(-slots // block) * block
+    q_len, kv_len = (q_blocks, kv_blocks) if whole else (t, slots)
     q, q_pos, valid = _pad(q, 2, q_len, 0.0), _pad(q_pos, 1, q_len, 0), _pad(valid, 1, q_len, False)
     keys, values = _pad(keys, 2, kv_len, 0.0), _pad(values, 2, kv_len, 0.0)
     key_pos, key_ok = _pad(key_pos, 1, kv_len, -1), _pad(key_ok, 1, kv_len, False)
-    grid = _pad(_pad(mask, 2, -(-t // block) * block, False), 3, kv_len, False)
+    grid = _pad(_pad(mask, 2, q_blocks, False), 3, kv_blocks, False)
     B, heads = grid.shape[:2]
-    grid = grid.view(B, heads, -1, block, kv_len // block, block)
+    grid = grid.view(B, heads, -1, block, kv_blocks // block, block)
     some, every = grid.any(5).any(3), grid.all(5).all(3)  # (B, 1 or H, q blocks, k blocks)
     state = torch.where(every, FULL, torch.where(some, PARTIAL, EMPTY)).to(torch.int8)
 

@@ -33,13 +33,18 @@ filled), the most keys a query may attend, and whether it attends every slot in 
 - ``reference`` (``zoo.backends.reference.reference_decode``): dense float32 scores and an
   explicit softmax; additive scores, and the oracle.
 
-``auto`` takes sdpa on every device. For one query the work is reading the kept keys, which the
-gather does without a compiled kernel; on CPU compiled flex pads the query row to a whole block
-and compiles for seconds per shape. On CUDA flex would be the choice where the decode benchmark
-(``eval/configs/bench_decode.yaml``, impl ``zoo:VARIANT:flex`` beside the sdpa gather) measures it
-faster: long caches whose allowed keys are sparse in whole blocks (strided, bigbird, moba). That
-measurement has not run yet, so auto stays on sdpa there too; the blocked and xformers backends
-have no decoding path (a cached call named for them runs on auto's choice, and ``explain`` says so).
+``auto`` takes sdpa, but flex for a static cache on CUDA (``static_on_cuda``). For one query the
+work is reading the kept keys, which the gather does without a compiled kernel; on CPU compiled
+flex pads the query row to a whole block and compiles for seconds per shape. A static cache's
+step reads every slot, masked: sdpa runs that on CUDA's memory-efficient kernel, one thread block
+per row and key/value head over all slots (a compiled causal step at 16K took 0.87 ms on an H200
+where the eager step over the filled slots took 0.37), where flex's decoding kernel splits the
+keys and skips empty blocks. Elsewhere on CUDA flex would be the choice where the decode
+benchmark (``eval/configs/bench_decode.yaml``, impl ``zoo:VARIANT:flex`` beside the sdpa gather)
+measures it faster: long caches whose allowed keys are sparse in whole blocks (strided, bigbird,
+moba). That measurement has not run yet, so auto stays on sdpa there; the blocked and xformers
+backends have no decoding path (a cached call named for them runs on auto's choice, and
+``explain`` says so).
 """
 
 from __future__ import annotations
@@ -64,18 +69,19 @@ def decode_backend(
     backend: object,
     score: DotProduct | AdditiveScore,
     dropout_p: float,
-    dtype: torch.dtype | None = None,
+    cache: KVCache,
     backward_on: str | None = None,
 ) -> Backend:
     """The backend that runs a cached call's steps (``Backend.decode_step``): the one named, where
-    it declares decoding (``Capabilities.decode``); sdpa for dot scores and the reference for
-    others under ``auto`` or a backend without a decoding path (``explain`` says so). A backend
-    that decodes but not these settings (``backward_on``: the device type where the call records
-    gradients, ``recording_device``) raises, naming the reason and the backends that can: before
-    the call writes anything into the cache."""
+    it declares decoding (``Capabilities.decode``); under ``auto`` or a backend without a decoding
+    path (``explain`` says so) the reference for additive scores, flex for a static cache on
+    CUDA where flex can decode the call (``static_on_cuda``), else sdpa. A backend that decodes
+    but not these settings (``backward_on``: the device type where the call records gradients,
+    ``recording_device``) raises, naming the reason and the backends that can: before the call
+    writes anything into the cache."""
     chosen = backend_named(backend)
+    settings = (score.kind, dropout_p, cache.keys.dtype, backward_on)
     if chosen is not None and chosen.capabilities.decode:
-        settings = (score.kind, dropout_p, dtype, backward_on)
         reason = chosen.decode_reason_against(*settings)
         if reason is not None:
             able = [n for n in decoders() if get_backend(n).decode_reason_against(
@@ -85,7 +91,21 @@ def decode_backend(
                 f"{', '.join(able) or 'none'}"
             )
         return chosen
-    return get_backend("sdpa" if score.kind == "dot" else "reference")
+    if score.kind != "dot":
+        return get_backend("reference")
+    flex = get_backend("flex")
+    if static_on_cuda(cache) and flex.decode_reason_against(*settings) is None:
+        return flex
+    return get_backend("sdpa")
+
+
+def static_on_cuda(cache: KVCache) -> bool:
+    """Whether ``auto`` decodes this cache on flex: a static cache on CUDA. Its steps read every
+    slot (one shape for all steps, for CUDA graphs), so on sdpa each step is a masked call over
+    all of them, which CUDA runs on its memory-efficient kernel without splitting the keys
+    across the GPU (one thread block per row and key/value head); flex's decoding kernel splits
+    them and skips the blocks the step's mask leaves empty (a causal cache's unfilled slots)."""
+    return cache.static and cache.keys.device.type == "cuda"
 
 
 def recording_device(cache: KVCache, *tensors: Tensor) -> str | None:
@@ -110,7 +130,7 @@ def explain_decode(
 ) -> str:
     """What ``explain`` says for a call with a cache (``backward_on``: ``recording_device``)."""
     try:
-        chosen = decode_backend(backend, score, 0.0, cache.keys.dtype, backward_on)
+        chosen = decode_backend(backend, score, 0.0, cache, backward_on)
     except ValueError as refused:  # what the call would raise, said
         return str(refused)
     shown = f"flex ({chosen!r})" if chosen.name == "flex" else chosen.name
@@ -121,6 +141,11 @@ def explain_decode(
         if asked in (*decoders(), "auto") or chosen is backend
         else f" (backend {asked!r} has no decoding path; a cached call runs on {chosen.name})"
     )
+    if chosen.name == "flex" and chosen is not backend and static_on_cuda(cache):
+        note += (
+            " (a static cache on CUDA: flex's decoding kernel splits the slots, sdpa's masked "
+            "one does not)"
+        )
     return (
         f"decoding with a cache on {shown}{note}: {plan.slots} slots "
         f"({plan.pinned.numel()} pinned, a ring of {plan.ring} for a window of {plan.window}) "
