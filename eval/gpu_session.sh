@@ -45,12 +45,15 @@
 # but summary.md and stages.tsv into $OUT/campaign.tar.gz at the end (the device tool brings back
 # at most 8 files). The GPU tests alone took 398 s at 12 workers on an H200 (2026-11-28; they
 # did not finish in 175 s at 8 workers nor in 270 s at 14 on an H100), so a session of 15
-# minutes of device time runs two commands, one right after the other on the warm machine:
-#   LIMIT=560 bash eval/gpu_session.sh tests                              # timeout_s 590
-#   ZOO_GPU_SESSION_BUNDLE=1 ZOO_GPU_SESSION_SHARES="env:4 realization:8 goals:24 moba:8 \
-#     overhead:3 profile:9 profile_moba:6 decode:12 decode_compiled:10 compiles:6" \
-#     bash eval/gpu_session.sh all 400                                    # timeout_s 430
-# (with ARGS_goals='lengths=[16384,65536]' where the 8K cells are known). Tests of this script:
+# minutes of device time runs two commands, one right after the other on the warm machine, each
+# carrying .whl and .gpu-cache (the compile cache, below; bring back its parts after the second):
+#   ZOO_GPU_SESSION_CACHE=.gpu-cache LIMIT=560 bash eval/gpu_session.sh tests   # timeout_s 590
+#   ZOO_GPU_SESSION_CACHE=.gpu-cache ZOO_GPU_SESSION_BUNDLE=1 \
+#     ZOO_GPU_SESSION_SHARES="env:4 realization:8 goals:24 moba:8 overhead:3 profile:9 \
+#     profile_moba:6 decode:12 decode_compiled:10 compiles:6" \
+#     bash eval/gpu_session.sh all 385                                    # timeout_s 415
+# (with ARGS_goals='lengths=[16384,65536]' where the 8K cells are known; the second run of
+# 2026-11-28 had 385 s left after the tests' 428). Tests of this script:
 # STAGE_CMD_<stage>='...' replaces a stage's command (run by bash, with $OUT set), and
 # ZOO_GPU_SESSION_FAKE=1 makes every other stage a no-op (tests/eval/test_gpu_session.py).
 #
@@ -89,6 +92,67 @@ if [[ $FAKE != 1 ]] && compgen -G ".whl/*.whl" >/dev/null; then
     cudart=/tmp/site/nvidia/cuda_runtime/lib
     [ -d "$cudart" ] && export LD_LIBRARY_PATH=$cudart${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
+# Inductor's compile cache carried from one session to the next (ZOO_GPU_SESSION_CACHE: a
+# folder of the checkout that git ignores and the device tool carries, .gpu-cache by convention;
+# unset: nothing carried). Most of a stage's minutes went to compiling (the first flex call at a
+# shape took 2.5-7.5 s on an H100 and an H200), and every lent machine starts bare. Before the
+# stages, that folder's compile-cache.tar.gz.N (N = 0, 1, ...) are unpacked into
+# TORCHINDUCTOR_CACHE_DIR (once per machine); at the end the cache's FX graphs (with their Triton
+# kernels, which Inductor bundles into them) and AOTAutograd graphs are packed into $OUT as parts
+# of at most 15 MiB, at most CACHE_PARTS of them (the device tool brings back 16 MiB a file);
+# where the whole cache is larger, only what this command compiled; where that is too, none.
+# Back here: rm -f .gpu-cache/compile-cache.tar.gz.* && cp FILES_AT/compile-cache.tar.gz.* .gpu-cache/
+CACHE_KEPT=${ZOO_GPU_SESSION_CACHE:-}
+CACHE_PARTS=${ZOO_GPU_SESSION_CACHE_PARTS:-3}
+CACHE_PART=${ZOO_GPU_SESSION_CACHE_PART:-15m}  # split's size of a part
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-${TMPDIR:-/tmp}/zoo-inductor}
+CACHE_DIRS=(fxgraph aotautograd)
+restore_cache() {
+    [[ -n $CACHE_KEPT ]] || return 0
+    mkdir -p "$TORCHINDUCTOR_CACHE_DIR"
+    touch "$TORCHINDUCTOR_CACHE_DIR/.zoo-command-start"  # what this command compiles is newer
+    local parts=()
+    mapfile -t parts < <(compgen -G "$CACHE_KEPT/compile-cache.tar.gz.*" | sort -V)
+    if ((${#parts[@]} == 0)) || [[ -f $TORCHINDUCTOR_CACHE_DIR/.zoo-restored ]]; then
+        return 0
+    fi
+    if cat "${parts[@]}" | tar -xz -C "$TORCHINDUCTOR_CACHE_DIR"; then
+        touch "$TORCHINDUCTOR_CACHE_DIR/.zoo-restored"
+        echo "== compile cache: restored ${#parts[@]} part(s) from $CACHE_KEPT"
+    else
+        echo "== compile cache: the parts in $CACHE_KEPT did not unpack; compiling afresh"
+    fi
+}
+pack_cache() {  # FILE...: relative to the cache folder, into $OUT's parts; 1 if too many
+    rm -f "$OUT"/compile-cache.tar.gz.*
+    (cd "$TORCHINDUCTOR_CACHE_DIR" && printf '%s\n' "$@" | tar -c -T - | gzip -1) |
+        split -b "$CACHE_PART" -d -a 2 - "$OUT/compile-cache.tar.gz."
+    local made
+    made=$(compgen -G "$OUT/compile-cache.tar.gz.*" | wc -l)
+    ((made <= CACHE_PARTS)) && return 0
+    rm -f "$OUT"/compile-cache.tar.gz.*
+    return 1
+}
+save_cache() {
+    [[ -n $CACHE_KEPT && -f $TORCHINDUCTOR_CACHE_DIR/.zoo-command-start ]] || return 0
+    local all=() new=()
+    mapfile -t all < <(cd "$TORCHINDUCTOR_CACHE_DIR" &&
+        find "${CACHE_DIRS[@]}" -type f 2>/dev/null | sort)
+    ((${#all[@]})) || return 0
+    if pack_cache "${all[@]}"; then
+        echo "== compile cache: ${#all[@]} files in $OUT/compile-cache.tar.gz.*"
+        return 0
+    fi
+    mapfile -t new < <(cd "$TORCHINDUCTOR_CACHE_DIR" &&
+        find "${CACHE_DIRS[@]}" -type f -newer .zoo-command-start 2>/dev/null | sort)
+    if ((${#new[@]})) && pack_cache "${new[@]}"; then
+        echo "== compile cache: over $CACHE_PARTS parts whole; this command's ${#new[@]} files kept"
+    else
+        echo "== compile cache: over $CACHE_PARTS parts of $CACHE_PART, even this command's: not kept"
+    fi
+}
+restore_cache
+
 ENV_PY='
 import torch, zoo
 from zoo.backends import get_backend
@@ -222,6 +286,7 @@ finish() {  # on exit, also after a signal: the stage under way recorded, the fi
     echo "== summary ($OUT/summary.md)"
     head -n 12 "$OUT/summary.md"
     [[ ${ZOO_GPU_SESSION_BUNDLE:-0} == 1 ]] && bundle
+    save_cache
     rm -rf "$WORK"
     exit "$rc"
 }
@@ -377,6 +442,7 @@ decode)
     exit 2
     ;;
 esac
+save_cache
 
 # Back on the development machine, with the files under eval/results/gpu/:
 #   python -m eval bench-report eval/results/gpu/bench-*.json out=eval/results/bench-gpu

@@ -188,3 +188,82 @@ def test_the_tests_stage_names_each_test_as_it_ends(tmp_path, stage):
     args = (out / "args.txt").read_text().split()
     assert args[:4] == ["-m", "pytest", "-m", "gpu"], args
     assert {"-v", "-rfE"} <= set(args) and args[args.index("-n") + 1] == "12", args
+
+
+def _cache_parts(folder: Path) -> list[Path]:
+    return sorted(folder.glob("compile-cache.tar.gz.*"))
+
+
+def _unpacked(parts: list[Path]) -> dict[str, bytes]:
+    import io
+    import tarfile
+
+    data = b"".join(p.read_bytes() for p in parts)
+    with tarfile.open(fileobj=io.BytesIO(data)) as archive:
+        return {m.name: archive.extractfile(m).read() for m in archive.getmembers() if m.isfile()}
+
+
+def _cache_env(tmp_path: Path, stage_command: str, **extra: str) -> dict[str, str]:
+    env = environment(tmp_path / "out", tests=stage_command)
+    env.update(ZOO_GPU_SESSION_CACHE=str(tmp_path / "kept"),
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), **extra)  # fmt: skip
+    return env
+
+
+def _kept_parts(tmp_path: Path, files: dict[str, bytes]) -> None:
+    """A cache carried from an earlier session: ``files`` packed as its parts."""
+    import io
+    import tarfile
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime = len(data), 1_000_000_000  # older than any command
+            archive.addfile(info, io.BytesIO(data))
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "compile-cache.tar.gz.00").write_bytes(buffer.getvalue())
+
+
+def test_the_compile_cache_is_restored_before_the_stages_and_packed_after(tmp_path):
+    """The carried parts are unpacked into TORCHINDUCTOR_CACHE_DIR before the tests stage (which
+    fails if it finds no earlier entry) and the cache, old entries and the stage's new ones, is
+    packed into $OUT's parts at the end; what is not FX or AOTAutograd graphs stays behind."""
+    _kept_parts(tmp_path, {"fxgraph/a/old": b"old"})
+    stage = (
+        'test -f "$TORCHINDUCTOR_CACHE_DIR/fxgraph/a/old" && mkdir -p '
+        '"$TORCHINDUCTOR_CACHE_DIR/aotautograd/b" "$TORCHINDUCTOR_CACHE_DIR/triton" && '
+        'echo new > "$TORCHINDUCTOR_CACHE_DIR/aotautograd/b/new" && '
+        'echo t > "$TORCHINDUCTOR_CACHE_DIR/triton/t"'
+    )
+    run_all(_cache_env(tmp_path, stage), 20)
+    assert stages(tmp_path / "out")["tests"]["status"] == "ok"
+    parts = _cache_parts(tmp_path / "out")
+    assert [p.name for p in parts] == ["compile-cache.tar.gz.00"]
+    assert _unpacked(parts) == {"fxgraph/a/old": b"old", "aotautograd/b/new": b"new\n"}
+
+
+def test_a_cache_over_its_parts_keeps_what_this_command_compiled(tmp_path):
+    """Parts of 4 KiB, at most 2: the carried 20 KiB of random bytes and the new entry are too
+    many, so only the new entry, compiled by this command, is packed; with no room even for that,
+    no part is."""
+    old = os.urandom(20_000)
+    _kept_parts(tmp_path, {"fxgraph/a/old": old})
+    stage = 'mkdir -p "$TORCHINDUCTOR_CACHE_DIR/fxgraph/c" && echo new > "$_/new"'
+    env = _cache_env(tmp_path, stage, ZOO_GPU_SESSION_CACHE_PART="4k",
+                     ZOO_GPU_SESSION_CACHE_PARTS="2")  # fmt: skip
+    run_all(env, 20)
+    assert _unpacked(_cache_parts(tmp_path / "out")) == {"fxgraph/c/new": b"new\n"}
+    shutil.rmtree(tmp_path / "inductor")
+    env["ZOO_GPU_SESSION_CACHE_PARTS"] = "0"
+    run_all(env, 20)
+    assert _cache_parts(tmp_path / "out") == []
+
+
+def test_without_a_carried_folder_nothing_is_packed(tmp_path):
+    env = environment(tmp_path / "out", tests='mkdir -p "$TORCHINDUCTOR_CACHE_DIR/fxgraph"')
+    env.pop("ZOO_GPU_SESSION_CACHE", None)
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")
+    run_all(env, 20)
+    assert _cache_parts(tmp_path / "out") == []
