@@ -155,8 +155,15 @@ def _check_backends(config: BenchConfig, source: str, extra_backends: dict | Non
 
 
 def _check_sweep_axes(config: BenchConfig, source: str) -> None:
-    """The lengths and the causal settings are non-empty (an empty axis is an empty sweep) and
+    """The variants, passes, lengths and causal settings are non-empty, and so are the backends
+    and peers together (an empty axis is an empty sweep, which would report nothing and exit 0);
     every length is positive."""
+    if not config.variants:
+        raise ConfigError(f"{source}: variants must name at least one variant, got []")
+    if not config.passes:
+        raise ConfigError(f"{source}: passes must list fwd, fwd+bwd or both, got []")
+    if not config.backends and not config.peers:
+        raise ConfigError(f"{source}: backends and peers are both empty: nothing to time")
     if not config.lengths or any(n < 1 for n in config.lengths):
         raise ConfigError(f"{source}: lengths must be positive ints, got {config.lengths!r}")
     if not config.causal:

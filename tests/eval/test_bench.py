@@ -270,6 +270,9 @@ def test_out_of_memory_errors_are_recognised():
         ("peers=[flash]", ["peers[0]", "unknown peer 'flash'"]),
         ("params={local: {window: 3}}", ["params: local", "no parameter 'window'"]),
         ("dtype=fp8", ["dtype must be auto or one of"]),
+        ("variants=[]", ["variants must name at least one variant"]),
+        ("passes=[]", ["passes must list fwd, fwd+bwd or both"]),
+        ("causal=[]", ["causal must list false, true or both"]),
         (
             "backend_instances={b16: {backend: blockd}}",
             ["backend_instances.b16.backend", "'blocked'"],
@@ -288,6 +291,13 @@ def test_bad_configs_are_errors_that_name_the_file_and_key(tmp_path, capsys, ove
     for text in expected:
         assert text in error
     assert not (tmp_path / "out").exists()
+
+
+def test_no_backend_and_no_peer_is_an_error(tmp_path, capsys):
+    """An empty sweep reported nothing and exited 0."""
+    path = write_config(tmp_path, backends=[])
+    assert bench.main([path, "peers=[]"]) == 2
+    assert "backends and peers are both empty" in capsys.readouterr().err
 
 
 def test_unknown_key_in_the_file_names_the_file(tmp_path, capsys):

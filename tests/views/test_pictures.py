@@ -8,7 +8,13 @@ import pytest
 import torch
 
 import zoo
-from zoo.views.pictures import PIXELS, attention_map_of_random_model, draw_attention, draw_pattern
+from zoo.views.pictures import (
+    PIXELS,
+    attention_map_of_random_model,
+    draw_attention,
+    draw_gallery,
+    draw_pattern,
+)
 
 N = 64  # small, so the pictures are quick
 
@@ -93,6 +99,22 @@ def test_unknown_variant_suggests_close_names(draw, tmp_path):
 def test_non_positive_length_names_seq_len(draw, seq_len, tmp_path):
     with pytest.raises(ValueError, match=f"seq_len must be a positive int, got {seq_len}"):
         draw("local", seq_len, tmp_path / "x.png")
+
+
+@pytest.mark.parametrize("draw", [draw_pattern, attention_map_of_random_model, draw_gallery])
+def test_a_length_too_long_to_draw_is_refused_before_any_mask(draw, tmp_path, monkeypatch):
+    """A picture holds the dense n x n mask: 100000 positions took 10 GB before a pixel was
+    drawn. Refused by name, before any mask is made."""
+    import zoo.views.pictures as pictures
+
+    monkeypatch.setattr(pictures, "dense_mask", lambda *a, **k: pytest.fail("a mask was made"))
+    args = (
+        (tmp_path / "x.png", 100_000)
+        if draw is draw_gallery
+        else ("local", 100_000, tmp_path / "x.png")
+    )
+    with pytest.raises(ValueError, match=r"seq_len=100000 is too long to draw.*seq_len <= 4096"):
+        draw(*args)
 
 
 def test_unknown_parameter_is_zoos_error(tmp_path):

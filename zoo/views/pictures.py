@@ -30,9 +30,20 @@ DPI = 100  # so a picture is 600 x 600 pixels
 PIXELS = (int(FIGSIZE[0] * DPI), int(FIGSIZE[1] * DPI))  # (width, height)
 
 
+# A picture is 600 pixels wide and draws an n x n dense mask (the graph picture an n x n
+# adjacency): past this, each pixel covers several positions and the mask alone takes n^2 bytes
+# (100000 positions: 10 GB before a pixel is drawn).
+MAX_PICTURE_LEN = 4096
+
+
 def _check_length(seq_len: object) -> int:
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}; pass seq_len >= 1")
+    if seq_len > MAX_PICTURE_LEN:
+        raise ValueError(
+            f"seq_len={seq_len} is too long to draw: a picture holds the dense {seq_len} x "
+            f"{seq_len} mask on 600 x 600 pixels; pass seq_len <= {MAX_PICTURE_LEN}"
+        )
     return seq_len
 
 
