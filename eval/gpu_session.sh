@@ -31,6 +31,8 @@
 #   realization  bench-realization.json: eval/configs/bench_goals_realization_gpu.yaml (goal e)
 #   goals        bench-goals.json: eval/configs/bench_goals_gpu.yaml, the goal cells (goal a)
 #   moba         bench-moba.json: eval/configs/bench_goals_moba_gpu.yaml (goal b)
+#   divisible    bench-divisible.json: eval/configs/bench_divisible_gpu.yaml at 8K and 16K,
+#                forward: the symbolic-length kernel with and without IS_DIVISIBLE
 #   overhead     overhead.json, overhead.md: bench-overhead, the host time around the kernel
 #   profile      profile.json, profile.md: bench-profile of the goal cells and their twins
 #   profile_moba profile-moba/profile.{json,md}: bench-profile of MoBA on flex and blocked at 16K
@@ -49,8 +51,8 @@
 # carrying .whl and .gpu-cache (the compile cache, below; bring back its parts after the second):
 #   ZOO_GPU_SESSION_CACHE=.gpu-cache LIMIT=560 bash eval/gpu_session.sh tests   # timeout_s 590
 #   ZOO_GPU_SESSION_CACHE=.gpu-cache ZOO_GPU_SESSION_BUNDLE=1 \
-#     ZOO_GPU_SESSION_SHARES="env:4 realization:8 goals:24 moba:8 overhead:3 profile:9 \
-#     profile_moba:6 decode:12 decode_compiled:10 compiles:6" \
+#     ZOO_GPU_SESSION_SHARES="env:4 realization:8 goals:20 moba:7 divisible:6 overhead:3 \
+#     profile:8 profile_moba:6 decode:12 decode_compiled:10 compiles:6" \
 #     bash eval/gpu_session.sh all 385                                    # timeout_s 415
 # (with ARGS_goals='lengths=[16384,65536]' where the 8K cells are known; the second run of
 # 2026-11-28 had 385 s left after the tests' 428). Tests of this script:
@@ -162,13 +164,14 @@ print("xformers:", get_backend("xformers").unavailable() or "runs")
 '
 
 # ---- stage lists (all, findings): each stage under its own limit ----------------------------
-# Shares of LIMIT in percent, in order; the rest (11%) is left for the summary and for stages
-# that overrun by their SIGKILL grace. At 540 s: env 32, tests 75, realization 38, goals 91,
-# moba 43, overhead 16, profile 37, profile_moba 21, decode 54, decode_compiled 32, compiles 38.
+# Shares of LIMIT in percent, in order; the rest (9%) is left for the summary and for stages
+# that overrun by their SIGKILL grace. At 540 s: env 32, tests 76, realization 38, goals 81,
+# moba 38, divisible 27, overhead 16, profile 38, profile_moba 22, decode 54, decode_compiled 32,
+# compiles 38.
 # env has 6%:
 # importing torch and the zoo on a cold machine took more than 10.6 s.
 # ZOO_GPU_SESSION_SHARES replaces them (the same "stage:percent" words; a stage not named gets none).
-read -ra SHARES <<<"${ZOO_GPU_SESSION_SHARES:-env:6 tests:14 realization:7 goals:17 moba:8 overhead:3 profile:7 profile_moba:4 decode:10 decode_compiled:6 compiles:7}"
+read -ra SHARES <<<"${ZOO_GPU_SESSION_SHARES:-env:6 tests:14 realization:7 goals:15 moba:7 divisible:5 overhead:3 profile:7 profile_moba:4 decode:10 decode_compiled:6 compiles:7}"
 RESERVE_PCT=5  # kept for the summary by every stage's cut (at least 3 s)
 
 now_ms() {
@@ -238,7 +241,7 @@ run_stage() {
 
 collect() {  # the results the stages left in $WORK, copied into $OUT (small files only)
     local name
-    for name in realization goals moba; do
+    for name in realization goals moba divisible; do
         [[ -f $WORK/bench-$name/bench.json ]] &&
             cp "$WORK/bench-$name/bench.json" "$OUT/bench-$name.json"
     done
@@ -339,6 +342,14 @@ all)
             "$PY" -m eval bench "$config" "out=$WORK/bench-$name"
         collect
     done
+    # What declaring the lengths whole in tiles (IS_DIVISIBLE) buys the kernel of symbolic
+    # lengths, which the zoo's flex runs from its second length on: at 16K (the second length
+    # here) local attention took 1.4x flex_standard's kernel time on the H200. auto, flex with
+    # IS_DIVISIBLE=True and flex_standard side by side, forward.
+    run_stage divisible "$(share_of divisible)" "$OUT/bench-divisible.log" \
+        "$PY" -m eval bench eval/configs/bench_divisible_gpu.yaml "out=$WORK/bench-divisible" \
+        'lengths=[8192,16384]' 'passes=[fwd]'
+    collect
     # The host time the zoo's call adds around a stubbed kernel on this machine's host, with
     # CUDA tensors (25-33 us on a 2-core EPYC before call plans, 6-7 us with them); MoBA's too,
     # whose choice and gathered rows are about 190 operations a call (eval/results/moba-gathered-cpu).
