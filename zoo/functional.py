@@ -267,7 +267,9 @@ def _cached_attention(q, k, v, cache: KVCache, *, variant, backend, causal, key_
     new_call()
     score = call_score(score, scale, q)
     dropout_p = check_dropout(dropout_p)
-    chosen = decode_backend(backend, score, dropout_p, cache, recording_device(cache, q, k, v))
+    chosen = decode_backend(
+        backend, score, dropout_p, cache, q.shape[1], recording_device(cache, q, k, v)
+    )
     return cache_attention(
         q, k, v, cache, counts=counts, encoding=attention_encoding(pos, q, k, causal),
         score=score, dropout_p=dropout_p, backend=chosen, full=key_padding_mask is None,
@@ -309,7 +311,10 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
         _check_cached_call(q, k, v, cache, kwargs.get("variant"), kwargs.get("causal", False),
                            params)  # fmt: skip
         score = call_score(kwargs.get("score"), kwargs.get("scale"), q)
-        return explain_decode(backend, score, cache, recording_device(cache, q, k, v))
+        dropout_p = check_dropout(kwargs.get("dropout_p", 0.0))
+        return explain_decode(
+            backend, score, cache, q.shape[1], dropout_p, recording_device(cache, q, k, v)
+        )
     call = prepare_call(q, k, v, **kwargs)
     params = {key: value for key, value in kwargs.items() if key not in CALL_OPTIONS}
     pattern = resolve_pattern(kwargs.get("variant"), kwargs.get("causal", False), params)

@@ -70,18 +70,50 @@ def test_auto_decodes_a_static_cache_on_a_cpu_with_sdpa(monkeypatch):
 
 def test_only_autos_choice_changes():
     """A named sdpa stays; a step that records gradients still gets flex on CUDA (flex has a
-    CUDA backward), one with dropout sdpa (flex has none); explain says why flex."""
+    CUDA backward), one with dropout sdpa (flex has none); explain says why flex, and says the
+    same as the call under dropout."""
     _fake_cuda_or_skip()
     with fake_cuda(), torch.device("cuda"):
         attn = zoo.create_attention("causal", dim=32, num_heads=4, causal=True)
         cache = attn.new_cache(1, MAX_LEN, static=True)
         dot = DotProduct(0.125)
-        assert decode_backend("auto", dot, 0.0, cache).name == "flex"
-        assert decode_backend("sdpa", dot, 0.0, cache).name == "sdpa"
-        assert decode_backend("auto", dot, 0.0, cache, "cuda").name == "flex"
-        assert decode_backend("auto", dot, 0.1, cache).name == "sdpa", "flex has no dropout"
-        said = explain_decode("auto", dot, cache)
+        assert decode_backend("auto", dot, 0.0, cache, 4).name == "flex"
+        assert decode_backend("sdpa", dot, 0.0, cache, 4).name == "sdpa"
+        assert decode_backend("auto", dot, 0.0, cache, 4, "cuda").name == "flex"
+        assert decode_backend("auto", dot, 0.1, cache, 4).name == "sdpa", "flex has no dropout"
+        said = explain_decode("auto", dot, cache, 4)
+        q = torch.randn(1, 4, 1, 8)
+        with_dropout = zoo.explain(q, q, q, variant="causal", causal=True, cache=cache,
+                                   dropout_p=0.1)  # fmt: skip
+        named = zoo.explain(q, q, q, variant="causal", causal=True, cache=cache, backend="flex")
     assert "a static cache on CUDA: flex's decoding kernel splits the slots" in said
+    assert "decoding with a cache on sdpa" in with_dropout
+    assert "decoding with a cache on flex" in named and "a static cache on CUDA" not in named
+
+
+@pytest.mark.parametrize(
+    "variant,heads,kv_heads,chosen",
+    [
+        ("causal", 8, 2, "flex"),  # 4 query heads per key/value head: the decoding kernel
+        ("causal", 6, 2, "sdpa"),  # 3: Inductor's main kernel, which does not split the keys
+        ("bigbird", 4, 4, "flex"),  # a mask per head, one query head per key/value head
+        ("bigbird", 4, 2, "sdpa"),  # a mask per head shared by 2 query heads: the main kernel
+        ("moba", 4, 2, "sdpa"),  # chosen by content: per head
+        ("moba", 4, 4, "flex"),
+    ],
+)
+def test_auto_keeps_sdpa_where_inductor_would_not_run_its_decoding_kernel(
+    variant, heads, kv_heads, chosen
+):
+    """Inductor's decoding kernel (``_use_flex_decoding``) needs a power of two of query heads per
+    key/value head and, where they share one, one block mask for all heads."""
+    _fake_cuda_or_skip()
+    params = {"bigbird": {"block_size": 8, "random_per_head": True}, "moba": {"block_size": 8}}
+    with fake_cuda(), torch.device("cuda"):
+        attn = zoo.create_attention(variant, dim=8 * heads, num_heads=heads, num_kv_heads=kv_heads,
+                                    causal=True, **params.get(variant, {}))  # fmt: skip
+        cache = attn.new_cache(1, MAX_LEN, static=True)
+        assert decode_backend("auto", DotProduct(0.125), 0.0, cache, heads).name == chosen
 
 
 def test_flex_decoding_on_cuda_passes_the_cache_itself(monkeypatch):

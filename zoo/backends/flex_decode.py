@@ -71,11 +71,15 @@ def flex_decode(
     q, q_pos, valid = _pad(q, 2, q_len, 0.0), _pad(q_pos, 1, q_len, 0), _pad(valid, 1, q_len, False)
     keys, values = _pad(keys, 2, kv_len, 0.0), _pad(values, 2, kv_len, 0.0)
     key_pos, key_ok = _pad(key_pos, 1, kv_len, -1), _pad(key_ok, 1, kv_len, False)
-    grid = _pad(_pad(mask, 2, q_blocks, False), 3, kv_blocks, False)
+    grid = _pad(mask, 3, kv_blocks, False)
     B, heads = grid.shape[:2]
-    grid = grid.view(B, heads, -1, block, kv_blocks // block, block)
-    some, every = grid.any(5).any(3), grid.all(5).all(3)  # (B, 1 or H, q blocks, k blocks)
-    state = torch.where(every, FULL, torch.where(some, PARTIAL, EMPTY)).to(torch.int8)
+    if t < block:  # one query block, partly padding: no block is FULL, nor is the mask padded
+        some = grid.view(B, heads, 1, t, kv_blocks // block, block).any(5).any(3)
+        state = torch.where(some, PARTIAL, EMPTY).to(torch.int8)
+    else:
+        grid = _pad(grid, 2, q_blocks, False).view(B, heads, -1, block, kv_blocks // block, block)
+        some, every = grid.any(5).any(3), grid.all(5).all(3)  # (B, 1 or H, q blocks, k blocks)
+        state = torch.where(every, FULL, torch.where(some, PARTIAL, EMPTY)).to(torch.int8)
 
     def step_mask(b, h, q_idx, kv_idx):
         allowed = pattern.allowed_at(b, h, q_pos[b, q_idx], key_pos[b, kv_idx])

@@ -70,15 +70,17 @@ def decode_backend(
     score: DotProduct | AdditiveScore,
     dropout_p: float,
     cache: KVCache,
+    query_heads: int,
     backward_on: str | None = None,
 ) -> Backend:
     """The backend that runs a cached call's steps (``Backend.decode_step``): the one named, where
     it declares decoding (``Capabilities.decode``); under ``auto`` or a backend without a decoding
     path (``explain`` says so) the reference for additive scores, flex for a static cache on
-    CUDA where flex can decode the call (``static_on_cuda``), else sdpa. A backend that decodes
-    but not these settings (``backward_on``: the device type where the call records gradients,
-    ``recording_device``) raises, naming the reason and the backends that can: before the call
-    writes anything into the cache."""
+    CUDA where flex can decode the call and Inductor's decoding kernel runs its steps
+    (``static_on_cuda``), else sdpa. A backend that decodes but not these settings
+    (``backward_on``: the device type where the call records gradients, ``recording_device``)
+    raises, naming the reason and the backends that can: before the call writes anything into
+    the cache."""
     chosen = backend_named(backend)
     settings = (score.kind, dropout_p, cache.keys.dtype, backward_on)
     if chosen is not None and chosen.capabilities.decode:
@@ -94,18 +96,26 @@ def decode_backend(
     if score.kind != "dot":
         return get_backend("reference")
     flex = get_backend("flex")
-    if static_on_cuda(cache) and flex.decode_reason_against(*settings) is None:
+    if static_on_cuda(cache, query_heads) and flex.decode_reason_against(*settings) is None:
         return flex
     return get_backend("sdpa")
 
 
-def static_on_cuda(cache: KVCache) -> bool:
-    """Whether ``auto`` decodes this cache on flex: a static cache on CUDA. Its steps read every
-    slot (one shape for all steps, for CUDA graphs), so on sdpa each step is a masked call over
-    all of them, which CUDA runs on its memory-efficient kernel without splitting the keys
-    across the GPU (one thread block per row and key/value head); flex's decoding kernel splits
-    them and skips the blocks the step's mask leaves empty (a causal cache's unfilled slots)."""
-    return cache.static and cache.keys.device.type == "cuda"
+def static_on_cuda(cache: KVCache, query_heads: int) -> bool:
+    """Whether ``auto`` decodes this cache on flex: a static cache on CUDA whose one-token steps
+    run on Inductor's decoding kernel. A static cache's steps read every slot (one shape for all
+    steps, for CUDA graphs), so on sdpa each step is a masked call over all of them, which CUDA
+    runs on its memory-efficient kernel without splitting the keys across the GPU (one thread
+    block per row and key/value head); the decoding kernel splits them and skips the blocks the
+    step's mask leaves empty (a causal cache's unfilled slots). Inductor runs its main kernel,
+    which does not split them either, where the query heads per key/value head are not a power
+    of two, or where they share a key/value head and the mask differs per head (a pattern per
+    head, or chosen by content): those stay on sdpa."""
+    if not cache.static or cache.keys.device.type != "cuda":
+        return False
+    groups = max(query_heads // cache.keys.shape[1], 1)
+    per_head = cache.pattern.per_head or cache.pattern.routed
+    return groups & (groups - 1) == 0 and not (per_head and groups > 1)
 
 
 def recording_device(cache: KVCache, *tensors: Tensor) -> str | None:
@@ -126,11 +136,13 @@ def explain_decode(
     backend: object,
     score: DotProduct | AdditiveScore,
     cache: KVCache,
+    query_heads: int,
+    dropout_p: float = 0.0,
     backward_on: str | None = None,
 ) -> str:
     """What ``explain`` says for a call with a cache (``backward_on``: ``recording_device``)."""
     try:
-        chosen = decode_backend(backend, score, 0.0, cache, backward_on)
+        chosen = decode_backend(backend, score, dropout_p, cache, query_heads, backward_on)
     except ValueError as refused:  # what the call would raise, said
         return str(refused)
     shown = f"flex ({chosen!r})" if chosen.name == "flex" else chosen.name
@@ -141,7 +153,7 @@ def explain_decode(
         if asked in (*decoders(), "auto") or chosen is backend
         else f" (backend {asked!r} has no decoding path; a cached call runs on {chosen.name})"
     )
-    if chosen.name == "flex" and chosen is not backend and static_on_cuda(cache):
+    if asked not in decoders() and chosen.name == "flex" and chosen is not backend:  # auto's
         note += (
             " (a static cache on CUDA: flex's decoding kernel splits the slots, sdpa's masked "
             "one does not)"
