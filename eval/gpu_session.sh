@@ -98,26 +98,32 @@ fi
 # folder of the checkout that git ignores and the device tool carries, .gpu-cache by convention;
 # unset: nothing carried). Most of a stage's minutes went to compiling (the first flex call at a
 # shape took 2.5-7.5 s on an H100 and an H200), and every lent machine starts bare. Before the
-# stages, that folder's compile-cache.tar.gz.N (N = 0, 1, ...) are unpacked into
-# TORCHINDUCTOR_CACHE_DIR (once per machine); at the end the cache's FX graphs (with their Triton
-# kernels, which Inductor bundles into them) and AOTAutograd graphs are packed into $OUT as parts
-# of at most 15 MiB, at most CACHE_PARTS of them (the device tool brings back 16 MiB a file);
-# where the whole cache is larger, only what this command compiled; where that is too, none.
-# Back here: rm -f .gpu-cache/compile-cache.tar.gz.* && cp FILES_AT/compile-cache.tar.gz.* .gpu-cache/
+# stages, that folder's compile-cache.tar.gz.NN are unpacked into TORCHINDUCTOR_CACHE_DIR (once
+# per machine); at the end the cache's FX graphs (with their Triton kernels, which Inductor
+# bundles into them) and AOTAutograd graphs are packed into $OUT as parts of 15 MiB (the device
+# tool brings back 16 MiB a file), at most CACHE_PARTS of them (the carried tree holds 64 MiB:
+# the checkout and .whl took 16), within CACHE_PACK_SECONDS; where the whole cache is larger,
+# only what this machine compiled (both commands of a session on it); where that is too, or
+# packing fails or runs out of time, no part: parts are moved into $OUT only when complete.
+# Back here, only where parts came back:
+#   rm -f .gpu-cache/compile-cache.tar.gz.* && cp FILES_AT/compile-cache.tar.gz.* .gpu-cache/
 CACHE_KEPT=${ZOO_GPU_SESSION_CACHE:-}
-CACHE_PARTS=${ZOO_GPU_SESSION_CACHE_PARTS:-3}
-CACHE_PART=${ZOO_GPU_SESSION_CACHE_PART:-15m}  # split's size of a part
+CACHE_PARTS=${ZOO_GPU_SESSION_CACHE_PARTS:-2}
+CACHE_PART_BYTES=${ZOO_GPU_SESSION_CACHE_PART_BYTES:-15728640}
+CACHE_PACK_SECONDS=${ZOO_GPU_SESSION_CACHE_PACK_SECONDS:-30}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-${TMPDIR:-/tmp}/zoo-inductor}
 CACHE_DIRS=(fxgraph aotautograd)
+SESSION_MARK=.zoo-session-start  # in the cache folder: what the machine compiled is newer
 restore_cache() {
     [[ -n $CACHE_KEPT ]] || return 0
     mkdir -p "$TORCHINDUCTOR_CACHE_DIR"
-    touch "$TORCHINDUCTOR_CACHE_DIR/.zoo-command-start"  # what this command compiles is newer
+    [[ -f $TORCHINDUCTOR_CACHE_DIR/$SESSION_MARK ]] || touch "$TORCHINDUCTOR_CACHE_DIR/$SESSION_MARK"
     local parts=()
     mapfile -t parts < <(compgen -G "$CACHE_KEPT/compile-cache.tar.gz.*" | sort -V)
     if ((${#parts[@]} == 0)) || [[ -f $TORCHINDUCTOR_CACHE_DIR/.zoo-restored ]]; then
         return 0
     fi
+    # unpacked entries keep their (older) times: newer than the mark is what this machine made
     if cat "${parts[@]}" | tar -xz -C "$TORCHINDUCTOR_CACHE_DIR"; then
         touch "$TORCHINDUCTOR_CACHE_DIR/.zoo-restored"
         echo "== compile cache: restored ${#parts[@]} part(s) from $CACHE_KEPT"
@@ -125,18 +131,27 @@ restore_cache() {
         echo "== compile cache: the parts in $CACHE_KEPT did not unpack; compiling afresh"
     fi
 }
-pack_cache() {  # FILE...: relative to the cache folder, into $OUT's parts; 1 if too many
-    rm -f "$OUT"/compile-cache.tar.gz.*
-    (cd "$TORCHINDUCTOR_CACHE_DIR" && printf '%s\n' "$@" | tar -c -T - | gzip -1) |
-        split -b "$CACHE_PART" -d -a 2 - "$OUT/compile-cache.tar.gz."
-    local made
-    made=$(compgen -G "$OUT/compile-cache.tar.gz.*" | wc -l)
-    ((made <= CACHE_PARTS)) && return 0
-    rm -f "$OUT"/compile-cache.tar.gz.*
+pack_cache() {  # FILE...: relative to the cache folder, all into $OUT's parts, or none (1)
+    local budget=$((CACHE_PARTS * CACHE_PART_BYTES)) staging status size
+    staging=$(mktemp -d "${TMPDIR:-/tmp}/zoo-cache-parts.XXXXXX") || return 1
+    printf '%s\n' "$@" >"$staging/files"
+    # one byte past the budget at most: a cache too large stops there (head closes the pipe)
+    timeout -k 2 "$CACHE_PACK_SECONDS" tar -C "$TORCHINDUCTOR_CACHE_DIR" -c -T "$staging/files" |
+        gzip -1 | head -c $((budget + 1)) >"$staging/archive"
+    status=$?
+    size=$(stat -c %s "$staging/archive" 2>/dev/null || echo $((budget + 1)))
+    if ((status == 0 && size <= budget)) &&
+        split -b "$CACHE_PART_BYTES" -d -a 2 "$staging/archive" "$staging/compile-cache.tar.gz."; then
+        rm -f "$OUT"/compile-cache.tar.gz.*
+        mv "$staging"/compile-cache.tar.gz.* "$OUT/"
+        rm -rf "$staging"
+        return 0
+    fi
+    rm -rf "$staging"
     return 1
 }
 save_cache() {
-    [[ -n $CACHE_KEPT && -f $TORCHINDUCTOR_CACHE_DIR/.zoo-command-start ]] || return 0
+    [[ -n $CACHE_KEPT && -f $TORCHINDUCTOR_CACHE_DIR/$SESSION_MARK ]] || return 0
     local all=() new=()
     mapfile -t all < <(cd "$TORCHINDUCTOR_CACHE_DIR" &&
         find "${CACHE_DIRS[@]}" -type f 2>/dev/null | sort)
@@ -146,11 +161,11 @@ save_cache() {
         return 0
     fi
     mapfile -t new < <(cd "$TORCHINDUCTOR_CACHE_DIR" &&
-        find "${CACHE_DIRS[@]}" -type f -newer .zoo-command-start 2>/dev/null | sort)
+        find "${CACHE_DIRS[@]}" -type f -newer "$SESSION_MARK" 2>/dev/null | sort)
     if ((${#new[@]})) && pack_cache "${new[@]}"; then
-        echo "== compile cache: over $CACHE_PARTS parts whole; this command's ${#new[@]} files kept"
+        echo "== compile cache: the whole over $CACHE_PARTS parts; this machine's ${#new[@]} files kept"
     else
-        echo "== compile cache: over $CACHE_PARTS parts of $CACHE_PART, even this command's: not kept"
+        echo "== compile cache: not kept (over $CACHE_PARTS parts even for this machine's, or failed)"
     fi
 }
 restore_cache

@@ -244,21 +244,42 @@ def test_the_compile_cache_is_restored_before_the_stages_and_packed_after(tmp_pa
     assert _unpacked(parts) == {"fxgraph/a/old": b"old", "aotautograd/b/new": b"new\n"}
 
 
-def test_a_cache_over_its_parts_keeps_what_this_command_compiled(tmp_path):
-    """Parts of 4 KiB, at most 2: the carried 20 KiB of random bytes and the new entry are too
-    many, so only the new entry, compiled by this command, is packed; with no room even for that,
-    no part is."""
-    old = os.urandom(20_000)
-    _kept_parts(tmp_path, {"fxgraph/a/old": old})
-    stage = 'mkdir -p "$TORCHINDUCTOR_CACHE_DIR/fxgraph/c" && echo new > "$_/new"'
-    env = _cache_env(tmp_path, stage, ZOO_GPU_SESSION_CACHE_PART="4k",
+def test_a_cache_over_its_parts_keeps_what_this_machine_compiled(tmp_path):
+    """Parts of 4 KiB, at most 2: the carried 20 KiB of random bytes and the new entries are too
+    many, so only what this machine compiled is packed, in both commands of a session on it (the
+    second's parts hold the first's entry too); with no room even for that, no part is."""
+    _kept_parts(tmp_path, {"fxgraph/a/old": os.urandom(20_000)})
+    env = _cache_env(tmp_path, "", ZOO_GPU_SESSION_CACHE_PART_BYTES="4096",
                      ZOO_GPU_SESSION_CACHE_PARTS="2")  # fmt: skip
+    for name in ("first", "second"):  # two commands on one machine: one cache folder
+        env["OUT"] = str(tmp_path / name)
+        env["STAGE_CMD_tests"] = (
+            f'mkdir -p "$TORCHINDUCTOR_CACHE_DIR/fxgraph/{name}" && '
+            f'echo {name} > "$TORCHINDUCTOR_CACHE_DIR/fxgraph/{name}/entry"'
+        )
+        run_all(env, 20)
+    assert _unpacked(_cache_parts(tmp_path / "first")) == {"fxgraph/first/entry": b"first\n"}
+    assert _unpacked(_cache_parts(tmp_path / "second")) == {
+        "fxgraph/first/entry": b"first\n", "fxgraph/second/entry": b"second\n"
+    }  # fmt: skip
+    env.update(OUT=str(tmp_path / "none"), ZOO_GPU_SESSION_CACHE_PARTS="0")
     run_all(env, 20)
-    assert _unpacked(_cache_parts(tmp_path / "out")) == {"fxgraph/c/new": b"new\n"}
-    shutil.rmtree(tmp_path / "inductor")
-    env["ZOO_GPU_SESSION_CACHE_PARTS"] = "0"
+    assert _cache_parts(tmp_path / "none") == []
+
+
+def test_a_failed_pack_leaves_no_part(tmp_path):
+    """A gzip that fails half-way (a full disk, a signal) writes some bytes: no part is kept, so
+    no truncated archive replaces the carried cache."""
+    _kept_parts(tmp_path, {"fxgraph/a/old": b"old"})
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "gzip").write_text("#!/bin/sh\nhead -c 100\nexit 1\n")
+    (fake / "gzip").chmod(0o755)
+    env = _cache_env(tmp_path, "true")
+    env["PATH"] = f"{fake}{os.pathsep}{env['PATH']}"
     run_all(env, 20)
     assert _cache_parts(tmp_path / "out") == []
+    assert [p.name for p in _cache_parts(tmp_path / "kept")] == ["compile-cache.tar.gz.00"]
 
 
 def test_without_a_carried_folder_nothing_is_packed(tmp_path):
