@@ -90,8 +90,10 @@ def test_all_stops_each_stage_at_its_limit_and_summarises(tmp_path):
     assert done.returncode == 0, done.stderr
     assert wall < 20 + 5, wall
     rows = stages(out)
-    assert list(rows) == ["env", "tests", "realization", "goals", "moba", "divisible", "overhead",
-                          "profile", "profile_moba", "decode", "decode_compiled", "compiles"]  # fmt: skip
+    assert list(rows) == [
+        "env", "tests", "realization", "goals", "moba", "divisible", "overhead", "profile",
+        "profile_moba", "decode", "decode_compiled", "compiles",
+    ]  # fmt: skip
     goal = rows["goals"]
     assert goal["status"] == "stopped at its limit" and goal["exit"] == "124"
     assert float(goal["limit_s"]) == pytest.approx(20 * 0.15)  # its share of LIMIT
