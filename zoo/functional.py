@@ -35,7 +35,7 @@ from .decoding.decode import (
     explain_decode,
     recording_device,
 )
-from .layout.block_layout import allowed_pairs, specialized
+from .layout.block_layout import allowed_pairs, head_layout, specialized, with_heads
 from .mechanisms.dispatch import is_mechanism, mechanism_attention
 from .parallel import context_parallel_attention, shard_stats
 from .patterns import Causal, Intersection, Pattern, RouteInputs, reads_graph
@@ -318,7 +318,7 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
     call = prepare_call(q, k, v, **kwargs)
     params = {key: value for key, value in kwargs.items() if key not in CALL_OPTIONS}
     pattern = resolve_pattern(kwargs.get("variant"), kwargs.get("causal", False), params)
-    note = dense_at_length(pattern, call.q_len, call.kv_len)
+    note = dense_at_length(pattern, call.q_len, call.kv_len, call.q.shape[1])
     if note is not None:
         shown = ", ".join(f"{key}={value!r}" for key, value in call.variant_params.items())
         note = (
@@ -362,11 +362,17 @@ def _explain_sharded(q: Tensor, k: Tensor, v: Tensor, group: object, **kwargs: o
 ALLOWS = {"full": "of queries and keys", "causal": "that causal attention allows"}
 
 
-def dense_at_length(pattern: Pattern, q_len: int, kv_len: int) -> str | None:
+def dense_at_length(pattern: Pattern, q_len: int, kv_len: int, heads: int = 1) -> str | None:
     """'full' or 'causal' where a sparse pattern allows exactly the pairs of full or causal
-    attention at these lengths (a window wider than the sequence, say), else None."""
+    attention at these lengths (a window wider than the sequence, say), else None; a pattern
+    drawn per head (``per_head``) in each of its ``heads`` query heads (a pattern's own views
+    are head 0's)."""
     if pattern.kind != "sparse" or pattern.routed:
         return None
+    if pattern.per_head:
+        drawn = with_heads(specialized(pattern, q_len, kv_len, torch.device("cpu")), heads)
+        found = {dense_at_length(head_layout(drawn, h), q_len, kv_len) for h in range(heads)}
+        return found.pop() if len(found) == 1 else None
     pairs = allowed_pairs(pattern, q_len, kv_len)
     if pairs == q_len * kv_len:
         return "full"

@@ -176,6 +176,17 @@ def test_explain_says_when_a_variant_is_full_attention_at_this_length():
     assert "Note:" not in zoo.explain(q, q, q, variant="full")
 
 
+def test_explain_judges_a_pattern_drawn_per_head_by_every_head():
+    """BigBird drawing its random blocks per head among all blocks: at 7 tokens heads 0, 1 and 3
+    allow every causal pair and head 2 (seed 2) does not, so 4 heads are not causal attention
+    (the note judged head 0 alone); 1 head is."""
+    params = dict(variant="bigbird", causal=True, block_size=2, random_blocks=3, seed=0,
+                  random_among="all")  # fmt: skip
+    four, one = torch.randn(1, 4, 7, 8), torch.randn(1, 1, 7, 8)
+    assert "Note:" not in zoo.explain(four, four, four, **params)
+    assert "it is causal attention at this length" in zoo.explain(one, one, one, **params)
+
+
 # Bad input found by a tester (issue #12, item 5): each used to fail deep inside torch, the YAML
 # reader or a cache, or not at all.
 
