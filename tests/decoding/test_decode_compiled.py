@@ -11,6 +11,7 @@ from helpers import gpu
 from torch._dynamo.testing import CompileCounter
 
 import zoo
+from zoo.backends import FlexBackend
 
 VARIANTS = {
     "causal": {},
@@ -21,9 +22,9 @@ VARIANTS = {
 }
 
 
-def _pair(variant: str):
+def _pair(variant: str, backend: object = "auto"):
     attn = zoo.create_attention(variant, dim=32, num_heads=4, num_kv_heads=2, causal=True,
-                                **VARIANTS[variant]).eval()  # fmt: skip
+                                backend=backend, **VARIANTS[variant]).eval()  # fmt: skip
     eager = zoo.create_attention(variant, dim=32, num_heads=4, num_kv_heads=2, causal=True,
                                  **VARIANTS[variant]).eval()  # fmt: skip
     eager.load_state_dict(attn.state_dict())
@@ -53,8 +54,17 @@ def test_compiled_steps_stop_compiling_and_equal_eager(variant):
     assert counter.frame_count == settled, (settled, counter.frame_count)
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_a_static_cache_steps_in_one_graph_of_fixed_shapes(variant):
+# On CUDA auto decodes a static cache on flex where Inductor runs its decoding kernel (a power
+# of two of query heads per key/value head, one block mask for them): these, on flex's eager
+# kernel here, trace the same step as one graph.
+FLEX_STATIC = ["causal", "sliding_window", "longformer"]
+
+
+@pytest.mark.parametrize(
+    "variant,backend",
+    [(v, "auto") for v in VARIANTS] + [(v, "flex") for v in FLEX_STATIC],
+)
+def test_a_static_cache_steps_in_one_graph_of_fixed_shapes(variant, backend):
     """``new_cache(static=True)``: a step reads every slot (masked) and the host keeps no bound
     that changes, so the step compiled whole (fullgraph) with static shapes is one graph for
     every step, as one CUDA graph needs (torch.compile(mode="reduce-overhead")): no recompile
@@ -62,7 +72,8 @@ def test_a_static_cache_steps_in_one_graph_of_fixed_shapes(variant):
     with a cache that is not static. Without ``static`` the same compile fails (control)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    attn, eager = _pair(variant)
+    flex = FlexBackend(block_size=16, compile=False)  # flex's eager kernel: CPU, tests only
+    attn, eager = _pair(variant, flex if backend == "flex" else backend)
     x = torch.randn(2, 40, 32)
     lens = torch.tensor([10, 7])
     compiled = torch.compile(attn, backend="eager", fullgraph=True, dynamic=False)
