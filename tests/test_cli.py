@@ -25,6 +25,14 @@ def test_show_table_and_list(tmp_path, capsys):
     assert "| `bigbird`" in capsys.readouterr().out
 
 
+def test_encoding_draws_a_learned_table_longer_than_its_default(tmp_path):
+    """The command has no max_len: a table of positions is built --length long (the error had
+    advised raising a max_len it cannot be given)."""
+    out = tmp_path / "learned.png"
+    assert main(["encoding", "learned", "--length", "3000", "--out", str(out)]) == 0
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [

@@ -224,8 +224,13 @@ def run(args: argparse.Namespace) -> bool | None:
     elif args.command == "encoding":
         from .functional import build_encoding
         from .positional import draw_encoding
+        from .registry import get_encoding_spec
 
-        enc = build_encoding(args.name, dim=args.dim, num_heads=1)
+        # A table of positions (learned) is built long enough to draw --length positions: the
+        # command has no max_len of its own to raise.
+        held = get_encoding_spec(args.name).parameters().get("max_len")
+        longer = {"max_len": args.length} if held is not None and args.length > held else {}
+        enc = build_encoding(args.name, dim=args.dim, num_heads=1, **longer)
         print(draw_encoding(enc, args.length, args.out or f"{args.name}.png"))
     elif args.command == "readme":
         for path in args.paths or describe.pages_with_tables("."):
