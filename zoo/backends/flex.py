@@ -30,6 +30,13 @@ lengths that are not a multiple of 16, differently from one process to the next 
 therefore pads q, k and v with zeros to whole blocks, masks the padded keys out in the mask_mod
 and crops the output: the kernel only ever sees whole blocks. CUDA's kernel masks its last
 block itself.
+
+``pad_to_blocks=True`` pads q, k and v to whole blocks on every device, and on CUDA declares the
+lengths whole to Inductor (``IS_DIVISIBLE``: its kernel then bounds-checks no load). Inductor
+declares that itself only for static multiples of 128, so the kernel of symbolic lengths that the
+backend's compiled kernel runs from its second length on (``flex_kernel._compiled_kernel``)
+checks every load; declared for every call, it is one compiled family for every length. Off by
+default until a GPU measures what it buys (``eval/configs/bench_divisible_gpu.yaml``).
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ from .flex_chosen import (
 )
 from .flex_decode import flex_decode
 from .flex_kernel import (
+    _WHOLE_LENGTH,
     _flex_module,
     cuda_block_reason,
     flex_block_tensors,
@@ -241,7 +249,11 @@ class FlexBackend(Backend):
     )
 
     def __init__(
-        self, block_size: int = 128, compile: bool = True, kernel_options: dict | None = None
+        self,
+        block_size: int = 128,
+        compile: bool = True,
+        kernel_options: dict | None = None,
+        pad_to_blocks: bool = False,
     ) -> None:
         self.block_size = check_int("block_size", block_size)
         self.compile = compile
@@ -251,9 +263,19 @@ class FlexBackend(Backend):
                 f"BLOCK_M, BLOCK_N, num_warps, num_stages, USE_TMA, ...), got {kernel_options!r}"
             )
         self.kernel_options = dict(kernel_options or {})
+        if not isinstance(pad_to_blocks, bool):
+            raise TypeError(f"pad_to_blocks must be True or False, got {pad_to_blocks!r}")
+        if pad_to_blocks and self.block_size % _WHOLE_LENGTH:
+            raise ValueError(
+                f"pad_to_blocks=True declares the padded lengths whole in Inductor's tiles (up to "
+                f"{_WHOLE_LENGTH}), so block_size must be a multiple of {_WHOLE_LENGTH}, got "
+                f"block_size={self.block_size}"
+            )
+        self.pad_to_blocks = pad_to_blocks
 
     def __repr__(self) -> str:
         options = f", kernel_options={self.kernel_options}" if self.kernel_options else ""
+        options += ", pad_to_blocks=True" if self.pad_to_blocks else ""
         return f"FlexBackend(block_size={self.block_size}, compile={self.compile}{options})"
 
     def unavailable(self) -> str | None:
@@ -275,9 +297,14 @@ class FlexBackend(Backend):
         return reason
 
     def whole_blocks(self, call: AttentionCall) -> bool:
-        """Whether q, k and v are padded to whole blocks for this call (see the module doc): on a
-        CPU wherever the kernel is compiled, by this backend or by a torch.compile around the call
-        (with ``compile=False`` too: Inductor's CPU template failed on a partial block)."""
+        """Whether q, k and v are padded to whole blocks for this call (see the module doc): with
+        ``pad_to_blocks``, and on a CPU wherever the kernel is compiled (``compiled_on_cpu``)."""
+        return self.pad_to_blocks or self.compiled_on_cpu(call)
+
+    def compiled_on_cpu(self, call: AttentionCall) -> bool:
+        """Whether the kernel is compiled on a CPU for this call, by this backend or by a
+        torch.compile around the call (with ``compile=False`` too): there Inductor's template
+        failed on a partial block, and returns no log-sum-exp."""
         compiled = self.compile or torch.compiler.is_compiling()
         return compiled and call.device.type == "cpu"
 
@@ -332,11 +359,11 @@ class FlexBackend(Backend):
     def returns_lse(self, call: AttentionCall) -> bool:
         """Whether the kernel returns its log-sum-exp, with its autograd, for this call: not
         compiled on a CPU (torch 2.13: "torch.compile on CPU only supports inference and
-        return_lse is not supported yet"; ``whole_blocks`` says where it is), and not on fake
+        return_lse is not supported yet"; ``compiled_on_cpu`` says where it is), and not on fake
         CUDA tensors that record gradients (eager flex there cannot record the log-sum-exp's
         autograd: "Cannot access accelerator device"; one call has the same shapes, all a fake
         call checks)."""
-        return not self.whole_blocks(call) and not (call.needs_grad and has_no_data(call.q))
+        return not self.compiled_on_cpu(call) and not (call.needs_grad and has_no_data(call.q))
 
     def gathers(self, call: AttentionCall) -> bool:
         """Whether a layout chosen by content runs on its queries gathered by key block
@@ -354,6 +381,8 @@ class FlexBackend(Backend):
 
     def layout_note(self, call: AttentionCall) -> str:
         note = self._block_note(call)
+        if self.pad_to_blocks and call.device.type == "cuda" and not self.gathers(call):
+            note += "; q, k and v padded to whole blocks and declared whole (IS_DIVISIBLE)"
         tile = forward_tile(self.block_size)
         if call.device.type == "cuda" and tile is not None:
             note += (
@@ -449,6 +478,8 @@ class FlexBackend(Backend):
             score_mod = positional_bias if frame.q.identity else tiled_bias
         gather = self.whole_blocks(call) or not frame.q.identity
         least, kernel_args = self._kernel_args(call, score_mod, self.block_mask(call))
+        if self.pad_to_blocks and call.device.type == "cuda":  # q, k and v in whole blocks
+            kernel_args["kernel_options"] = {"IS_DIVISIBLE": True, **self.kernel_options}
         compiled, q_len = self.compile, call.q_len
 
         def run(q: Tensor, k: Tensor, v: Tensor, padding: None = None):
