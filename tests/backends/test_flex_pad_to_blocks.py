@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import check_against_reference, gpu
 
 import zoo
 from zoo.backends import flex_kernel
@@ -78,3 +79,16 @@ def test_on_cuda_the_kernel_gets_whole_blocks_declared_whole(monkeypatch):
                 q, q, q, variant="local", window_size=16, backend=backend)) is pad  # fmt: skip
     assert seen == [(384, 384, 384, {"IS_DIVISIBLE": True, "num_stages": 2}),
                     (300, 300, 300, {"num_stages": 2})]  # fmt: skip
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("variant", ["local", "bigbird"])
+def test_gpu_padded_forward_backward_matches_reference(variant, causal):
+    """On a GPU (flex has no backward on a CPU): the padded, declared-whole kernel's output and
+    gradients at 300 keys (and 200 queries with key padding), bfloat16."""
+    for padded, (q_len, kv_len) in [(False, (300, 300)), (True, (200, 300))]:
+        check_against_reference(
+            variant, FlexBackend(pad_to_blocks=True), q_len=q_len, kv_len=kv_len, causal=causal,
+            padded=padded, dtype=torch.bfloat16, device="cuda", head_dim=64,
+        )  # fmt: skip
