@@ -150,6 +150,31 @@ def test_moba_block_sums_forget_the_rolled_back_keys():
             assert torch.allclose(sums.sums, want, rtol=0, atol=1e-5)
 
 
+def test_a_rollback_by_an_int_takes_out_those_keys_alone(monkeypatch):
+    """``rollback(n)`` with an int: the block sums lose the last n keys of each row (rows of 41
+    and 26 tokens, n = 7 and 20: across blocks of 8), not a pass over every key
+    (``block_sums``, which reads the whole cache: a speculative round's rollback would read as
+    much as a dense step); they equal the kept keys' sums computed afresh."""
+    import zoo.decoding.block_sums as sums_module
+
+    attn = module("moba")
+    x = torch.randn(2, 40, 16, dtype=torch.float64)
+    for n in (7, 20):
+        with torch.no_grad():
+            cache = filled(attn, x)
+            cache.lengths = torch.tensor([40, 25])
+            attn(x[:, :1], cache=cache)  # a step: the sums kept from here
+            passes = []
+            monkeypatch.setattr(sums_module, "block_sums", lambda *a: passes.append(a))
+            cache.rollback(n)
+            monkeypatch.undo()
+            assert passes == [] and cache.lengths.tolist() == [41 - n, 26 - n]
+            for block, sums in cache._block_sums.items():
+                want, counts = block_sums(cache.keys, cache.slot_pos >= 0, block)
+                assert torch.equal(sums.counts, counts), n
+                assert torch.allclose(sums.sums, want, rtol=0, atol=1e-5), n
+
+
 @pytest.mark.parametrize("variant", ["causal", "sliding_window", "moba"])
 def test_a_static_cache_rolls_back_without_a_recompile(variant):
     """A static cache copies new lengths into its own tensor (a CUDA graph recorded its

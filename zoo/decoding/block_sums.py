@@ -51,13 +51,14 @@ class RunningBlockSums:
         self.sums, self.counts = block_sums(keys, slot_pos >= 0, block)
 
     @torch.no_grad()
-    def add(self, rows: Tensor, slots: Tensor, keys: Tensor, kept: Tensor) -> None:
+    def add(self, rows: Tensor, slots: Tensor, keys: Tensor, kept: Tensor, sign: int = 1) -> None:
         """Add the keys (..., H_kv, D) written at (rows, slots) (each of the leading shape) where
-        ``kept``; the others add nothing (zeros, whatever their keys hold)."""
+        ``kept``; the others add nothing (zeros, whatever their keys hold). ``sign=-1`` takes
+        them out (slots forgotten by a rollback)."""
         blocks = slots // self.block
         added = torch.where(kept[..., None, None], keys.float(), 0.0)
-        self.sums.transpose(1, 2).index_put_((rows, blocks), added, accumulate=True)
-        self.counts.index_put_((rows, blocks), kept.long(), accumulate=True)
+        self.sums.transpose(1, 2).index_put_((rows, blocks), sign * added, accumulate=True)
+        self.counts.index_put_((rows, blocks), sign * kept.long(), accumulate=True)
 
     def clone(self) -> RunningBlockSums:
         twin = copy.copy(self)

@@ -194,13 +194,26 @@ class KVCache:
 
     @lengths.setter
     def lengths(self, value: Tensor) -> None:
-        # A row set back forgets its later tokens: their slots read as empty and leave the
-        # block sums, so the next call sees the row as if they never came.
-        value = self._per_row("cache.lengths", value)
+        self._set_lengths(self._per_row("cache.lengths", value))
+
+    def _set_lengths(self, value: Tensor, most: int | None = None) -> None:
+        """A row set back forgets its later tokens: their slots read as empty and leave the
+        block sums, so the next call sees the row as if they never came. ``most``: no row
+        loses more than that many tokens (a rollback by an int), so the block sums take out
+        those slots alone, not a pass over every key (a speculative round's rollback)."""
         self._check_rollback(value)
         forgotten = self.slot_pos >= value[:, None]  # (B, slots) positions past the new length
-        for sums in self._block_sums.values():
-            sums.remove(self.keys, forgotten)
+        if self._block_sums and most is not None:  # slot j holds position j (no ring)
+            slots = value[:, None] + self.steps(most)  # (B, most) each row's last ones
+            inside = slots < self.keys.shape[2]
+            slots = slots.clamp(max=self.keys.shape[2] - 1)
+            left = inside & forgotten.gather(1, slots)
+            keys = self.keys[self._row_index(), :, slots]  # (B, most, H_kv, D)
+            for sums in self._block_sums.values():
+                sums.add(self._row_index(), slots, keys, left, sign=-1)
+        else:
+            for sums in self._block_sums.values():
+                sums.remove(self.keys, forgotten)
         self.slot_pos.masked_fill_(forgotten, -1)
         self._lengths.copy_(value)
         self.longest = None
@@ -213,7 +226,7 @@ class KVCache:
         longest, even = self.longest, self.even
         if isinstance(n, int) and not isinstance(n, bool):
             check_int("n", n, minimum=0)
-            self.lengths = self._lengths - n
+            self._set_lengths(self._lengths - n, most=n)
             self.longest = None if longest is None else max(longest - n, 0)
             self.even = even
         else:
