@@ -159,12 +159,12 @@ def test_a_rollback_by_an_int_takes_out_those_keys_alone(monkeypatch):
 
     attn = module("moba")
     x = torch.randn(2, 40, 16, dtype=torch.float64)
+    passes = []
     for n in (7, 20):
         with torch.no_grad():
             cache = filled(attn, x)
             cache.lengths = torch.tensor([40, 25])
             attn(x[:, :1], cache=cache)  # a step: the sums kept from here
-            passes = []
             monkeypatch.setattr(sums_module, "block_sums", lambda *a: passes.append(a))
             cache.rollback(n)
             monkeypatch.undo()
