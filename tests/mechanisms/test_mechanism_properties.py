@@ -140,6 +140,24 @@ def test_padded_keys_contribute_nothing(name):
 
 
 @pytest.mark.parametrize("name", MECHANISMS)
+def test_a_padded_self_attention_equals_the_call_on_its_real_tokens(name):
+    """Self-attention over 37 real tokens padded to 60, the padded q, k and v holding noise or
+    NaN: the real rows equal the call on the 37 tokens alone (float64). Nystrom averaged the
+    padded queries into its query landmarks (a change of 7.5e-2; NaN everywhere) and cut its
+    segments over the padded length (0.68)."""
+    mech = build(name).double()
+    q, k, v = (t.detach().double() for t in random_qkv(1, 2, 37, 37, seed=4))
+    want = zoo.attention(q, k, v, variant=mech)
+    mask = torch.zeros(1, 60, dtype=torch.bool)
+    mask[:, 37:] = True
+    for fill in (50.0, float("nan")):
+        padded = [torch.cat((x, torch.full_like(x[:, :, :23], fill)), 2) for x in (q, k, v)]
+        padded[0][:, :, 40:] = torch.randn_like(padded[0][:, :, 40:])
+        got = zoo.attention(*padded, variant=mech, key_padding_mask=mask)[:, :, :37]
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("name", MECHANISMS)
 def test_rope_turns_q_and_k_before_the_mechanism(name):
     mech = build(name).float()
     q, k, v = (t.detach() for t in random_qkv(1, 2, 20, 20, seed=10))

@@ -71,37 +71,46 @@ def oracle_linformer(mech, q, k, v, causal, mask, scale):
 
 
 def oracle_nystrom(mech, q, k, v, causal, mask, scale):
+    """Per sequence: segments cut over its valid keys (valid key i of L in segment
+    floor(i·m / L)), the queries too where Lq = Lk and keys are padded (self-attention); a
+    segment with no valid key or query drops its landmark."""
     n_q, n_k = q.shape[2], k.shape[2]
     m = min(mech.num_landmarks, n_q, n_k)
     keep = torch.ones(k.shape[0], n_k, dtype=torch.bool) if mask is None else ~mask
+    q_keep = keep if mask is not None and n_q == n_k else torch.ones(q.shape[0], n_q, dtype=bool)
+    outs = []
+    for b in range(q.shape[0]):
 
-    def bounds(i, n):  # segment i holds the positions p with floor(p·m / n) = i
-        return -(-i * n // m), -(-(i + 1) * n // m)
+        def marks(x, kept):  # (H, n, D), (n,) -> (H, m, D) means, (m,) present
+            rows = kept.nonzero()[:, 0]
+            segment = torch.arange(len(rows)) * m // max(len(rows), 1)
+            groups = [rows[segment == i] for i in range(m)]
+            means = [x[:, g].mean(1) if len(g) else x.new_zeros(x.shape[0], x.shape[2])
+                     for g in groups]  # fmt: skip
+            return torch.stack(means, 1), torch.tensor([len(g) > 0 for g in groups])
 
-    q_marks = torch.stack([q[:, :, slice(*bounds(i, n_q))].mean(2) for i in range(m)], 2)
-    k_marks, present = [], []
-    for i in range(m):  # the mean of the segment's valid keys
-        lo, hi = bounds(i, n_k)
-        w = keep[:, lo:hi].to(k.dtype)[:, None, :, None]
-        k_marks.append((k[:, :, lo:hi] * w).sum(2) / w.sum(2).clamp_min(1))
-        present.append(keep[:, lo:hi].any(1))
-    k_marks, present = torch.stack(k_marks, 2), torch.stack(present, 1)[:, None, None, :]
+        q_marks, q_present = marks(q[b], q_keep[b])
+        k_marks, k_present = marks(k[b], keep[b])
 
-    def softmax(scores, allowed):
-        return normalised(torch.exp(scores) * allowed)
+        def softmax(scores, allowed):
+            return normalised(torch.exp(scores) * allowed)
 
-    kernel_1 = softmax(q @ k_marks.transpose(-1, -2) * scale, present)
-    kernel_2 = softmax(q_marks @ k_marks.transpose(-1, -2) * scale, present)
-    kernel_3 = softmax(q_marks @ k.transpose(-1, -2) * scale, keep[:, None, None, :])
-    z = (
-        kernel_2.transpose(-1, -2)
-        / (kernel_2.sum(-2).amax(-1) * kernel_2.sum(-1).amax(-1)).clamp_min(1e-30)[..., None, None]
-    )
-    eye = torch.eye(m, dtype=q.dtype)
-    for _ in range(mech.pinv_iterations):
-        kz = kernel_2 @ z
-        z = z @ (13 * eye - kz @ (15 * eye - kz @ (7 * eye - kz))) / 4
-    return kernel_1 @ z @ kernel_3 @ v
+        kernel_1 = softmax(q[b] @ k_marks.transpose(-1, -2) * scale, k_present)
+        both = q_present[:, None] & k_present[None, :]
+        kernel_2 = softmax(q_marks @ k_marks.transpose(-1, -2) * scale, both)
+        kernel_3 = softmax(q_marks @ k[b].transpose(-1, -2) * scale, q_present[:, None] & keep[b])
+        z = (
+            kernel_2.transpose(-1, -2)
+            / (kernel_2.sum(-2).amax(-1) * kernel_2.sum(-1).amax(-1)).clamp_min(1e-30)[
+                ..., None, None
+            ]
+        )
+        eye = torch.eye(m, dtype=q.dtype)
+        for _ in range(mech.pinv_iterations):
+            kz = kernel_2 @ z
+            z = z @ (13 * eye - kz @ (15 * eye - kz @ (7 * eye - kz))) / 4
+        outs.append(kernel_1 @ z @ kernel_3 @ v[b])
+    return torch.stack(outs)
 
 
 ORACLES = {

@@ -153,6 +153,22 @@ def test_selection_keeps_first_and_local_blocks_and_never_a_future_one():
     assert torch.equal(chosen[:, 0], chosen[:, group - 1])  # a GQA group shares its choice
 
 
+def test_padding_holding_nan_changes_no_real_row():
+    """Padding may hold anything: NaN in the padded inputs of one sequence (its keys and values
+    through the projections) changes no real row (0 * NaN in the compressed branch's window
+    means had made every row of that sequence NaN)."""
+    module = make()
+    x = torch.randn(2, L, DIM, dtype=torch.float64)
+    padding = torch.zeros(2, L, dtype=torch.bool)
+    padding[1, 30:] = True
+    with torch.no_grad():
+        want = module(x, key_padding_mask=padding)
+        x[1, 30:] = float("nan")
+        got = module(x, key_padding_mask=padding)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1, :30], want[1, :30], rtol=0, atol=1e-12)
+
+
 def test_short_sequences_run():
     module = make()
     x = torch.randn(1, 5, DIM, dtype=torch.float64)  # shorter than one compressed window

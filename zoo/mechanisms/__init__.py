@@ -4,16 +4,16 @@
 of ``registry.yaml``) name one with default parameters. ``zoo.attention``, ``MultiHeadAttention``
 and ``create_attention`` take a mechanism's name wherever they take a variant's.
 
-========== ========================================== ============ ====== =========== =====
-name       params (defaults)                          cost         causal key padding Lq≠Lk
-========== ========================================== ============ ====== =========== =====
-linear     chunk_size=64                              O(n·d²)      yes    yes         yes
-performer  num_features=d·ln d, seed=0,               O(n·m·d)     yes    yes         yes
+========== ========================================== ============== ====== =========== =====
+name       params (defaults)                          cost           causal key padding Lq≠Lk
+========== ========================================== ============== ====== =========== =====
+linear     chunk_size=64                              O(n·d²)        yes    yes         yes
+performer  num_features=d·ln d, seed=0,               O(n·m·d)       yes    yes         yes
            redraw_interval=None, chunk_size=64
-linformer  proj_len=256, max_len=4096 (learned)       O(n·k·d)     no     yes         yes
-nystrom    num_landmarks=64, pinv_iterations=6,       O(n·m·d)     no     yes         yes*
+linformer  proj_len=256, max_len=4096 (learned)       O(n·k·d)       no     yes         yes
+nystrom    num_landmarks=64, pinv_iterations=6,       O(n·m·d + m³)  no     yes         yes*
            conv_kernel=None
-========== ========================================== ============ ====== =========== =====
+========== ========================================== ============== ====== =========== =====
 
 \\* not with conv_kernel. All take rotary positions and grouped-query k, v; none takes a score
 bias (ALiBi, T5), dropout or return_weights.

@@ -12,9 +12,13 @@ iteration of the reference implementation (Razavi et al., 2014): Z0 = Aᵀ / (�
 Z <- Z (13I - AZ (15I - AZ (7I - AZ))) / 4. O(n·m·D + m³). With m = n every landmark is one
 token and, with an exact inverse, out = softmax(s·QKᵀ) V. m is min(num_landmarks, Lq, Lk).
 
-Padded keys contribute nothing: key landmarks are means over valid keys only (a segment with
-none is dropped from both inner softmaxes), and softmax(s·Q̃ Kᵀ) masks them. No causal form
-(a landmark mixes later tokens): refused.
+Padded keys contribute nothing, whatever they hold and however many there are: the segments are
+cut over each sequence's valid keys (position i among them, of L valid: floor(i·m / L)), key
+landmarks are their means (a segment with none is dropped from both inner softmaxes), and
+softmax(s·Q̃ Kᵀ) masks them. Where Lq = Lk (self-attention, the reference implementation masks Q
+and K alike) the query landmarks are cut and averaged the same way, so a padded position's query
+changes no real row either (a dropped query landmark's rows of the inner kernels are zeros, which
+leaves the inverse of the rest as it is). No causal form (a landmark mixes later tokens): refused.
 
 Parameters (published defaults): num_landmarks m = 64; pinv_iterations = 6; conv_kernel: the
 reference's optional depthwise convolution over the sequence on V (one kernel per head), added
@@ -47,15 +51,22 @@ def newton_schulz_pinv(a: Tensor, iterations: int) -> Tensor:
 
 
 def segment_means(x: Tensor, m: int, keep: Tensor | None) -> tuple[Tensor, Tensor]:
-    """x (B, H, n, D) -> the means of m contiguous segments (B, H, m, D), over the kept rows
-    only (keep (B, n) bool), and (B, m) whether each segment kept any row."""
-    n = x.shape[2]
-    segment = torch.arange(n, device=x.device) * m // n  # (n,) in 0 .. m-1
-    weight = x.new_ones(x.shape[0], n) if keep is None else keep.to(x.dtype)  # (B, n)
-    total = x.new_zeros(*x.shape[:2], m, x.shape[3]).index_add(
-        2, segment, x * weight[:, None, :, None]
-    )
-    count = weight.new_zeros(x.shape[0], m).index_add(1, segment, weight)  # (B, m)
+    """x (B, H, n, D) -> the means of m contiguous segments (B, H, m, D) and (B, m) whether
+    each holds a row. Without ``keep`` the segments cut all n rows; with keep (B, n) bool, each
+    sequence's kept rows alone (kept row i of L: segment floor(i·m / L)), the others read as
+    zeros (padding may hold anything, NaN too)."""
+    B, H, n, D = x.shape
+    if keep is None:
+        segment = torch.arange(n, device=x.device) * m // n  # (n,) in 0 .. m-1
+        total = x.new_zeros(B, H, m, D).index_add(2, segment, x)
+        count = x.new_zeros(B, m).index_add(1, segment, x.new_ones(B, n))
+    else:
+        rank = keep.cumsum(1) - 1  # (B, n): each kept row's place among its sequence's
+        segment = (rank * m // keep.sum(1, keepdim=True).clamp_min(1)).clamp(0, m - 1)
+        kept = torch.where(keep[:, None, :, None], x, 0.0)
+        index = segment[:, None, :, None].expand(B, H, n, D)
+        total = x.new_zeros(B, H, m, D).scatter_add(2, index, kept)
+        count = x.new_zeros(B, m).scatter_add(1, segment, keep.to(x.dtype))
     return total / count.clamp_min(1)[:, None, :, None], count > 0
 
 
@@ -72,18 +83,20 @@ def nystrom_attention(
     """The formula above, with ``inverse`` for pinv (tests pass ``torch.linalg.pinv``)."""
     m = min(num_landmarks, q.shape[2], k.shape[2])
     keep = None if key_padding_mask is None else ~key_padding_mask  # (B, Lk)
-    q_marks, _ = segment_means(q, m, None)
+    self_attention = keep is not None and q.shape[2] == k.shape[2]  # the mask is the queries' too
+    q_marks, q_present = segment_means(q, m, keep if self_attention else None)
     k_marks, k_present = segment_means(k, m, keep)
     present = k_present[:, None, None, :]  # (B, 1, 1, m): landmark columns with a valid key
+    rows = q_present[:, None, :, None]  # (B, 1, m, 1): landmark rows with a valid query
     kernel_1 = safe_softmax(
         torch.where(present, q @ k_marks.transpose(-1, -2) * scale, -torch.inf)
     )  # (B, H, Lq, m)
     kernel_2 = safe_softmax(
-        torch.where(present, q_marks @ k_marks.transpose(-1, -2) * scale, -torch.inf)
+        torch.where(present & rows, q_marks @ k_marks.transpose(-1, -2) * scale, -torch.inf)
     )  # (B, H, m, m)
     scores_3 = q_marks @ k.transpose(-1, -2) * scale  # (B, H, m, Lk)
     if keep is not None:
-        scores_3 = torch.where(keep[:, None, None, :], scores_3, -torch.inf)
+        scores_3 = torch.where(keep[:, None, None, :] & rows, scores_3, -torch.inf)
     kernel_3 = safe_softmax(scores_3)
     return kernel_1 @ (inverse(kernel_2) @ (kernel_3 @ v))
 

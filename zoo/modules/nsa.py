@@ -70,7 +70,9 @@ class Compressed(Pattern):
 
 def pool(x: Tensor, keep: Tensor, length: int, stride: int) -> tuple[Tensor, Tensor]:
     """(B, H, L, D) -> window means (B, H, N, D) over kept positions (keep (B, L)), and (B, N)
-    True where a window has some kept position; N = (L - length) // stride + 1 whole windows."""
+    True where a window has some kept position; N = (L - length) // stride + 1 whole windows.
+    Positions not kept read as zeros (padding may hold anything: 0 * NaN would spread it)."""
+    x = torch.where(keep[:, None, :, None], x, 0)
     windows = x.unfold(2, length, stride)  # (B, H, N, D, length)
     weights = keep.to(x.dtype).unfold(1, length, stride)  # (B, N, length)
     count = weights.sum(-1)  # (B, N)
