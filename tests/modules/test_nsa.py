@@ -169,6 +169,19 @@ def test_padding_holding_nan_changes_no_real_row():
     torch.testing.assert_close(got[1, :30], want[1, :30], rtol=0, atol=1e-12)
 
 
+def test_valid_lens_is_the_right_padding_it_stands_for():
+    """As MultiHeadAttention takes it, so a model passes the same padding to every variant."""
+    module = make()
+    x = torch.randn(2, L, DIM, dtype=torch.float64)
+    padding = torch.zeros(2, L, dtype=torch.bool)
+    padding[1, 30:] = True
+    with torch.no_grad():
+        by_lengths = module(x, valid_lens=torch.tensor([L, 30]))
+        assert torch.equal(by_lengths, module(x, key_padding_mask=padding))
+    with pytest.raises(ValueError, match="give key_padding_mask or valid_lens, not both"):
+        module(x, key_padding_mask=padding, valid_lens=torch.tensor([L, 30]))
+
+
 def test_short_sequences_run():
     module = make()
     x = torch.randn(1, 5, DIM, dtype=torch.float64)  # shorter than one compressed window

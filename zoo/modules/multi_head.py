@@ -283,7 +283,7 @@ class MultiHeadAttention(nn.Module):
         if self.cp_group is not None:  # x is this rank's shard: padding and embedding global
             return sharded_forward(self, x, context, key_padding_mask, valid_lens, return_weights)
         if valid_lens is not None:
-            key_padding_mask = _padding_of(valid_lens, key_padding_mask, x, source)
+            key_padding_mask = padding_of(valid_lens, key_padding_mask, x, source)
         if self.pos.kind == "embed":  # each sequence from its own position 0
             x = self.pos.embed(x)
             source = x if context is None else self.pos.embed(context)
@@ -373,7 +373,7 @@ def _check_cached_call(
         )
 
 
-def _padding_of(
+def padding_of(
     valid_lens: Tensor, key_padding_mask: Tensor | None, x: Tensor, source: Tensor
 ) -> Tensor:
     """The key padding mask that ``valid_lens`` stands for (one of the two, not both), on x's

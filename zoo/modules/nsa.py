@@ -43,6 +43,7 @@ from ..functional import attention
 from ..patterns import Causal, ChosenBlocks, Intersection, Pattern, Spans
 from ..patterns.base import state_from
 from ..patterns.routed import top_blocks
+from .multi_head import check_valid_lens, padding_of
 
 
 @dataclass(frozen=True)
@@ -167,10 +168,18 @@ class NativeSparseAttention(nn.Module):
             f"learned_compression={self.compress_k is not None}"
         )
 
-    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, key_padding_mask: Tensor | None = None, valid_lens: Tensor | None = None
+    ) -> Tensor:
+        """x (B, L, dim) -> (B, L, dim); padding as ``MultiHeadAttention`` takes it: a
+        ``key_padding_mask`` (B, L), True at padding, or ``valid_lens`` (B,), the real tokens of
+        each row (then right padding), not both."""
         if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
             shown = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"x must have shape (batch, length, {self.dim}), got {shown}")
+        if valid_lens is not None:
+            valid_lens = check_valid_lens(valid_lens, x.shape[0])
+            key_padding_mask = padding_of(valid_lens, key_padding_mask, x, x)
         q = rearrange(self.q_proj(x), "b l (h d) -> b h l d", h=self.num_heads)
         k = rearrange(self.k_proj(x), "b l (h d) -> b h l d", h=self.num_kv_heads)
         v = rearrange(self.v_proj(x), "b l (h d) -> b h l d", h=self.num_kv_heads)
