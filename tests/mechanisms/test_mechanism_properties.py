@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import random_qkv
-from test_mechanisms import MECHANISMS, build
+from test_mechanisms import MECHANISMS, SMALL, build
 
 import zoo
 from zoo.mechanisms.kernel import feature_attention
@@ -140,21 +140,40 @@ def test_padded_keys_contribute_nothing(name):
 
 
 @pytest.mark.parametrize("name", MECHANISMS)
-def test_a_padded_self_attention_equals_the_call_on_its_real_tokens(name):
-    """Self-attention over 37 real tokens padded to 60, the padded q, k and v holding noise or
-    NaN: the real rows equal the call on the 37 tokens alone (float64). Nystrom averaged the
-    padded queries into its query landmarks (a change of 7.5e-2; NaN everywhere) and cut its
-    segments over the padded length (0.68)."""
+def test_keys_padded_to_any_length_equal_the_call_on_the_real_keys(name):
+    """37 queries against 37 real keys padded to 60, the padded keys and values holding noise or
+    NaN: equal to the call on the 37 keys alone (float64). Nystrom cut its key segments over the
+    padded length (a change of 0.68)."""
     mech = build(name).double()
     q, k, v = (t.detach().double() for t in random_qkv(1, 2, 37, 37, seed=4))
     want = zoo.attention(q, k, v, variant=mech)
     mask = torch.zeros(1, 60, dtype=torch.bool)
     mask[:, 37:] = True
     for fill in (50.0, float("nan")):
-        padded = [torch.cat((x, torch.full_like(x[:, :, :23], fill)), 2) for x in (q, k, v)]
-        padded[0][:, :, 40:] = torch.randn_like(padded[0][:, :, 40:])
-        got = zoo.attention(*padded, variant=mech, key_padding_mask=mask)[:, :, :37]
+        k_pad, v_pad = (torch.cat((x, torch.full_like(x[:, :, :23], fill)), 2) for x in (k, v))
+        got = zoo.attention(q, k_pad, v_pad, variant=mech, key_padding_mask=mask)
         torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("name", MECHANISMS)
+def test_padded_positions_holding_anything_change_no_real_row_of_a_module(name):
+    """Self-attention in MultiHeadAttention, one sequence padded from 30 of 50 positions holding
+    noise, then NaN: its real rows and the other sequence's stay as they were. Nystrom averaged
+    the padded queries into its query landmarks (a change of 7.5e-2; NaN everywhere): the module
+    zeroes them (``Mechanism.summarises_queries``)."""
+    torch.manual_seed(0)
+    spec = zoo.get_mechanism_spec(name)
+    small = {key: value for key, value in SMALL.items() if key in spec.parameters()}
+    attn = zoo.create_attention(name, dim=16, num_heads=2, **small).double()
+    x = torch.randn(2, 50, 16, dtype=torch.float64)
+    lens = torch.tensor([50, 30])
+    with torch.no_grad():
+        want = attn(x, valid_lens=lens)
+        for fill in (50.0, float("nan")):
+            x[1, 30:] = fill
+            got = attn(x, valid_lens=lens)
+            torch.testing.assert_close(got[0], want[0], atol=1e-12, rtol=0)
+            torch.testing.assert_close(got[1, :30], want[1, :30], atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("name", MECHANISMS)

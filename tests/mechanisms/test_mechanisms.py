@@ -71,13 +71,13 @@ def oracle_linformer(mech, q, k, v, causal, mask, scale):
 
 
 def oracle_nystrom(mech, q, k, v, causal, mask, scale):
-    """Per sequence: segments cut over its valid keys (valid key i of L in segment
-    floor(i·m / L)), the queries too where Lq = Lk and keys are padded (self-attention); a
-    segment with no valid key or query drops its landmark."""
+    """Per sequence: key segments cut over its valid keys (valid key i of L in segment
+    floor(i·m / L)), query segments over all query rows; a segment with no valid key drops its
+    landmark."""
     n_q, n_k = q.shape[2], k.shape[2]
     m = min(mech.num_landmarks, n_q, n_k)
     keep = torch.ones(k.shape[0], n_k, dtype=torch.bool) if mask is None else ~mask
-    q_keep = keep if mask is not None and n_q == n_k else torch.ones(q.shape[0], n_q, dtype=bool)
+    q_keep = torch.ones(q.shape[0], n_q, dtype=torch.bool)
     outs = []
     for b in range(q.shape[0]):
 

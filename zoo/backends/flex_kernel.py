@@ -105,8 +105,9 @@ def cuda_kernel_options(block: int, q: Tensor, k: Tensor, options: dict) -> dict
     - ``IS_DIVISIBLE=False`` where both lengths are multiples of 128 but the block does not
       divide one: Inductor's rule (static multiples of 128) would declare them whole, and the
       kernel then walks every tile of a listed block, the last block's past the end, unchecked
-      (a length of 384 in blocks of 256). Never True: Inductor declares static multiples of
-      128 itself, and a symbolic length (the flex backend's kernel from a second length on,
+      (a length of 384 in blocks of 256). Never True here (``FlexBackend(pad_to_blocks=True)``
+      declares it for lengths it padded): Inductor declares static multiples of 128 itself, and
+      a symbolic length (the flex backend's kernel from a second length on,
       ``_compiled_kernel``) declared so would be a second compiled family beside the lengths
       that are not multiples (3 compiles for ``bench-compiles``' 20 lengths, where 2 hold), for
       a kernel time not yet measured (eval/results/gpu-campaign-h200-2026-11-28);

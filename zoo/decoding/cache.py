@@ -203,7 +203,8 @@ class KVCache:
         those slots alone, not a pass over every key (a speculative round's rollback)."""
         self._check_rollback(value)
         forgotten = self.slot_pos >= value[:, None]  # (B, slots) positions past the new length
-        if self._block_sums and most is not None:  # slot j holds position j (no ring)
+        # Block sums are kept only where slot j holds position j (no ring: ``key_block_sums``)
+        if self._block_sums and most is not None:
             slots = value[:, None] + self.steps(most)  # (B, most) each row's last ones
             inside = slots < self.keys.shape[2]
             slots = slots.clamp(max=self.keys.shape[2] - 1)

@@ -36,6 +36,9 @@ class Mechanism(nn.Module):
     key_padding = True
     cross = True
     scale = True
+    # Its output mixes every query row (Nystrom's query landmarks): in self-attention with
+    # padding MultiHeadAttention zeroes the padded positions' queries first.
+    summarises_queries = False
 
     def __init__(self, *, num_heads: int, head_dim: int) -> None:
         super().__init__()

@@ -12,13 +12,15 @@ iteration of the reference implementation (Razavi et al., 2014): Z0 = Aᵀ / (�
 Z <- Z (13I - AZ (15I - AZ (7I - AZ))) / 4. O(n·m·D + m³). With m = n every landmark is one
 token and, with an exact inverse, out = softmax(s·QKᵀ) V. m is min(num_landmarks, Lq, Lk).
 
-Padded keys contribute nothing, whatever they hold and however many there are: the segments are
-cut over each sequence's valid keys (position i among them, of L valid: floor(i·m / L)), key
+Padded keys contribute nothing, whatever they hold and however many there are: the key segments
+are cut over each sequence's valid keys (position i among them, of L valid: floor(i·m / L)), key
 landmarks are their means (a segment with none is dropped from both inner softmaxes), and
-softmax(s·Q̃ Kᵀ) masks them. Where Lq = Lk (self-attention, the reference implementation masks Q
-and K alike) the query landmarks are cut and averaged the same way, so a padded position's query
-changes no real row either (a dropped query landmark's rows of the inner kernels are zeros, which
-leaves the inverse of the rest as it is). No causal form (a landmark mixes later tokens): refused.
+softmax(s·Q̃ Kᵀ) masks them. Query landmarks are the means of all query rows, which a call's
+key padding mask does not describe (cross-attention's queries may be as many as its keys). In
+self-attention ``MultiHeadAttention`` zeroes the queries of padded positions first
+(``summarises_queries``), as the reference implementation masks Q: their content, NaN too,
+changes no real row, though their number thins the query landmarks. No causal form (a landmark
+mixes later tokens): refused.
 
 Parameters (published defaults): num_landmarks m = 64; pinv_iterations = 6; conv_kernel: the
 reference's optional depthwise convolution over the sequence on V (one kernel per head), added
@@ -83,20 +85,18 @@ def nystrom_attention(
     """The formula above, with ``inverse`` for pinv (tests pass ``torch.linalg.pinv``)."""
     m = min(num_landmarks, q.shape[2], k.shape[2])
     keep = None if key_padding_mask is None else ~key_padding_mask  # (B, Lk)
-    self_attention = keep is not None and q.shape[2] == k.shape[2]  # the mask is the queries' too
-    q_marks, q_present = segment_means(q, m, keep if self_attention else None)
+    q_marks, _ = segment_means(q, m, None)
     k_marks, k_present = segment_means(k, m, keep)
     present = k_present[:, None, None, :]  # (B, 1, 1, m): landmark columns with a valid key
-    rows = q_present[:, None, :, None]  # (B, 1, m, 1): landmark rows with a valid query
     kernel_1 = safe_softmax(
         torch.where(present, q @ k_marks.transpose(-1, -2) * scale, -torch.inf)
     )  # (B, H, Lq, m)
     kernel_2 = safe_softmax(
-        torch.where(present & rows, q_marks @ k_marks.transpose(-1, -2) * scale, -torch.inf)
+        torch.where(present, q_marks @ k_marks.transpose(-1, -2) * scale, -torch.inf)
     )  # (B, H, m, m)
     scores_3 = q_marks @ k.transpose(-1, -2) * scale  # (B, H, m, Lk)
     if keep is not None:
-        scores_3 = torch.where(keep[:, None, None, :] & rows, scores_3, -torch.inf)
+        scores_3 = torch.where(keep[:, None, None, :], scores_3, -torch.inf)
     kernel_3 = safe_softmax(scores_3)
     return kernel_1 @ (inverse(kernel_2) @ (kernel_3 @ v))
 
@@ -104,6 +104,7 @@ def nystrom_attention(
 class NystromAttention(Mechanism):
     family = "nystrom"
     causal = False
+    summarises_queries = True  # its query landmarks mix every query row
 
     def __init__(
         self,

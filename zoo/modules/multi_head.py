@@ -288,6 +288,8 @@ class MultiHeadAttention(nn.Module):
             x = self.pos.embed(x)
             source = x if context is None else self.pos.embed(context)
         q, k, v = self._heads(x, source)
+        if context is None and key_padding_mask is not None and self._summarises_queries():
+            q = q.masked_fill(key_padding_mask[:, None, :, None], 0)  # padding may hold NaN
         result = self._attend(q, k, v, key_padding_mask, return_weights, edge_index)
         out, weights = result if return_weights else (result, None)
         out = self.out_proj(rearrange(out, "b h l d -> b l (h d)"))  # (B, Lq, dim)
@@ -330,6 +332,11 @@ class MultiHeadAttention(nn.Module):
         k = rearrange(self.k_proj(source), "b l (h d) -> b h l d", h=kv_heads)  # (B, H_kv, Lk, hd)
         v = rearrange(self.v_proj(source), "b l (h d) -> b h l d", h=kv_heads)
         return q, k, v
+
+    def _summarises_queries(self) -> bool:
+        """Whether the mechanism's output mixes every query row (``Mechanism.summarises_queries``):
+        then a padded position's query, which may hold anything, is zeroed in self-attention."""
+        return getattr(self.mechanism, "summarises_queries", False)
 
     def _attend(
         self,
