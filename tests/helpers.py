@@ -76,6 +76,18 @@ def subprocess_timeout(seconds: float) -> float:
     return seconds * 2 * max(1.0, load)
 
 
+def skip_without_fake_cuda() -> None:
+    """Skip the test, with the reason, where fake CUDA tensors cannot be made (a CPU-only build
+    of torch without a C++ compiler)."""
+    from zoo.testing.fake_cuda import FakeCudaUnavailable, fake_cuda
+
+    try:
+        with fake_cuda():
+            pass
+    except FakeCudaUnavailable as error:
+        pytest.skip(str(error))
+
+
 def gpu(test):
     """Marks a test as a GPU test (``pytest -m gpu`` runs them all) and skips it without one."""
     return pytest.mark.gpu(_NO_GPU(test))

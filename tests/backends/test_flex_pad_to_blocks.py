@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import check_against_reference, gpu
+from helpers import check_against_reference, gpu, skip_without_fake_cuda
 
 import zoo
 from zoo.backends import flex_kernel
 from zoo.backends.flex import FlexBackend
-from zoo.testing.fake_cuda import FakeCudaUnavailable, fake_cuda
+from zoo.testing.fake_cuda import fake_cuda
 
 PADDED = FlexBackend(compile=False, pad_to_blocks=True)  # flex's eager kernel: CPU, tests only
 CASES = {
@@ -64,11 +64,7 @@ def test_on_cuda_the_kernel_gets_whole_blocks_declared_whole(monkeypatch):
         return torch.zeros_like(q)
 
     monkeypatch.setattr(flex_kernel, "_kernel", lambda compiled, q=None: kernel)
-    try:
-        with fake_cuda():
-            pass
-    except FakeCudaUnavailable as error:
-        pytest.skip(str(error))
+    skip_without_fake_cuda()
     with fake_cuda(), torch.device("cuda"):
         q = torch.randn(1, 2, 300, 32, dtype=torch.bfloat16)
         for pad in (True, False):

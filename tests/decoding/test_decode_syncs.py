@@ -14,26 +14,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import FIXED_VARIANTS, GRAPH_VARIANTS, cache_params, gpu
+from helpers import FIXED_VARIANTS, GRAPH_VARIANTS, cache_params, gpu, skip_without_fake_cuda
 
 import zoo
 from zoo.backends import FlexBackend
 from zoo.functional import resolve_pattern
 from zoo.layout.block_layout import specialized, with_heads
-from zoo.testing.fake_cuda import FakeCudaUnavailable, fake_cuda
+from zoo.testing.fake_cuda import fake_cuda
 
 VARIANTS = [v for v in FIXED_VARIANTS if v not in GRAPH_VARIANTS] + ["moba"]
 EAGER_FLEX = FlexBackend(block_size=16, compile=False)  # flex's eager path, as on fake tensors
 BACKENDS = {"sdpa": "sdpa", "reference": "reference", "flex": EAGER_FLEX}
 LENGTH = 64  # a 2-D pattern's grid: 8 x 8, decoded whole (max_len = H * W)
-
-
-def _fake_cuda_or_skip():
-    try:
-        with fake_cuda():
-            pass
-    except FakeCudaUnavailable as error:  # no C++ compiler on a CPU-only build
-        pytest.skip(str(error))
 
 
 def small(variant: str) -> dict[str, object]:
@@ -62,7 +54,7 @@ def _steps(
 def test_a_step_reads_no_device_value(variant, backend, valid_lens, static):
     """Prefill and one-token steps on fake CUDA tensors, 4 query heads on 2 key/value heads;
     a static cache's too (its range check asserted on the device)."""
-    _fake_cuda_or_skip()
+    skip_without_fake_cuda()
     with fake_cuda(), torch.device("cuda"), torch.no_grad():
         attn = zoo.create_attention(
             variant, dim=32, num_heads=4, num_kv_heads=2, pos="rope", causal=True,
@@ -77,7 +69,7 @@ def test_a_step_reads_no_device_value(variant, backend, valid_lens, static):
 def test_encodings_read_no_device_value(variant, pos):
     """Absolute encodings at each row's own position (rows of different lengths: the table's rows
     at their positions) and score biases at the slots' positions, on fake CUDA tensors."""
-    _fake_cuda_or_skip()
+    skip_without_fake_cuda()
     with fake_cuda(), torch.device("cuda"), torch.no_grad():
         attn = zoo.create_attention(
             variant, dim=32, num_heads=4, num_kv_heads=2, pos=pos, causal=True, **small(variant)
@@ -89,7 +81,7 @@ def test_encodings_read_no_device_value(variant, pos):
 @pytest.mark.parametrize("variant", ["causal", "bigbird", "moba"])
 def test_the_functional_step_reads_no_device_value(variant):
     """zoo.attention with a cache (a padding mask of one column, and none)."""
-    _fake_cuda_or_skip()
+    skip_without_fake_cuda()
     params = small(variant)
     with fake_cuda(), torch.device("cuda"), torch.no_grad():
         q, k, v = torch.randn(2, 4, 13, 8), torch.randn(2, 2, 13, 8), torch.randn(2, 2, 13, 8)

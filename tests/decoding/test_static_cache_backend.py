@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import skip_without_fake_cuda
 
 import zoo
 from zoo.backends import flex_decode as flex_decode_module
@@ -17,17 +18,9 @@ from zoo.backends.flex import FlexBackend
 from zoo.backends.sdpa import SdpaBackend
 from zoo.core.scores import DotProduct
 from zoo.decoding.decode import decode_backend, explain_decode
-from zoo.testing.fake_cuda import FakeCudaUnavailable, fake_cuda
+from zoo.testing.fake_cuda import fake_cuda
 
 MAX_LEN = 200  # slots of a causal cache: not a multiple of flex's block of 128
-
-
-def _fake_cuda_or_skip():
-    try:
-        with fake_cuda():
-            pass
-    except FakeCudaUnavailable as error:  # no C++ compiler on a CPU-only build
-        pytest.skip(str(error))
 
 
 def _steps_on(device: str, static: bool, monkeypatch) -> list[str]:
@@ -57,7 +50,7 @@ def _steps_on(device: str, static: bool, monkeypatch) -> list[str]:
 def test_auto_decodes_a_static_cache_on_cuda_with_flex(static, monkeypatch):
     """Fake CUDA tensors: a static cache's prefill and steps run on flex, a growing cache's on
     sdpa."""
-    _fake_cuda_or_skip()
+    skip_without_fake_cuda()
     with fake_cuda():
         ran = _steps_on("cuda", static, monkeypatch)
     assert ran == ["flex" if static else "sdpa"] * 4
@@ -72,7 +65,7 @@ def test_only_autos_choice_changes():
     """A named sdpa stays; a step that records gradients still gets flex on CUDA (flex has a
     CUDA backward), one with dropout sdpa (flex has none); explain says why flex, and says the
     same as the call under dropout."""
-    _fake_cuda_or_skip()
+    skip_without_fake_cuda()
     with fake_cuda(), torch.device("cuda"):
         attn = zoo.create_attention("causal", dim=32, num_heads=4, causal=True)
         cache = attn.new_cache(1, MAX_LEN, static=True)
@@ -107,7 +100,7 @@ def test_auto_keeps_sdpa_where_inductor_would_not_run_its_decoding_kernel(
 ):
     """Inductor's decoding kernel (``_use_flex_decoding``) needs a power of two of query heads per
     key/value head and, where they share one, one block mask for all heads."""
-    _fake_cuda_or_skip()
+    skip_without_fake_cuda()
     params = {"bigbird": {"block_size": 8, "random_per_head": True}, "moba": {"block_size": 8}}
     with fake_cuda(), torch.device("cuda"):
         attn = zoo.create_attention(variant, dim=8 * heads, num_heads=heads, num_kv_heads=kv_heads,
@@ -120,7 +113,7 @@ def test_flex_decoding_on_cuda_passes_the_cache_itself(monkeypatch):
     """Fake CUDA: a step's kernel gets the cache's keys and values, MAX_LEN slots (not padded to
     256 by a copy of every slot per step), and a block mask over those slots; the prefill its
     slots and its own 9 keys, not padded either."""
-    _fake_cuda_or_skip()
+    skip_without_fake_cuda()
     seen = []
     original = flex_decode_module.run_kernel
 
