@@ -477,9 +477,9 @@ class FlexBackend(Backend):
 
             score_mod = positional_bias if frame.q.identity else tiled_bias
         gather = self.whole_blocks(call) or not frame.q.identity
-        least, kernel_args = self._kernel_args(call, score_mod, self.block_mask(call))
-        if self.pad_to_blocks and call.device.type == "cuda":  # q, k and v in whole blocks
-            kernel_args["kernel_options"] = {"IS_DIVISIBLE": True, **self.kernel_options}
+        least, kernel_args = self._kernel_args(
+            call, score_mod, self.block_mask(call), whole=self.pad_to_blocks
+        )
         compiled, q_len = self.compile, call.q_len
 
         def run(q: Tensor, k: Tensor, v: Tensor, padding: None = None):
@@ -503,11 +503,16 @@ class FlexBackend(Backend):
 
         return run
 
-    def _kernel_args(self, call: AttentionCall, score_mod, block_mask) -> tuple[int | None, dict]:
+    def _kernel_args(
+        self, call: AttentionCall, score_mod, block_mask, whole: bool = False
+    ) -> tuple[int | None, dict]:
         """(the head size q, k and v are padded to, or None; the kernel's keyword arguments) of
-        a call's kernel on this block mask."""
+        a call's kernel on this block mask; ``whole``: q, k and v padded to whole blocks, which
+        a CUDA kernel is told (``IS_DIVISIBLE``)."""
         least = self.capabilities.head_padding(call.device, call.q.shape[-1], call.v.shape[-1])
-        options = {"kernel_options": dict(self.kernel_options)} if self.kernel_options else {}
+        declared = {"IS_DIVISIBLE": True} if whole and call.device.type == "cuda" else {}
+        kernel_options = {**declared, **self.kernel_options}
+        options = {"kernel_options": kernel_options} if kernel_options else {}
         kernel_args = dict(
             score_mod=score_mod, block_mask=block_mask, scale=call.scale,
             enable_gqa=call.groups > 1,  # k and v shared by each group of query heads, not copied

@@ -95,9 +95,10 @@ def decode_backend(
         return chosen
     if score.kind != "dot":
         return get_backend("reference")
-    flex = get_backend("flex")
-    if static_on_cuda(cache, query_heads) and flex.decode_reason_against(*settings) is None:
-        return flex
+    if static_on_cuda(cache, query_heads):
+        flex = get_backend("flex")
+        if flex.decode_reason_against(*settings) is None:
+            return flex
     return get_backend("sdpa")
 
 

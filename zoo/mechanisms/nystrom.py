@@ -54,21 +54,17 @@ def newton_schulz_pinv(a: Tensor, iterations: int) -> Tensor:
 
 def segment_means(x: Tensor, m: int, keep: Tensor | None) -> tuple[Tensor, Tensor]:
     """x (B, H, n, D) -> the means of m contiguous segments (B, H, m, D) and (B, m) whether
-    each holds a row. Without ``keep`` the segments cut all n rows; with keep (B, n) bool, each
-    sequence's kept rows alone (kept row i of L: segment floor(i·m / L)), the others read as
-    zeros (padding may hold anything, NaN too)."""
+    each holds a row: of each sequence's kept rows (keep (B, n) bool; all without it), kept row
+    i of L in segment floor(i·m / L); the others read as zeros (padding may hold anything)."""
     B, H, n, D = x.shape
     if keep is None:
-        segment = torch.arange(n, device=x.device) * m // n  # (n,) in 0 .. m-1
-        total = x.new_zeros(B, H, m, D).index_add(2, segment, x)
-        count = x.new_zeros(B, m).index_add(1, segment, x.new_ones(B, n))
-    else:
-        rank = keep.cumsum(1) - 1  # (B, n): each kept row's place among its sequence's
-        segment = (rank * m // keep.sum(1, keepdim=True).clamp_min(1)).clamp(0, m - 1)
-        kept = torch.where(keep[:, None, :, None], x, 0.0)
-        index = segment[:, None, :, None].expand(B, H, n, D)
-        total = x.new_zeros(B, H, m, D).scatter_add(2, index, kept)
-        count = x.new_zeros(B, m).scatter_add(1, segment, keep.to(x.dtype))
+        keep = torch.ones(B, n, dtype=torch.bool, device=x.device)
+    rank = keep.cumsum(1) - 1  # (B, n): each kept row's place among its sequence's
+    segment = (rank * m // keep.sum(1, keepdim=True).clamp_min(1)).clamp(0, m - 1)
+    kept = torch.where(keep[:, None, :, None], x, 0.0)
+    index = segment[:, None, :, None].expand(B, H, n, D)
+    total = x.new_zeros(B, H, m, D).scatter_add(2, index, kept)
+    count = x.new_zeros(B, m).scatter_add(1, segment, keep.to(x.dtype))
     return total / count.clamp_min(1)[:, None, :, None], count > 0
 
 
