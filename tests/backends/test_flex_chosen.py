@@ -54,9 +54,9 @@ def gathered(monkeypatch):
     calls = []
     original = flex_module.gathered_rows_of
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         calls.append(args[0].variant)
-        return original(*args)
+        return original(*args, **kwargs)
 
     monkeypatch.setattr(flex_module, "gathered_rows_of", counted)
     return calls
@@ -248,3 +248,37 @@ def test_gpu_gathered_moba_forward_backward_matches_reference(causal, dtype, gat
             heads=4, kv_heads=2,
         )  # fmt: skip
     assert "moba" in gathered
+    from zoo.backends.flex_chosen import _row_layout
+    from zoo.patterns.moba import _choose
+
+    # the rows and the choice ran compiled (``zoo.core.fused``), not eagerly after a failure
+    assert _row_layout.failed is None and _choose.failed is None
+    assert "compiled" in _row_layout.__dict__ and "compiled" in _choose.__dict__
+
+
+def test_the_rows_compiled_equal_the_eager_rows_in_two_graphs_for_every_length():
+    """What a GPU runs (``zoo.core.fused``: the rows' bookkeeping compiled), on a CPU: the same
+    rows and block lists as the eager function, at lengths no block divides, causal (a fixed
+    member cuts the own block) or not, padded or not; and each of the two layouts compiles at
+    most twice (a static graph, then one of symbolic lengths) over four lengths."""
+    from torch._dynamo.utils import counters
+
+    from zoo.backends.flex_chosen import _row_layout, chosen_parts, kept_keys
+
+    torch._dynamo.reset()
+    compiled = torch.compile(_row_layout.fn, dynamic=None)  # as ``Fused.compiled`` builds it
+    graphs = {}
+    for causal in (False, True):
+        before = counters["stats"]["unique_graphs"]
+        for n, padded in ((300, False), (517, True), (1000, False), (777, True)):
+            q, k, v, padding = _inputs(n, n, padded, seed=n)
+            call = prepare_call(q, k, v, variant="moba", block_size=64, top_k=3, causal=causal,
+                                key_padding_mask=padding)  # fmt: skip
+            chosen, fixed = chosen_parts(call.pattern)
+            args = (chosen.picks, kept_keys(call, 16), fixed, chosen.blocks, chosen.block_size,
+                    call.kv_len, int(chosen.offset), 16)  # fmt: skip
+            want, got = _row_layout.fn(*args), compiled(*args)
+            flat = torch.utils._pytree.tree_leaves
+            assert all(torch.equal(a, b) for a, b in zip(flat(want), flat(got), strict=True))
+        graphs[causal] = counters["stats"]["unique_graphs"] - before
+    assert 1 <= graphs[False] <= 2 and 1 <= graphs[True] <= 2, graphs

@@ -8,6 +8,7 @@ import itertools
 import pytest
 import torch
 from helpers import check_against_reference, padding_mask, random_qkv
+from torch import Tensor
 
 import zoo
 from zoo.backends import BlockedBackend, FlexBackend
@@ -303,6 +304,49 @@ def test_the_choice_made_in_chunks_of_queries_is_the_choice(causal, monkeypatch)
         chunked = moba.moba_choice(q, k, block_size=16, top_k=3, causal=causal, **kwargs)
         monkeypatch.undo()
         assert torch.equal(chunked, whole)
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["padded", "against_a_cache"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_the_choice_compiled_as_on_a_gpu_is_the_choice(causal, cached, monkeypatch):
+    """What a GPU runs (``zoo.core.fused``: the choice compiled), forced on a CPU: the eager
+    choice at four lengths no block divides, whole and in chunks; the whole calls compile at
+    most twice (a static graph, then one of symbolic lengths)."""
+    from torch._dynamo.utils import counters
+
+    from zoo.core import fused
+    from zoo.patterns import moba
+
+    torch._dynamo.reset()
+    moba._choose.__dict__.pop("compiled", None)
+    monkeypatch.setattr(moba._choose, "failed", None)
+
+    def choices(n: int, chunked: bool) -> tuple[Tensor, Tensor]:
+        torch.manual_seed(n)
+        q, k = torch.randn(2, 4, n, 16), torch.randn(2, 2, n + 10, 16)
+        padding = torch.zeros(2, n + 10, dtype=torch.bool)
+        padding[1, n // 2 :] = True
+        positions = torch.arange(n)[None] + torch.tensor([[0], [5]])
+        kwargs = {"q_pos": positions} if cached else {"key_padding_mask": padding}
+        out = []
+        for compiled in (False, True):
+            with monkeypatch.context() as m:
+                if chunked:
+                    m.setattr(moba, "CHOICE_ELEMENTS", 2 * 4 * 40 * 64)  # 64 queries a chunk
+                if compiled:
+                    m.setattr(fused, "fuses", lambda t: not torch.compiler.is_compiling())
+                out.append(moba.moba_choice(q, k, block_size=16, top_k=3, causal=causal, **kwargs))
+        return out
+
+    before = counters["stats"]["unique_graphs"]
+    for n in (300, 517, 1000, 777):
+        eager, compiled = choices(n, chunked=False)
+        assert torch.equal(compiled, eager), n
+    assert 1 <= counters["stats"]["unique_graphs"] - before <= 2
+    for n in (300, 517):
+        eager, compiled = choices(n, chunked=True)
+        assert torch.equal(compiled, eager), n
+    assert moba._choose.failed is None
 
 
 @pytest.mark.parametrize("spans", ["few", "one_query_each"])

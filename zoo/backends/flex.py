@@ -313,7 +313,7 @@ class FlexBackend(Backend):
         they are (``gathers``), else over the call's queries (of its one part: see
         ``own_orders``)."""
         if self.gathers(call):
-            return gathered_rows_of(call, self.block_size).block_mask
+            return gathered_rows_of(call, self.block_size, fuse=self.compile).block_mask
         whole = self.whole_blocks(call)
         if call.pattern.routed:
             return _routed_block_mask(call, self.block_size, whole)
@@ -437,7 +437,7 @@ class FlexBackend(Backend):
     def _gathered_plan(self, call: AttentionCall):
         """The kernel on the rows of (query, chosen key block) pairs (``flex_chosen``), each
         query's rows merged by log-sum-exp, as a function of q, k and v."""
-        rows = gathered_rows_of(call, self.block_size)
+        rows = gathered_rows_of(call, self.block_size, fuse=self.compile)
         score_mod = None
         if call.bias is not None:
             bias, row_query = call.bias, rows.row_query

@@ -23,6 +23,9 @@ same density). MoBA's own kernel, and this path, make each (query, chosen block)
 - Rows: the pairs (queries x chosen blocks: n * top_k) plus at most one partly filled kernel
   block per segment; the count is a bound fixed by the shapes, so nothing waits on the device,
   and fake tensors and traced graphs run it. Kernel query blocks past the used rows attend no key.
+- The rows' bookkeeping (a sort of the pairs, their rows, the block lists: about 100 small
+  operations) runs as one compiled graph on a GPU (``zoo.core.fused``), where eagerly each would
+  be a launch and host work; the block mask is assembled from its tensors eagerly.
 - Eager flex (``compile=False``, tests) scores every row against every key: the rows make it
   slower than the union there; the path is for the compiled kernel.
 
@@ -43,6 +46,7 @@ import torch
 from torch import Tensor
 
 from ..core.call import AttentionCall
+from ..core.fused import fused
 from ..patterns import EMPTY, FULL, PARTIAL, Pattern, Spans
 from ..patterns.compose import Intersection
 from ..patterns.routed import ChosenBlocks
@@ -109,16 +113,48 @@ class GatheredRows:
     slots: int  # pick slots per query: min(top_k, key blocks)
 
 
-def gathered_rows_of(call: AttentionCall, block: int) -> GatheredRows:
+def gathered_rows_of(call: AttentionCall, block: int, fuse: bool = True) -> GatheredRows:
     """The rows of ``call`` (its pattern one that ``chosen_parts`` takes) at kernel blocks of
-    ``block``."""
+    ``block``. Their bookkeeping (about 100 small operations) is one compiled graph on a GPU
+    (``zoo.core.fused``) unless ``fuse`` is False."""
     parts = chosen_parts(call.pattern)
     assert parts is not None
     chosen, fixed = parts
-    picks = chosen.picks.long()
+    keep = kept_keys(call, block)
+    layout = _row_layout if fuse else _row_layout.fn
+    row_query, pair_row, row_block, partial, full = layout(
+        chosen.picks, keep, fixed, chosen.blocks, chosen.block_size, call.kv_len,
+        int(chosen.offset), block,
+    )  # fmt: skip
+    size, offset = chosen.block_size, int(chosen.offset)
+
+    def chosen_mask(b, h, q_idx, kv_idx):
+        allowed = (kv_idx // size == row_block[b, h, q_idx]) & keep[b, kv_idx]
+        if fixed is not None:
+            allowed = allowed & fixed.allowed_at(b, h, row_query[b, h, q_idx] + offset, kv_idx)
+        return allowed
+
+    build = _flex_module().BlockMask.from_kv_blocks
+    skip = not call.needs_grad and SKIPS_Q_BLOCKS  # the transposed layout only backward reads
+    options = {"compute_q_blocks": False} if skip else {}
+    block_mask = build(
+        *partial, *full, BLOCK_SIZE=block, mask_mod=chosen_mask,
+        seq_lengths=(row_query.shape[-1], call.kv_len), **options,
+    )  # fmt: skip
+    return GatheredRows(row_query, pair_row, block_mask, chosen.picks.shape[-1])
+
+
+@fused
+def _row_layout(
+    picks: Tensor, keep: Tensor, fixed: Pattern | None, nb: int, size: int, kv_len: int,
+    offset: int, block: int,
+) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:  # fmt: skip
+    """The rows of a choice ``picks`` (B, H, Lq, slots) of ``nb`` blocks of ``size`` keys:
+    (row_query, pair_row (see ``GatheredRows``), each row's chosen block (B, H, R) int32, and
+    the kernel key blocks of each kernel query block, PARTIAL and FULL, as flex's
+    ``BlockMask.from_kv_blocks`` takes them: (counts, indices) each)."""
+    picks = picks.long()
     B, H, q_len, slots = picks.shape
-    nb, size, kv_len = chosen.blocks, chosen.block_size, call.kv_len
-    offset = int(chosen.offset)
     device = picks.device
     segment = _segments(picks, nb, size, fixed, offset, kv_len)
     flat = segment.flatten(2)  # (B, H, P), P = q_len * slots in query order
@@ -138,11 +174,9 @@ def gathered_rows_of(call: AttentionCall, block: int) -> GatheredRows:
     row_segment = torch.full((B, H, rows), 2 * nb, dtype=torch.long, device=device)
     row_segment.scatter_(-1, row, by_segment)
     pair_row = torch.empty_like(row).scatter_(-1, order, row)
-    keep = kept_keys(call, block)
-    block_mask = _block_mask(
-        row_query, row_segment, keep, fixed, offset, size, nb, kv_len, block, call.needs_grad
-    )
-    return GatheredRows(row_query, pair_row, block_mask, slots)
+    partial, full = _block_lists(row_query, row_segment, keep, fixed, offset, size, nb, kv_len,
+                                 block)  # fmt: skip
+    return row_query, pair_row, (row_segment // 2).to(torch.int32), partial, full
 
 
 def _segments(
@@ -180,15 +214,15 @@ def kept_keys(call: AttentionCall, block: int) -> Tensor:
     return keep
 
 
-def _block_mask(
+def _block_lists(
     row_query: Tensor, row_segment: Tensor, keep: Tensor, fixed: Pattern | None, offset: int,
-    size: int, nb: int, kv_len: int, block: int, backward: bool,
-):  # fmt: skip
-    """The BlockMask over the rows: each kernel query block attends the kernel key blocks of its
-    segment's chosen block, FULL where every key there is the block's, kept, and the segment
-    FULL; the mask_mod reads each row's block and query. Without a ``backward``, without the
-    transposed layout that only the backward reads (where torch can leave it out)."""
-    B, H, rows = row_query.shape
+    size: int, nb: int, kv_len: int, block: int,
+) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:  # fmt: skip
+    """The kernel key blocks over the rows, (counts, indices) of the PARTIAL ones and of the FULL
+    ones: each kernel query block attends the kernel key blocks of its segment's chosen block,
+    FULL where every key there is the block's, kept, and the segment FULL; the mask_mod reads
+    each row's block and query."""
+    B, H, _ = row_query.shape
     kv_blocks = keep.shape[1] // block
     segment = row_segment[..., ::block]  # (B, H, Qb): a kernel block's rows are one segment's
     chosen = segment // 2
@@ -220,20 +254,7 @@ def _block_mask(
         index = torch.nn.functional.pad(index, (0, kv_blocks - width))
         return chosen_kind.sum(-1).to(torch.int32), index.to(torch.int32).contiguous()
 
-    row_block = (row_segment // 2).to(torch.int32)
-
-    def chosen_mask(b, h, q_idx, kv_idx):
-        allowed = (kv_idx // size == row_block[b, h, q_idx]) & keep[b, kv_idx]
-        if fixed is not None:
-            allowed = allowed & fixed.allowed_at(b, h, row_query[b, h, q_idx] + offset, kv_idx)
-        return allowed
-
-    build = _flex_module().BlockMask.from_kv_blocks
-    options = {} if backward or not SKIPS_Q_BLOCKS else {"compute_q_blocks": False}
-    return build(
-        *listed(PARTIAL), *listed(FULL), BLOCK_SIZE=block, mask_mod=chosen_mask,
-        seq_lengths=(rows, kv_len), **options,
-    )  # fmt: skip
+    return listed(PARTIAL), listed(FULL)
 
 
 def _takes_compute_q_blocks() -> bool:

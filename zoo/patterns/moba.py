@@ -39,6 +39,7 @@ from torch import Tensor
 
 from ..core.arguments import check_int
 from ..core.autocast import float32_inside
+from ..core.fused import fused
 from ..decoding.block_sums import block_sums
 from .base import Pattern
 from .families import register_pattern
@@ -68,7 +69,7 @@ def moba_choice(
     where the caller keeps them, else computed here.
     """
     B, H, q_len, _ = q.shape
-    kv_heads, kv_len = k.shape[1], k.shape[2]
+    kv_len = k.shape[2]
     if sums is None:
         keep = torch.ones(B, kv_len, dtype=torch.bool, device=k.device)
         if key_padding_mask is not None:
@@ -76,27 +77,41 @@ def moba_choice(
         sums = block_sums(k, keep, block_size)
     totals, counts = sums  # (B, H_kv, blocks, D), (B, blocks)
     blocks = counts.shape[1]
-    means = totals / counts.clamp(min=1)[:, None, :, None]  # (B, H_kv, blocks, D)
-    means = means.repeat_interleave(H // kv_heads, dim=1).transpose(-1, -2)  # (B, H, D, blocks)
     if q_pos is None:
         q_pos = torch.arange(q_len, device=q.device) + kv_len - q_len  # (Lq,)
     else:
         q_pos = q_pos[:, None]  # (B, 1, Lq): per sequence
     own = q_pos.div(block_size, rounding_mode="floor")[..., None]  # (..., Lq, 1); < 0 before keys
-    block = torch.arange(blocks, device=q.device)[None, :]
-    has_keys = (counts > 0)[:, None, None, :]  # (B, 1, 1, blocks)
-    chosen = torch.empty(B, H, q_len, min(top_k, blocks), dtype=torch.int32, device=q.device)
     # Queries in chunks: the float32 scores and their sort are (rows, blocks) per head at a time,
     # not (Lq, blocks) (2 GiB of scores at 128K tokens, 16 heads, blocks of 512).
     rows = max(1, CHOICE_ELEMENTS // max(B * H * blocks, 1))
+    if rows >= q_len:  # one chunk (16K tokens, 16 heads, blocks of 512): no copy
+        return _choose(q, totals, counts, own, causal, top_k)
+    chosen = torch.empty(B, H, q_len, min(top_k, blocks), dtype=torch.int32, device=q.device)
     for start in range(0, q_len, rows):
         part = slice(start, start + rows)
-        with float32_inside(q.device):  # also under autocast: the choice is made in float32
-            scores = q[:, :, part].float() @ means  # (B, H, rows, blocks)
-        mine = own[..., part, :]
-        available = has_keys & (block <= mine) if causal else has_keys
-        chosen[:, :, part] = top_blocks(scores, top_k, available, block == mine)
+        chosen[:, :, part] = _choose(q[:, :, part], totals, counts, own[..., part, :], causal,
+                                     top_k)  # fmt: skip
     return chosen
+
+
+@fused
+def _choose(
+    q: Tensor, totals: Tensor, counts: Tensor, own: Tensor, causal: bool, top_k: int
+) -> Tensor:
+    """(B, H, rows, min(top_k, blocks)) the choice of the queries q (B, H, rows, D) among the
+    blocks of the key sums ``totals`` (B, H_kv, blocks, D) and their ``counts`` (B, blocks),
+    ``own`` (..., rows, 1) each query's own block: one compiled graph on a GPU
+    (``zoo.core.fused``)."""
+    means = totals / counts.clamp(min=1)[:, None, :, None]  # (B, H_kv, blocks, D)
+    group = q.shape[1] // totals.shape[1]
+    means = means.repeat_interleave(group, dim=1).transpose(-1, -2)  # (B, H, D, blocks)
+    has_keys = (counts > 0)[:, None, None, :]  # (B, 1, 1, blocks)
+    block = torch.arange(means.shape[-1], device=q.device)[None, :]
+    with float32_inside(q.device):  # also under autocast: the choice is made in float32
+        scores = q.float() @ means  # (B, H, rows, blocks)
+    available = has_keys & (block <= own) if causal else has_keys
+    return top_blocks(scores, top_k, available, block == own)
 
 
 @register_pattern("moba")
