@@ -5,13 +5,15 @@ The verdicts read each encoding's accuracy at the train length and at every test
 the first test length at least twice the train length, and so on).
 
 And what each cell learned (eval/harness/verdict.py), where its pattern (full causal attention)
-reaches every distance at every length. The claims that accuracy *falls* at longer lengths read
-the cells at the train length, where they must have learned for a fall to mean anything; the
-fall itself is what they predict. The claim that distance biases *keep* their accuracy reads the
-cells at 8x on the distances seen in training (buckets wholly below the train length): a miss
-there is "not learned" at that length (more keys to spread attention over, positions never
-seen), which says nothing of the bias's reach; only misses at distances never trained on, with
-the trained ones learned, would make it disagree.
+reaches every distance at every length. Every claim reads its cells at the train length, where
+they must have learned for anything after to mean something. A claim about an encoding of
+*distance* (rotary, the biases) at a longer length also reads that encoding's cells there, on
+the distances seen in training (buckets wholly below the train length), whether the claim is
+that accuracy holds or that it falls: a miss there is "not learned" at that length (more keys to
+spread attention over), which says nothing of how the encoding reaches distances never trained
+on, so it neither agrees nor disagrees. Absolute positions are judged on their numbers: at a
+longer length the query's own position was never trained on, at any distance, and that is what
+their claim is about.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from .base import (
     chance,
     not_learned,
     not_run,
-    verdict,
     verdict_all,
 )
 
@@ -80,8 +81,11 @@ def judge(chosen: dict[str, list[dict[str, Any]]], presets: dict[str, str]) -> J
     curves = {e: curve(cells[e]) for e in cells}
     one = {e: curves[e][train_len] for e in curves}
     x2, x4, x8 = ({e: at(curves[e], train_len, f) for e in curves} for f in (2, 4, 8))
-    eighth = length_at(curves[ROTARY], train_len, 8)
+    second, eighth = (length_at(curves[ROTARY], train_len, f) for f in (2, 8))
     seen = trained(train_len)
+
+    rope_2x = x2[ROTARY] is not None and x2[ROTARY] > max(x2[e] or 0 for e in ABSOLUTE)
+    rope_8x = x8[ROTARY] is not None and x8[ROTARY] < one[ROTARY] / 2
     every = [r for e in cells for r in cells[e]]
     absolute = [r for e in ABSOLUTE for r in cells[e]]
     claims = [
@@ -100,12 +104,15 @@ def judge(chosen: dict[str, list[dict[str, Any]]], presets: dict[str, str]) -> J
             "rotary holds more at 2x than absolute positions, and fails by 8x "
             "(Mamba: 83.6 against 58.6 at 2x; 18.4 at 8x)",
             f"2x: rope {fmt(x2[ROTARY])}, absolute best {fmt(max(x2[e] or 0 for e in ABSOLUTE))}; "
-            f"8x: rope {fmt(x8[ROTARY])}",
-            verdict(
-                None not in (x2[ROTARY], x8[ROTARY])
-                and x2[ROTARY] > max(x2[e] or 0 for e in ABSOLUTE)
-                and x8[ROTARY] < one[ROTARY] / 2,
-                cells[ROTARY] + absolute,
+            f"8x: rope {fmt(x8[ROTARY])}"
+            + on_trained_distances(cells, (ROTARY,), second, train_len)
+            + on_trained_distances(cells, (ROTARY,), eighth, train_len),
+            verdict_all(
+                [
+                    (rope_2x, cells[ROTARY] + absolute),
+                    (rope_2x, cells[ROTARY], second, seen),
+                    (rope_8x, cells[ROTARY], eighth, seen),
+                ]
             ),
         ),
         Claim(
@@ -115,16 +122,7 @@ def judge(chosen: dict[str, list[dict[str, Any]]], presets: dict[str, str]) -> J
             "ALiBi's perplexity at 512 / 1012 / 2512 / 15512 tokens trained at 512: 19.73 / "
             "18.73 / 18.41 / 18.31, T5 19.65 / 18.79 / 20.41)",
             ", ".join(f"{e} {fmt(one[e])} -> {fmt(x8[e])}" for e in BIASES)
-            + (
-                f"; at {eighth}, distances seen in training (< {train_len}): "
-                + ", ".join(
-                    f"{e} {fmt(by_distance(cells[e], eighth, train_len)[0])} "
-                    f"({record_verdict(cells[e][0], eighth, seen).verdict})"
-                    for e in BIASES
-                )
-                if eighth is not None
-                else ""
-            ),
+            + on_trained_distances(cells, BIASES, eighth, train_len),
             verdict_all(
                 [
                     (x8[e] is not None and x8[e] >= one[e] - 0.1, cells[e], eighth, seen)
@@ -137,8 +135,16 @@ def judge(chosen: dict[str, list[dict[str, Any]]], presets: dict[str, str]) -> J
             "trained at 512, perplexity at 1012: ALiBi 18.73, T5 18.79, rotary 21.37, "
             "sinusoidal 43.54)",
             f"2x: biases >= {fmt(min(x2[e] or 0 for e in BIASES))}, rope {fmt(x2[ROTARY])}, "
-            f"absolute <= {fmt(max(x2[e] or 0 for e in ABSOLUTE))}",
-            verdict(ordered(x2), every),
+            f"absolute <= {fmt(max(x2[e] or 0 for e in ABSOLUTE))}"
+            + on_trained_distances(cells, (ROTARY, *BIASES), second, train_len),
+            verdict_all(
+                [(ordered(x2), every)]
+                + [
+                    (ordered(x2), cells[e], second, seen)
+                    for e in (ROTARY, *BIASES)
+                    if second is not None
+                ]
+            ),
         ),
     ]
     from zoo.views.tables import markdown_table
@@ -181,6 +187,22 @@ WHY = (
     "that length (more keys to attend among, positions never seen; eval/harness/verdict.py), "
     "failures only beyond them point at the encoding's extrapolation of distance.\n\n"
 )
+
+
+def on_trained_distances(
+    cells: dict[str, list[dict[str, Any]]], encodings: tuple[str, ...], length: int | None,
+    train_len: int,
+) -> str:  # fmt: skip
+    """What a claim read at test ``length`` on the distances seen in training: each encoding's
+    accuracy there and its verdict ("" where no length was tested)."""
+    if length is None:
+        return ""
+    seen = trained(train_len)
+    return f"; at {length}, distances seen in training (< {train_len}): " + ", ".join(
+        f"{e} {fmt(by_distance(cells[e], length, train_len)[0])} "
+        f"({record_verdict(cells[e][0], length, seen).verdict})"
+        for e in encodings
+    )
 
 
 def by_distance(

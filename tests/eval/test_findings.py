@@ -169,7 +169,9 @@ def test_listops_where_no_variant_learned_the_expression_is_not_learned_never_di
 def test_extrapolation_misses_at_trained_distances_are_not_learned_at_that_length():
     """ALiBi and T5 at 8x: missing answers at distances seen in training is not learning that
     length, not the bias failing to extrapolate; missing only the distances never trained on,
-    with the trained ones learned, disagrees."""
+    with the trained ones learned, disagrees. Rotary's fall at 8x is read alike: a fall at the
+    trained distances is not learned (it says nothing of rotary's reach), a fall beyond them
+    agrees."""
     lengths = ("64", "128", "256", "512")
 
     def encodings(at_512):
@@ -187,10 +189,38 @@ def test_extrapolation_misses_at_trained_distances_are_not_learned_at_that_lengt
 
     missed_near = {"8": 0.05, "16": 0.07, "32": 0.06, "64": 0.1, "128": 0.3, "256": 0.4}
     judged = judge(encodings(missed_near))
-    assert verdicts(judged) == [AGREES, AGREES, AGREES, NOT_LEARNED, AGREES]
+    assert verdicts(judged) == [AGREES, AGREES, NOT_LEARNED, NOT_LEARNED, AGREES]
     assert "distances seen in training (< 64)" in judged.claims[3].measured
+    assert "at 512, distances seen in training (< 64): rope 0.06" in judged.claims[2].measured
     missed_far = {"8": 1.0, "16": 1.0, "32": 0.98, "64": 0.1, "128": 0.05, "256": 0.04}
-    assert verdicts(judge(encodings(missed_far)))[3] == DISAGREES
+    assert verdicts(judge(encodings(missed_far)))[2:4] == [AGREES, DISAGREES]
+
+
+def test_extrapolation_at_2x_reads_the_distance_encodings_on_their_trained_distances():
+    """The order at 2x and rotary's lead there: a distance encoding that misses trained
+    distances at 2x is not learned there, whatever the order; absolute positions, whose query
+    position is new at 2x at every distance, are read on their numbers."""
+    lengths = ("64", "128", "256", "512")
+    accuracy = dict(sinusoidal=(1.0, 0.59, 0.27, 0.19), learned=(1.0, 0.3, 0.1, 0.1),
+                    rope=(1.0, 0.84, 0.31, 0.18), alibi=(1.0, 1.0, 0.98, 0.97),
+                    t5=(1.0, 0.99, 0.97, 0.95))  # fmt: skip
+    learned = {b: 1.0 for b in ("2", "4", "8", "16", "32")}
+
+    def run(at_128):
+        out = []
+        for e, acc in accuracy.items():
+            r = record(
+                "induction", "full", encoding=e, accuracy=dict(zip(lengths, acc, strict=True))
+            )
+            r["slices"] = {"64": {"distance": learned}, "128": {"distance": at_128.get(e, learned)}}
+            out.append(r)
+        return judge({"extrapolation": out})
+
+    assert verdicts(run({})) == [AGREES] * 5
+    missed = {"2": 0.1, "4": 0.05, "8": 0.05, "16": 0.07, "32": 0.06, "64": 0.5}
+    assert verdicts(run({"t5": missed}))[4] == NOT_LEARNED
+    assert verdicts(run({"rope": missed}))[2] == NOT_LEARNED
+    assert verdicts(run({"sinusoidal": missed, "learned": missed})) == [AGREES] * 5
 
 
 def test_the_findings_report_is_written_with_its_plots(tmp_path):
