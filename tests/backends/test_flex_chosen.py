@@ -191,20 +191,28 @@ def test_the_rows_trace_as_one_graph():
 
 
 def test_a_compiled_model_runs_the_rows_without_compiling_again(monkeypatch):
-    """Three calls of a compiled function (new inputs, so a new choice each time): one graph.
-    On a CPU the rows run only eagerly (compiled flex there has no log-sum-exp), so the test
-    takes the GPU's side of ``whole_blocks``; dynamo's eager backend runs the graph."""
+    """Three calls of a compiled function (new inputs, so a new choice each time): one graph,
+    the rows traced into it. On a CPU the rows run only eagerly (compiled flex there has no
+    log-sum-exp), so the test takes the GPU's side of ``whole_blocks`` and ``compiled_on_cpu``;
+    dynamo's eager backend runs the graph."""
     import torch._dynamo
 
     monkeypatch.setattr(FlexBackend, "whole_blocks", lambda self, call: False)
+    monkeypatch.setattr(FlexBackend, "compiled_on_cpu", lambda self, call: False)
     flex = FlexBackend(block_size=16, compile=False)
 
     def layer(q, k, v):
         return zoo.attention(q, k, v, backend=flex, variant="moba", block_size=32, top_k=3,
                              causal=True)  # fmt: skip
 
+    graphs = []
+
+    def recorded(graph, example_inputs):  # dynamo's eager backend, keeping the graph
+        graphs.append(graph)
+        return graph.forward
+
     torch._dynamo.reset()
-    compiled = torch.compile(layer, backend="eager")
+    compiled = torch.compile(layer, backend=recorded)
     try:
         with torch._dynamo.config.patch(error_on_recompile=True):
             for seed in range(3):
@@ -214,6 +222,9 @@ def test_a_compiled_model_runs_the_rows_without_compiling_again(monkeypatch):
                 assert (compiled(q, k, v) - layer(q, k, v)).abs().max() < 1e-5
     finally:
         torch._dynamo.reset()
+    # one graph, and the rows are in it (their counts per segment: a scatter_add_)
+    assert len(graphs) == 1
+    assert any("scatter_add" in str(node.target) for node in graphs[0].graph.nodes)
 
 
 def test_gathered_rows_run_on_fake_cuda_tensors(gathered):
@@ -248,12 +259,16 @@ def test_gpu_gathered_moba_forward_backward_matches_reference(causal, dtype, gat
             heads=4, kv_heads=2,
         )  # fmt: skip
     assert "moba" in gathered
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
     from zoo.backends.flex_chosen import _row_layout
     from zoo.patterns.moba import _choose
 
-    # the rows and the choice ran compiled (``zoo.core.fused``), not eagerly after a failure
-    assert _row_layout.failed is None and _choose.failed is None
-    assert "compiled" in _row_layout.__dict__ and "compiled" in _choose.__dict__
+    # the rows and the choice ran compiled (``zoo.core.fused``): graphs in dynamo's cache of
+    # their code, and no failure that sent them back to eager
+    for fused in (_row_layout, _choose):
+        assert fused.failed is None
+        assert _debug_get_cache_entry_list(fused.fn.__code__), fused.fn.__qualname__
 
 
 def test_the_rows_compiled_equal_the_eager_rows_in_two_graphs_for_every_length():

@@ -8,33 +8,42 @@ import warnings
 import pytest
 import torch
 from helpers import skip_without_fake_cuda
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from zoo.core import fused as fused_module
-from zoo.core.fused import Fused, fuses
+from zoo.core.fused import Fused, compiles_here, fuses
 
 
 def _double(x: torch.Tensor, n: int) -> torch.Tensor:
     return x * 2 + n
 
 
-def test_fuses_only_real_cuda_data_outside_a_trace():
-    assert not fuses(torch.ones(3))  # a CPU: eager
-    assert not fuses(torch.ones(3, device="meta"))
+class _Watching(TorchDispatchMode):
+    """A dispatch mode as a FLOP counter or a memory tracker is."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_compiles_only_real_data_outside_a_trace_and_any_dispatch_mode():
+    assert compiles_here(torch.ones(3)) and not fuses(torch.ones(3))  # a CPU: never fused
+    assert not compiles_here(torch.ones(3, device="meta"))
+    with _Watching():  # dynamo would skip the function for good, first called under a mode
+        assert not compiles_here(torch.ones(3))
+    seen = []
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def traced(x):
+        seen.append(compiles_here(x))  # traced: the caller's graph takes the operations in
+        return x + 1
+
+    traced(torch.ones(3))
+    assert seen == [False]
     skip_without_fake_cuda()
     from zoo.testing.fake_cuda import fake_cuda
 
     with fake_cuda():
         assert not fuses(torch.ones(3, device="cuda"))  # fake: shapes only
-
-    seen = []
-
-    @torch.compile(backend="eager", fullgraph=True)
-    def traced(x):
-        seen.append(fuses(x))  # traced: the caller's graph takes the operations in
-        return x + 1
-
-    traced(torch.ones(3))
-    assert seen == [False]
 
 
 def test_the_function_runs_eagerly_where_it_does_not_fuse(monkeypatch):
@@ -43,18 +52,37 @@ def test_the_function_runs_eagerly_where_it_does_not_fuse(monkeypatch):
     assert torch.equal(f(torch.ones(2), 3), torch.full((2,), 5.0))
 
 
+def test_compiling_raises_dynamos_limit_of_graphs():
+    """Each kind of call is a graph; past dynamo's default of 8 it would run eagerly unseen."""
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    before = getattr(dynamo_config, name)
+    setattr(dynamo_config, name, 8)  # (monkeypatch's undo deletes a config entry)
+    try:
+        Fused(_double).compiled  # noqa: B018 - building it raises the limit
+        assert getattr(dynamo_config, name) >= fused_module.RECOMPILE_LIMIT
+    finally:
+        setattr(dynamo_config, name, before)
+
+
+def _fused_with(monkeypatch, compiled) -> Fused:
+    monkeypatch.setattr(fused_module, "fuses", lambda t: True)
+    f = Fused(_double)
+    f.__dict__["compiled"] = compiled  # what the cached property would hold
+    return f
+
+
 def test_a_failed_compile_warns_once_and_runs_eagerly_from_then_on(monkeypatch):
     """A compiler that cannot lower the graph: the first call warns, naming the function and the
     error, and returns the eager values; later calls compile nothing and do not warn."""
-    monkeypatch.setattr(fused_module, "fuses", lambda t: True)
     attempts = []
 
     def broken(*args):
         attempts.append(args)
         raise RuntimeError("no lowering for aten.sort on this GPU")
 
-    f = Fused(_double)
-    f.__dict__["compiled"] = broken  # what the cached property would hold
+    f = _fused_with(monkeypatch, broken)
     with pytest.warns(RuntimeWarning, match=r"_double failed.*no lowering for aten.sort"):
         assert torch.equal(f(torch.ones(2), 1), torch.full((2,), 3.0))
     with warnings.catch_warnings():
@@ -64,11 +92,28 @@ def test_a_failed_compile_warns_once_and_runs_eagerly_from_then_on(monkeypatch):
     assert f.failed == "RuntimeError: no lowering for aten.sort on this GPU"
 
 
-def test_inputs_at_fault_still_raise(monkeypatch):
-    """The eager run after a failed compile raises the inputs' own error."""
-    monkeypatch.setattr(fused_module, "fuses", lambda t: True)
-    f = Fused(_double)
-    f.__dict__["compiled"] = lambda *args: _double(*args)
+def test_inputs_at_fault_raise_and_keep_the_compiled_graph(monkeypatch):
+    """Where the eager run fails too, its error is raised, nothing warns, and the next call runs
+    compiled again."""
+    calls = []
+
+    def compiled(*args):
+        calls.append(args)
+        return _double(*args)
+
+    f = _fused_with(monkeypatch, compiled)
     with pytest.raises(TypeError), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("error")
         f(torch.ones(2), "not an int")
+    assert f.failed is None
+    assert torch.equal(f(torch.ones(2), 1), torch.full((2,), 3.0)) and len(calls) == 2
+
+
+def test_running_out_of_memory_is_raised_as_it_is(monkeypatch):
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    f = _fused_with(monkeypatch, out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        f(torch.ones(2), 1)
+    assert f.failed is None

@@ -9,14 +9,10 @@ import torch
 from torch import Tensor
 
 from ..core.device_build import has_no_data
+from ..core.fused import raise_recompile_limit
 from ..core.narrowed import narrowed
 from ..layout.block_layout import used_first
 from ..patterns import FULL, PARTIAL
-
-# Every pattern (its mask_mod's code) and head layout is a separate compiled graph (on a CPU
-# also every length); dynamo's default of 8 would send the ninth silently to the slow, unfused
-# eager path.
-_RECOMPILE_LIMIT = 256
 
 
 def _flex_module():
@@ -214,11 +210,8 @@ def _compiled_kernel(dynamic_lengths: bool = True):
     not compile at symbolic lengths for per-head and tiled masks (bigbird, neighborhood_2d;
     tests/backends/test_flex.py::test_compiled_flex_forward_on_cpu)."""
     flex = _flex_module().flex_attention
-    import torch._dynamo.config as dynamo_config
-
-    for name in ("recompile_limit", "cache_size_limit"):  # the newer name, and the older one
-        if hasattr(dynamo_config, name):
-            setattr(dynamo_config, name, max(getattr(dynamo_config, name), _RECOMPILE_LIMIT))
+    # each pattern (its mask_mod's code) and head layout is a graph (on a CPU also each length)
+    raise_recompile_limit()
     return torch.compile(flex, dynamic=None if dynamic_lengths else False)
 
 

@@ -10,15 +10,21 @@ kernels, one guard check), where that pays and can run:
 - on a GPU only: on a CPU the operations compute on the cores that dispatch them, and a first call
   per shape would compile for seconds;
 - not inside a graph that torch.compile traces (the caller's graph takes the operations in);
+- not under a ``TorchDispatchMode`` (a FLOP counter, a memory tracker, the zoo's tagged tensors):
+  dynamo skips a function first called under one, for the rest of the process;
 - not on fake or meta tensors (shapes only: nothing to run).
 
 Automatic dynamic shapes: the first length compiles a static graph, the second one of symbolic
-sizes that serves every later length. The function must be pure tensor code of its arguments
-(tensors, ints, bools, patterns), and must not read values on the host.
+sizes that serves every later length; other kinds of call (a decoding step, another batch size,
+autocast) add a graph each, and dynamo's limit of graphs per function is raised so that none
+falls back to eager unseen. The function must be pure tensor code of its arguments (tensors,
+ints, bools, patterns), and must not read values on the host. Its values are those of the eager
+function up to float rounding (a compiled division or sum may round differently in the last bit).
 
-Where the compiled graph fails (a torch whose compiler cannot lower an operation on this GPU),
-the function runs eagerly from then on, with one warning that names it and the error: the eager
-run computes the same values, and raises itself where the inputs are at fault.
+Where the compiled graph fails and the eager function does not (a torch whose compiler cannot
+lower an operation on this GPU), the function runs eagerly from then on, with one warning that
+names it and the error. Where the eager function fails too, the inputs are at fault: its error is
+raised and the compiled graph is kept. Running out of memory is raised as it is.
 """
 
 from __future__ import annotations
@@ -33,10 +39,33 @@ from torch import Tensor
 
 from .device_build import has_no_data
 
+# Graphs dynamo keeps per function before it runs the function eagerly, silently: each pattern
+# (a mask_mod's code), head layout or kind of call is a graph of its own (dynamo's default: 8).
+RECOMPILE_LIMIT = 256
+
+
+def raise_recompile_limit() -> None:
+    """Dynamo's graphs per function raised to at least ``RECOMPILE_LIMIT``."""
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):  # the newer name, and the older one
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), RECOMPILE_LIMIT))
+
+
+def compiles_here(t: Tensor) -> bool:
+    """Whether a call given ``t`` may run a compiled graph of its own: outside a trace, outside
+    any dispatch mode, on real data."""
+    return (
+        not torch.compiler.is_compiling()
+        and torch._C._len_torch_dispatch_stack() == 0
+        and not has_no_data(t)
+    )
+
 
 def fuses(t: Tensor) -> bool:
-    """Whether a fused function given ``t`` runs compiled: real CUDA data, outside a trace."""
-    return t.device.type == "cuda" and not torch.compiler.is_compiling() and not has_no_data(t)
+    """Whether a fused function given ``t`` runs compiled: CUDA data where ``compiles_here``."""
+    return t.device.type == "cuda" and compiles_here(t)
 
 
 class Fused:
@@ -45,11 +74,12 @@ class Fused:
     def __init__(self, fn: Callable[..., Any]) -> None:
         functools.update_wrapper(self, fn)
         self.fn = fn
-        self.failed: str | None = None  # the compiled graph's error, once it failed
+        self.failed: str | None = None  # the compiled graph's error, once it failed alone
 
     @functools.cached_property
     def compiled(self) -> Callable[..., Any]:
         """``fn`` under torch.compile (automatic dynamic shapes); built on first use."""
+        raise_recompile_limit()
         return torch.compile(self.fn, dynamic=None)
 
     def __call__(self, *args: Any) -> Any:
@@ -57,15 +87,18 @@ class Fused:
             return self.fn(*args)
         try:
             return self.compiled(*args)
-        except Exception as error:  # the eager run below raises where the inputs are at fault
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as error:
+            out = self.fn(*args)  # raises where the inputs are at fault: the graph is kept
             self.failed = f"{type(error).__name__}: {error}"
             warnings.warn(
                 f"zoo: compiling {self.fn.__module__}.{self.fn.__qualname__} failed; it runs "
-                f"eagerly from now on (same values, more host time): {self.failed}",
+                f"eagerly from now on (more host time): {self.failed}",
                 RuntimeWarning,
                 stacklevel=2,
             )
-            return self.fn(*args)
+            return out
 
 
 def fused(fn: Callable[..., Any]) -> Fused:
