@@ -1,8 +1,8 @@
 """Induction heads, after Mamba (Gu & Dao 2023, Table 11): recall what followed the special token.
 
 * Token ids: 0 PAD (never emitted), 1 SPECIAL, 2..V-1 ordinary tokens, where
-  V = ``vocab_size`` (default 16, so 14 ordinary tokens). Targets are token ids and
-  num_classes = V.
+  V = ``vocab_size`` (default 17: PAD and Mamba's vocabulary of 16, the special token and 15
+  ordinary ones). Targets are token ids and num_classes = V.
 * Layout of one sequence of length L: uniform i.i.d. ordinary tokens, except SPECIAL at a
   position p drawn uniformly from [0, L - 3] and again at the last position L - 1. The token
   at p + 1 (an ordinary token) is the answer: the only target, at position L - 1; all other
@@ -20,6 +20,8 @@ import torch
 from .base import IGNORE, Batch, Task, check_int, pow2_bucket, too_short
 
 SPECIAL, FIRST_ORDINARY = 1, 2
+# PAD, then Mamba's 16 tokens: the special token and 15 ordinary ones
+VOCAB_SIZE = 17
 
 
 class Induction(Task):
@@ -28,7 +30,7 @@ class Induction(Task):
     name = "induction"
     head = "token"
 
-    def __init__(self, seq_len: int, vocab_size: int = 16) -> None:
+    def __init__(self, seq_len: int, vocab_size: int = VOCAB_SIZE) -> None:
         check_int("seq_len", seq_len, minimum=1)
         vocab_size = check_int("vocab_size", vocab_size, minimum=FIRST_ORDINARY + 1)
         if seq_len < 3:

@@ -1,8 +1,8 @@
 """Selective copying, after Mamba (Gu & Dao 2023): copy the scattered data tokens, in order.
 
 * Token ids: 0 PAD (never emitted), 1 BLANK (noise), 2 MARKER, 3..V-1 data symbols, where
-  V = ``vocab_size`` (default 16, so 13 data symbols). Targets are token ids and
-  num_classes = V.
+  V = ``vocab_size`` (default 17: PAD and Mamba's A = 16 tokens, blank, marker and 14 data
+  symbols). Targets are token ids and num_classes = V.
 * Layout of one sequence, total length ``seq_len`` = L, with M = ``num_tokens`` (default 16)::
 
       [ L - M positions: M data tokens at random positions, in order, BLANK elsewhere ]
@@ -34,6 +34,8 @@ import torch
 from .base import IGNORE, Batch, Task, check_bool, check_int, random_choice, too_short
 
 BLANK, MARKER, FIRST_DATA = 1, 2, 3
+# PAD, then Mamba's A = 16 tokens: blank, marker and 14 data symbols
+VOCAB_SIZE = 17
 
 
 class SelectiveCopy(Task):
@@ -43,7 +45,11 @@ class SelectiveCopy(Task):
     head = "token"
 
     def __init__(
-        self, seq_len: int, num_tokens: int = 16, vocab_size: int = 16, feed_answers: bool = False
+        self,
+        seq_len: int,
+        num_tokens: int = 16,
+        vocab_size: int = VOCAB_SIZE,
+        feed_answers: bool = False,
     ) -> None:
         check_int("seq_len", seq_len, minimum=1)
         num_tokens = check_int("num_tokens", num_tokens, minimum=1)

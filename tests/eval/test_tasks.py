@@ -322,3 +322,17 @@ def test_induction_distance_is_uniform_over_its_range() -> None:
     observed = torch.bincount(distance - 2, minlength=length - 2).double()
     expected = torch.full_like(observed, len(distance) / (length - 2))
     assert chi_square(observed, expected) < chi_square_bound(length - 3)
+
+
+def test_mamba_tasks_draw_from_the_papers_alphabets_by_default() -> None:
+    """Selective copying: A = 16 tokens, blank, marker and 14 data symbols; induction heads: a
+    vocabulary of 16, the special token and 15 ordinary ones (PAD, never emitted, aside)."""
+    copying = get_task("selective_copy", seq_len=512, num_tokens=16)
+    batch = copying.sample(400, seed=0)
+    data = batch.inputs[batch.inputs >= sel_copy.FIRST_DATA]
+    assert set(data.unique().tolist()) == set(range(3, 17))
+    assert set(batch.inputs.unique().tolist()) == {sel_copy.BLANK, sel_copy.MARKER, *range(3, 17)}
+    heads = get_task("induction", seq_len=256)
+    tokens = heads.sample(200, seed=0).inputs
+    assert set(tokens.unique().tolist()) == {induction.SPECIAL, *range(2, 17)}
+    assert copying.num_classes == heads.num_classes == 17
