@@ -17,7 +17,7 @@
 #   bash eval/gpu_session.sh decode NAME [key=value]    # eval/configs/bench_decode.yaml (generation)
 #   RUN_CONFIG=eval/configs/findings/mqar_gap_zoology_gpu.yaml bash eval/gpu_session.sh \
 #       standard mqar-gap-zoology                       # a finding's GPU twin (also _uniform_gpu,
-#                                                       # extrapolation_gpu; listops_gpu one
+#                                                       # _spread_gpu, extrapolation_gpu; listops_gpu one
 #                                                       # variant per command: variants=[full])
 #
 # `all` runs these stages in order, each under its own limit, a share of LIMIT seconds (default 540)
@@ -411,7 +411,7 @@ findings)
     # The findings' GPU twins one after another, each an equal share of 87% of LIMIT (FINDINGS
     # names which; listops_gpu runs one variant per piece). Their results, standard-NAME.jsonl,
     # go to eval/results/findings-gpu/NAME/ as the end of this file says.
-    read -ra FINDINGS_RUN <<<"${FINDINGS:-mqar-gap-zoology mqar-gap-uniform extrapolation}"
+    read -ra FINDINGS_RUN <<<"${FINDINGS:-mqar-gap-zoology mqar-gap-uniform mqar-gap-spread extrapolation}"
     SUMMARY_ARGS=(goals=false)
     start_list
     run_stage env 3 "$OUT/environment.txt" "$PY" -c "$ENV_PY"

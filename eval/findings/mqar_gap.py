@@ -36,7 +36,17 @@ from .base import (
 )
 
 FULL, WINDOW, ROUTED = "full", "local", "moba"
-LAWS = {"zoology": "Zoology's gap law (power_a 0.01)", "uniform": "uniform gaps (power_a 1)"}
+LAWS = {
+    "zoology": "Zoology's gap law (power_a 0.01)",
+    "uniform": "uniform gaps (power_a 1)",
+    "spread": "pairs spread over the first half (kv_layout spread, power_a 0.01)",
+}
+# Where each preset's pairs lie, which is what MoBA's choice has to find.
+PAIRS = {
+    "zoology": "the pairs lie in its first blocks",
+    "uniform": "the pairs lie in its first blocks",
+    "spread": "each pair in a block of the first half: chosen by content",
+}
 
 
 def gap_accuracy(records: list[dict[str, Any]]) -> dict[int, float]:
@@ -111,7 +121,7 @@ def judge(chosen: dict[str, list[dict[str, Any]]], presets: dict[str, str]) -> J
             ),
             Claim(
                 f"{law}: with the window's key budget, MoBA recalls beyond the window's reach "
-                f"better than the window (by >= {MARGIN}; the pairs lie in its first blocks)",
+                f"better than the window (by >= {MARGIN}; {PAIRS[role]})",
                 f"beyond: moba {fmt(routed_out)}, window {fmt(window_out)}",
                 verdict(
                     None not in (routed_out, window_out) and routed_out >= window_out + MARGIN,
@@ -175,16 +185,19 @@ FINDING = Finding(
         "keys within its reach through the model's depth and is near chance beyond it; MoBA, "
         "with the window's key budget, recalls beyond it. MQAR puts every key-value pair in "
         "the first 2 x pairs tokens, so MoBA's choice only has to find the blocks holding them "
-        "(at N 64 with 4 pairs, 2 blocks of 4 of its top 4): a test of choosing those blocks, "
-        "not of choosing among pairs spread over the sequence."
+        "(at N 64 with 4 pairs, 2 blocks of 4 of its top 4): a test of choosing those blocks. "
+        "The spread preset (not Zoology's layout) puts each pair at a random place in the "
+        "first half, where MoBA must choose the block that holds the query's key by content."
     ),
     configs={
         "zoology": "eval/configs/findings/mqar_gap_zoology.yaml",
         "uniform": "eval/configs/findings/mqar_gap_uniform.yaml",
+        "spread": "eval/configs/findings/mqar_gap_spread.yaml",
     },
     gpu_configs={
         "zoology": "eval/configs/findings/mqar_gap_zoology_gpu.yaml",
         "uniform": "eval/configs/findings/mqar_gap_uniform_gpu.yaml",
+        "spread": "eval/configs/findings/mqar_gap_spread_gpu.yaml",
     },
     judge=judge,
 )

@@ -25,6 +25,12 @@ Layout of one sequence of length L with kv key-value pairs::
   kv <= V//2 - 1 (distinct keys must fit). V > seq_len is not required.
 * Slices: "gap" is the distance in tokens from the key's first occurrence to its query,
   bucketed to powers of two (the bucket's lower bound: 2, 4, 8, ...); "num_kv_pairs" is kv.
+* ``kv_layout="spread"`` (not Zoology's; default "front", the layout above): the pairs sit at
+  random even positions of the first half (kv distinct pair slots of the L//4 there, fillers
+  between them), the query region is the second half, its gaps drawn as above from its start.
+  Every pair then lies in a block of its own somewhere in the first half, so a pattern chosen by
+  content (MoBA) must find the block that holds the query's key, where the front layout lets it
+  learn to choose the first blocks. ``meta["pair_positions"]`` holds each pair's key position.
 
 Speed: 1000 sequences of length 1024 (kv=64) take about 0.08 s on 2 CPU cores; at 4096
 (kv=256) about 0.2 s. Key and value draws cost O(n * vocab_size) memory and time.
@@ -45,6 +51,8 @@ from .base import (
     too_short,
 )
 
+LAYOUTS = ("front", "spread")
+
 
 class MQAR(Task):
     """Multi-query associative recall: recall the value bound to each key asked again."""
@@ -58,6 +66,7 @@ class MQAR(Task):
         vocab_size: int = 8192,
         num_kv_pairs: int | None = None,
         power_a: float = 0.01,
+        kv_layout: str = "front",
     ) -> None:
         check_int("seq_len", seq_len, minimum=1)
         if num_kv_pairs is None:
@@ -73,7 +82,11 @@ class MQAR(Task):
         if 4 * kv > seq_len:
             raise too_short(seq_len, 4 * kv, f"num_kv_pairs={kv} (context plus kv query slots)")
         power_a = check_positive_float("power_a", power_a)
-        super().__init__(seq_len, num_kv_pairs=kv, power_a=power_a)
+        if kv_layout not in LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {LAYOUTS}, got {kv_layout!r}")
+        params = {"kv_layout": kv_layout} if kv_layout != "front" else {}  # records as before
+        super().__init__(seq_len, num_kv_pairs=kv, power_a=power_a, **params)
+        self.kv_layout = kv_layout
         self.vocab_size = vocab_size
         self.num_classes = vocab_size
         self.num_kv_pairs = kv
@@ -84,9 +97,14 @@ class MQAR(Task):
         gen = self._check_sample_args(n, seed)
         L, kv, V = self.seq_len, self.num_kv_pairs, self.vocab_size
         half = V // 2
-        ctx = 2 * kv
         keys = random_choice(gen, n, half - 1, kv) + 1  # ids 1 .. half-1
         values = random_choice(gen, n, V - half, kv) + half
+        if self.kv_layout == "front":
+            ctx = 2 * kv  # the query region's start
+            pair_pos = 2 * torch.arange(kv).expand(n, kv)
+        else:  # kv of the even slots of the first half, in random order
+            ctx = L // 2
+            pair_pos = 2 * random_choice(gen, n, ctx // 2, kv)
 
         # Gumbel-top-k: top kv of log(w) + Gumbel noise is a weighted draw without replacement.
         space = (L - ctx) // 2
@@ -97,14 +115,17 @@ class MQAR(Task):
         query_pos = ctx + 2 * gaps  # (n, kv); query j asks key j
 
         inputs = torch.empty(n, L, dtype=torch.int64)
-        inputs[:, 0:ctx:2] = keys
-        inputs[:, 1:ctx:2] = values
-        inputs[:, ctx:] = self._fillers(gen, keys, n, L - ctx)
+        if self.kv_layout == "front":
+            inputs[:, ctx:] = self._fillers(gen, keys, n, L - ctx)
+        else:
+            inputs[:] = self._fillers(gen, keys, n, L)
+        inputs.scatter_(1, pair_pos, keys)
+        inputs.scatter_(1, pair_pos + 1, values)
         inputs.scatter_(1, query_pos, keys)
 
         targets = torch.full((n, L), IGNORE, dtype=torch.int64)
         targets.scatter_(1, query_pos, values)
-        dist = query_pos - 2 * torch.arange(kv).unsqueeze(0)
+        dist = query_pos - pair_pos
         gap_slice = torch.zeros(n, L, dtype=torch.int64)
         gap_slice.scatter_(1, query_pos, pow2_bucket(dist))
         return Batch(
@@ -112,7 +133,7 @@ class MQAR(Task):
             targets=targets,
             padding_mask=None,
             slices={"gap": gap_slice, "num_kv_pairs": torch.full((n, L), kv, dtype=torch.int64)},
-            meta={"num_kv_pairs": kv, "query_distance": dist},
+            meta={"num_kv_pairs": kv, "query_distance": dist, "pair_positions": pair_pos},
         )
 
     def _fillers(self, gen: torch.Generator, keys: torch.Tensor, n: int, m: int) -> torch.Tensor:
@@ -126,16 +147,20 @@ class MQAR(Task):
         return ranks + torch.searchsorted(below, ranks, right=True) + 1
 
 
-def solve(tokens: list[int], num_kv_pairs: int) -> list[int]:
+def solve(
+    tokens: list[int], num_kv_pairs: int, pair_positions: list[int] | None = None
+) -> list[int]:
     """Independent checker: the targets of one MQAR sequence, recomputed from its tokens.
 
-    Reads the key -> value table from the context, then marks each query-region position
-    that repeats a context key with that key's value.
+    Reads the key -> value table from the pairs (the context's first 2 * kv tokens, or the
+    pairs at ``pair_positions``, the spread layout's), then marks each later position that
+    repeats a key with that key's value.
     """
-    ctx = 2 * num_kv_pairs
-    table = {tokens[i]: tokens[i + 1] for i in range(0, ctx, 2)}
+    if pair_positions is None:
+        pair_positions = list(range(0, 2 * num_kv_pairs, 2))
+    table = {tokens[i]: tokens[i + 1] for i in pair_positions}
     out = [IGNORE] * len(tokens)
-    for pos in range(ctx, len(tokens)):
+    for pos in range(max(pair_positions) + 2, len(tokens)):
         if tokens[pos] in table:
             out[pos] = table[tokens[pos]]
     return out

@@ -53,7 +53,7 @@ WINDOW = {"window_size": [15, 0]}  # reach: 16 in one layer, 31 in two
 
 
 def mqar(full, window, routed, window_curve=CONVERGED_CURVE):
-    """gap bucket -> accuracy for each variant, as records of both gap laws."""
+    """gap bucket -> accuracy for each variant, as records of every preset (gap law, layout)."""
     records = [
         record("mqar", "full", gaps=full),
         record("mqar", "local", gaps=window, params=WINDOW, curve=window_curve),
@@ -80,7 +80,8 @@ def test_mqar_gap_agrees_when_the_window_recalls_only_within_its_reach():
             routed={2: 1.0, 4: 1.0, 8: 1.0, 16: 0.9, 32: 0.6},
         )
     )
-    assert verdicts(judged) == [AGREES] * 8 and judged.verdict == AGREES
+    assert verdicts(judged) == [AGREES] * 12 and judged.verdict == AGREES
+    assert "chosen by content" in judged.claims[11].claim  # the spread preset's pairs
     # buckets within the stack's reach (2 x 15 + 1 = 31): 2-16; beyond: 32
     assert "[2, 4, 8, 16]" in judged.claims[1].measured
     assert "[32]" in judged.claims[2].measured
@@ -109,7 +110,7 @@ def test_mqar_gap_disagrees_or_is_not_converged_when_the_window_recalls_beyond_i
 
 def test_mqar_gap_without_results_is_not_run():
     judged = judge({config: [] for config in mqar_gap.LAWS})
-    assert verdicts(judged) == [NOT_RUN, NOT_RUN] and judged.verdict == NOT_RUN
+    assert verdicts(judged) == [NOT_RUN] * 3 and judged.verdict == NOT_RUN
     assert "python -m eval run eval/configs/findings/" in judged.claims[0].measured
 
 

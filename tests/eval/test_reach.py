@@ -199,3 +199,16 @@ def test_graph_attention_reaches_the_hop_classes_within_its_depth():
     assert hops["3"][0] == 0  # 4: farther than 3 hops, reached where the component is small
     blind = slice_reach({**cell, "variant": "full"}, 32, drawn, {})["slices"]["hops"]
     assert blind["0"][0] == blind["0"][1] and all(v[0] == 0 for h, v in blind.items() if h != "0")
+
+
+def test_an_mqar_answer_needs_its_pair_wherever_the_layout_puts_it():
+    """The spread layout's pairs lie anywhere in the first half: each answer needs its own
+    pair's key and value (``meta["pair_positions"]``), and its query."""
+    task = get_task("mqar", seq_len=64, vocab_size=32, num_kv_pairs=4, kv_layout="spread")
+    batch = task.sample(16, 3)
+    wanted = needs("mqar", task, batch)
+    pairs = batch.meta["pair_positions"]
+    for t in range(wanted.query.numel()):
+        b, q = int(wanted.example[t]), int(wanted.query[t])
+        key = int(pairs[b][batch.inputs[b, pairs[b]] == batch.inputs[b, q]])
+        assert wanted.needed[t].nonzero().flatten().tolist() == [key, key + 1, q]

@@ -336,3 +336,27 @@ def test_mamba_tasks_draw_from_the_papers_alphabets_by_default() -> None:
     tokens = heads.sample(200, seed=0).inputs
     assert set(tokens.unique().tolist()) == {induction.SPECIAL, *range(2, 17)}
     assert copying.num_classes == heads.num_classes == 17
+
+
+def test_mqar_spread_layout_scatters_the_pairs_over_the_first_half() -> None:
+    """kv_layout="spread": each pair at an even position of the first half, no two alike, the
+    queries in the second half; the labels match the checker given the pairs' positions, and
+    the gap slice is the distance from the pair's key to its query."""
+    task = get_task("mqar", seq_len=128, num_kv_pairs=6, vocab_size=64, kv_layout="spread")
+    assert task.params["kv_layout"] == "spread"
+    assert "kv_layout" not in get_task("mqar", seq_len=128, num_kv_pairs=6).params  # as before
+    batch = task.sample(300, seed=4)
+    pairs = batch.meta["pair_positions"]
+    assert pairs.shape == (300, 6) and (pairs % 2 == 0).all() and (pairs < 64).all()
+    assert (pairs.sort(1).values.diff(dim=1) > 0).all()  # distinct slots
+    assert len(set(pairs[:, 0].tolist())) > 20  # spread, not fixed
+    query = (batch.targets != IGNORE).nonzero()
+    assert (query[:, 1] >= 64).all() and len(query) == 300 * 6
+    rows = zip(batch.inputs.tolist(), batch.targets.tolist(), pairs.tolist(), strict=True)
+    for (row, target, at), gap in zip(rows, batch.slices["gap"].tolist(), strict=True):
+        assert mqar.solve(row, 6, at) == target
+        for pos, t in enumerate(target):
+            if t != IGNORE:
+                assert gap[pos] == pow2_bucket_int(pos - row.index(row[pos]))
+    with pytest.raises(ValueError, match="kv_layout must be one of"):
+        get_task("mqar", seq_len=128, kv_layout="middle")
