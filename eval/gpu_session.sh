@@ -409,9 +409,10 @@ all)
     ;;
 findings)
     # The findings' GPU twins one after another, each an equal share of 87% of LIMIT (FINDINGS
-    # names which; listops_gpu runs one variant per piece). Their results, standard-NAME.jsonl,
+    # names which; listops_gpu runs one variant per piece; mqar-gap-spread, which trains until
+    # learned, in a command of its own: FINDINGS=mqar-gap-spread). Their results, standard-NAME.jsonl,
     # go to eval/results/findings-gpu/NAME/ as the end of this file says.
-    read -ra FINDINGS_RUN <<<"${FINDINGS:-mqar-gap-zoology mqar-gap-uniform mqar-gap-spread extrapolation}"
+    read -ra FINDINGS_RUN <<<"${FINDINGS:-mqar-gap-zoology mqar-gap-uniform extrapolation}"
     SUMMARY_ARGS=(goals=false)
     start_list
     run_stage env 3 "$OUT/environment.txt" "$PY" -c "$ENV_PY"

@@ -25,6 +25,7 @@ from ..harness.plots import new_figure
 from ..harness.report import fmt, mean
 from .base import (
     NEAR_ONE,
+    NOT_RUN,
     Claim,
     Finding,
     Judgement,
@@ -81,8 +82,17 @@ def judge(chosen: dict[str, list[dict[str, Any]]], presets: dict[str, str]) -> J
     curves = {e: curve(cells[e]) for e in cells}
     one = {e: curves[e][train_len] for e in curves}
     x2, x4, x8 = ({e: at(curves[e], train_len, f) for e in curves} for f in (2, 4, 8))
-    second, eighth = (length_at(curves[ROTARY], train_len, f) for f in (2, 8))
+    second, fourth, eighth = (length_at(curves[ROTARY], train_len, f) for f in (2, 4, 8))
     seen = trained(train_len)
+
+    def judged(lengths: dict[str, int | None], parts: list[tuple]) -> str:
+        """The verdict on ``parts``, or NOT_RUN where a length the claim reads was not tested."""
+        return NOT_RUN if None in lengths.values() else verdict_all(parts)
+
+    def untested(lengths: dict[str, int | None]) -> str:
+        """What the measured column adds where a length the claim reads was not tested."""
+        gone = [factor for factor, n in lengths.items() if n is None]
+        return f"; no test length at {' or '.join(gone)} the train length" if gone else ""
 
     rope_2x = x2[ROTARY] is not None and x2[ROTARY] > max(x2[e] or 0 for e in ABSOLUTE)
     rope_8x = x8[ROTARY] is not None and x8[ROTARY] < one[ROTARY] / 2
@@ -97,8 +107,11 @@ def judge(chosen: dict[str, list[dict[str, Any]]], presets: dict[str, str]) -> J
         Claim(
             "absolute positions do not extrapolate: at 4x below half their train-length "
             "accuracy (Mamba: 100 / 58.6 / 26.6 / 18.8 at 1x / 2x / 4x / 8x)",
-            ", ".join(f"{e} {fmt(x4[e])}" for e in ABSOLUTE),
-            verdict_all([(x4[e] is not None and x4[e] < one[e] / 2, cells[e]) for e in ABSOLUTE]),
+            ", ".join(f"{e} {fmt(x4[e])}" for e in ABSOLUTE) + untested({"4x": fourth}),
+            judged(
+                {"4x": fourth},
+                [(x4[e] is not None and x4[e] < one[e] / 2, cells[e]) for e in ABSOLUTE],
+            ),
         ),
         Claim(
             "rotary holds more at 2x than absolute positions, and fails by 8x "
@@ -106,13 +119,15 @@ def judge(chosen: dict[str, list[dict[str, Any]]], presets: dict[str, str]) -> J
             f"2x: rope {fmt(x2[ROTARY])}, absolute best {fmt(max(x2[e] or 0 for e in ABSOLUTE))}; "
             f"8x: rope {fmt(x8[ROTARY])}"
             + on_trained_distances(cells, (ROTARY,), second, train_len)
-            + on_trained_distances(cells, (ROTARY,), eighth, train_len),
-            verdict_all(
+            + on_trained_distances(cells, (ROTARY,), eighth, train_len)
+            + untested({"2x": second, "8x": eighth}),
+            judged(
+                {"2x": second, "8x": eighth},
                 [
                     (rope_2x, cells[ROTARY] + absolute),
                     (rope_2x, cells[ROTARY], second, seen),
                     (rope_8x, cells[ROTARY], eighth, seen),
-                ]
+                ],
             ),
         ),
         Claim(
@@ -122,12 +137,16 @@ def judge(chosen: dict[str, list[dict[str, Any]]], presets: dict[str, str]) -> J
             "ALiBi's perplexity at 512 / 1012 / 2512 / 15512 tokens trained at 512: 19.73 / "
             "18.73 / 18.41 / 18.31, T5 19.65 / 18.79 / 20.41)",
             ", ".join(f"{e} {fmt(one[e])} -> {fmt(x8[e])}" for e in BIASES)
-            + on_trained_distances(cells, BIASES, eighth, train_len),
-            verdict_all(
+            + on_trained_distances(cells, BIASES, eighth, train_len)
+            + untested({"8x": eighth}),
+            judged(
+                {"8x": eighth},
                 [
-                    (x8[e] is not None and x8[e] >= one[e] - 0.1, cells[e], eighth, seen)
+                    part
                     for e in BIASES
-                ]
+                    for holds in [x8[e] is not None and x8[e] >= one[e] - 0.1]
+                    for part in ((holds, cells[e]), (holds, cells[e], eighth, seen))
+                ],
             ),
         ),
         Claim(
@@ -136,14 +155,12 @@ def judge(chosen: dict[str, list[dict[str, Any]]], presets: dict[str, str]) -> J
             "sinusoidal 43.54)",
             f"2x: biases >= {fmt(min(x2[e] or 0 for e in BIASES))}, rope {fmt(x2[ROTARY])}, "
             f"absolute <= {fmt(max(x2[e] or 0 for e in ABSOLUTE))}"
-            + on_trained_distances(cells, (ROTARY, *BIASES), second, train_len),
-            verdict_all(
+            + on_trained_distances(cells, (ROTARY, *BIASES), second, train_len)
+            + untested({"2x": second}),
+            judged(
+                {"2x": second},
                 [(ordered(x2), every)]
-                + [
-                    (ordered(x2), cells[e], second, seen)
-                    for e in (ROTARY, *BIASES)
-                    if second is not None
-                ]
+                + [(ordered(x2), cells[e], second, seen) for e in (ROTARY, *BIASES)],
             ),
         ),
     ]

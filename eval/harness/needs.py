@@ -77,9 +77,14 @@ def _token(task: Task, batch: Batch, rows: Callable[[Tensor, Tensor], list[Tenso
 
 
 def _mqar(task: Task, batch: Batch) -> Needs:
+    # the even positions a pair may start at: the context's, or the first half's (spread)
+    front = task.kv_layout == "front"
+    slots = torch.arange(0, 2 * task.num_kv_pairs if front else task.seq_len // 2, 2)
+
     def rows(example: Tensor, query: Tensor) -> list[Tensor]:
-        # a key's first occurrence is its pair's (no filler repeats a key), in either layout
-        key = (batch.inputs[example] == batch.inputs[example, query][:, None]).float().argmax(1)
+        # the slot holding the query's key (no filler repeats a key), in either layout
+        candidates = batch.inputs[example][:, slots]  # (T, slots)
+        key = slots[(candidates == batch.inputs[example, query][:, None]).float().argmax(1)]
         return [key, key + 1]
 
     return _token(task, batch, rows)

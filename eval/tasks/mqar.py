@@ -28,7 +28,7 @@ Layout of one sequence of length L with kv key-value pairs::
 * ``kv_layout="spread"`` (not Zoology's; default "front", the layout above): the pairs sit at
   random even positions of the first half (kv distinct pair slots of the L//4 there, fillers
   between them), the query region is the second half, its gaps drawn as above from its start.
-  Every pair then lies in a block of its own somewhere in the first half, so a pattern chosen by
+  A pair then lies in any block of the first half (two may share one), so a pattern chosen by
   content (MoBA) must find the block that holds the query's key, where the front layout lets it
   learn to choose the first blocks. ``meta["pair_positions"]`` holds each pair's key position.
 
@@ -154,7 +154,8 @@ def solve(
 
     Reads the key -> value table from the pairs (the context's first 2 * kv tokens, or the
     pairs at ``pair_positions``, the spread layout's), then marks each later position that
-    repeats a key with that key's value.
+    repeats a key with that key's value. The spread layout's pairs are not told apart from its
+    fillers by the tokens alone, so its positions come from the generator's meta.
     """
     if pair_positions is None:
         pair_positions = list(range(0, 2 * num_kv_pairs, 2))

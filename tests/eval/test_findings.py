@@ -276,3 +276,46 @@ def test_a_claim_over_several_cells_disagrees_when_a_converged_cell_fails():
     assert verdict_all([(True, converged), (True, learning)]) == AGREES
     assert verdict_all([(False, converged), (False, learning)]) == DISAGREES
     assert verdict_all([(True, converged), (False, learning)]) == NOT_CONVERGED
+
+
+def test_extrapolation_claims_whose_lengths_were_not_tested_are_not_run():
+    """Tested at 1x and 2x only: the claims at 4x and 8x are not run, naming the length, never
+    disagree; the order at 2x is judged."""
+    judged = judge({"extrapolation": [
+        record("induction", "full", encoding=e, accuracy={"64": 1.0, "128": a})
+        for e, a in dict(sinusoidal=0.5, learned=0.4, rope=0.8, alibi=0.95, t5=0.9).items()
+    ]})  # fmt: skip
+    assert verdicts(judged) == [AGREES, NOT_RUN, NOT_RUN, NOT_RUN, AGREES]
+    assert "no test length at 8x the train length" in judged.claims[3].measured
+    assert "no test length at 4x the train length" in judged.claims[1].measured
+
+
+def test_extrapolation_biases_not_learned_at_the_train_length_are_not_learned():
+    """A bias that did not learn at the train length cannot keep its accuracy: not learned,
+    even where its trained distances at 8x are learned."""
+    lengths = ("64", "128", "256", "512")
+    out = []
+    for e, acc in dict(sinusoidal=(1.0, 0.59, 0.27, 0.19), learned=(1.0, 0.3, 0.1, 0.1),
+                       rope=(1.0, 0.84, 0.31, 0.18), alibi=(0.3, 0.3, 0.3, 0.3),
+                       t5=(1.0, 0.99, 0.97, 0.95)).items():  # fmt: skip
+        r = record("induction", "full", encoding=e, accuracy=dict(zip(lengths, acc, strict=True)))
+        near = 0.1 if e == "alibi" else 1.0  # alibi misses at the train length only
+        buckets = ("2", "4", "8", "16", "32")
+        r["slices"] = {"64": {"distance": dict.fromkeys(buckets, near)},
+                       "512": {"distance": dict.fromkeys(buckets, 1.0)}}  # fmt: skip
+        out.append(r)
+    assert verdicts(judge({"extrapolation": out}))[3] == NOT_LEARNED
+
+
+def test_mqar_gap_window_recalls_within_reach_in_every_bucket_not_on_average():
+    """A bucket within reach at 0.707 among three at 1.0 (mean 0.93): the window's claim does not
+    hold, whatever the mean."""
+    judged = judge(
+        mqar(
+            full={2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0, 32: 0.98},
+            window={2: 1.0, 4: 1.0, 8: 0.707, 16: 1.0, 32: 0.05},
+            routed={2: 1.0, 4: 1.0, 8: 1.0, 16: 0.9, 32: 0.6},
+        )
+    )
+    assert verdicts(judged)[1] == DISAGREES
+    assert "lowest of buckets [2, 4, 8, 16]: 0.707" in judged.claims[1].measured
