@@ -319,3 +319,26 @@ def test_mqar_gap_window_recalls_within_reach_in_every_bucket_not_on_average():
     )
     assert verdicts(judged)[1] == DISAGREES
     assert "lowest of buckets [2, 4, 8, 16]: 0.707" in judged.claims[1].measured
+
+
+def test_a_finding_whose_gpu_twins_ran_in_part_reads_not_run_for_the_rest(tmp_path):
+    """The GPU twins of two of the MQAR presets have results, the spread one's not: its claims
+    read not run with the command that runs it, the others are judged."""
+    finding = FINDINGS["mqar-gap"]
+    data = mqar(
+        full={2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0, 32: 1.0},
+        window={2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0, 32: 0.02},
+        routed={2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0, 32: 0.9},
+    )
+    for role, config in finding.gpu_configs.items():
+        (tmp_path / config).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / config).write_text((ROOT / config).read_text())
+        if role != "spread":
+            path = tmp_path / finding.results_path(config, tmp_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("".join(json.dumps(r) + "\n" for r in data[role]))
+    judged = finding.evaluate(tmp_path, gpu=True)
+    assert verdicts(judged) == [AGREES] * 8 + [NOT_RUN] and judged.verdict == NOT_RUN
+    assert "python -m eval run eval/configs/findings/mqar_gap_spread_gpu.yaml" in (
+        judged.claims[-1].measured
+    )
