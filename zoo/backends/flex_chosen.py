@@ -121,12 +121,11 @@ def gathered_rows_of(call: AttentionCall, block: int, fuse: bool = True) -> Gath
     assert parts is not None
     chosen, fixed = parts
     keep = kept_keys(call, block)
+    size, offset = chosen.block_size, int(chosen.offset)
     layout = _row_layout if fuse else _row_layout.fn
     row_query, pair_row, row_block, partial, full = layout(
-        chosen.picks, keep, fixed, chosen.blocks, chosen.block_size, call.kv_len,
-        int(chosen.offset), block,
-    )  # fmt: skip
-    size, offset = chosen.block_size, int(chosen.offset)
+        chosen.picks, keep, fixed, chosen.blocks, size, call.kv_len, offset, block
+    )
 
     def chosen_mask(b, h, q_idx, kv_idx):
         allowed = (kv_idx // size == row_block[b, h, q_idx]) & keep[b, kv_idx]
