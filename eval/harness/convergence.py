@@ -29,6 +29,13 @@ def training_state(record: dict[str, Any]) -> str:
     curve, marginal = record.get("loss_curve"), record.get("marginal_loss")
     if record.get("status") != "ok" or not curve or len(curve) < 4 or not marginal:
         return UNKNOWN
+    return curve_state(curve, marginal)
+
+
+def curve_state(curve: list[float], marginal: float) -> str:
+    """CONVERGED, STILL_FALLING or AT_MARGINAL for a loss curve (``train.loss_curve``) and the
+    marginal loss: the rule of ``training_state``, which training with ``until: learned`` also
+    applies to the curve of its steps so far before it stops."""
     if curve[-1] > 0.95 * marginal:
         return AT_MARGINAL
     tenth = max(1, len(curve) // 10)

@@ -7,7 +7,8 @@ CPU, fixed seeds.
 
 ``train.until: learned`` trains within a budget of ``train.max_steps`` (the schedule spans it)
 and stops at the first check from ``train.steps`` on where every slice within the pattern's reach
-is learned and the loss no longer falls (``Checker``, eval/harness/verdict.py); the checks score
+is learned and the loss no longer falls by the report's rule (``Checker``, eval/harness/verdict.py,
+eval/harness/convergence.py); the checks score
 sequences of their own, drawn from the evaluation stream far from the evaluation's, so training
 never stops on what the record is scored on. Every record says what each test length's slices
 reach (``slice_reach``) and its ``verdict``.
@@ -29,7 +30,7 @@ import zoo
 
 from ..tasks import IGNORE, Batch, Task, get_task
 from . import context_parallel
-from .convergence import still_falling
+from .convergence import STILL_FALLING, curve_state
 from .distributed import Context, wrap
 from .model import SequenceModel
 from .slices import slice_reach, slice_verdict
@@ -227,7 +228,7 @@ def train(
             began = time.perf_counter()
             checks.append(checker.check(step, losses[len(losses) - every :], targets_seen))
             checking += time.perf_counter() - began
-            if until == "learned" and step >= steps and agreed(learned(checks), context):
+            if until == "learned" and step >= steps and agreed(learned(checks, losses), context):
                 stopped = "learned"
                 break
     if sharded:  # each rank's loss is its share: the batch's, and whole sequences from here on
@@ -433,16 +434,17 @@ class Checker:
         }
 
 
-def learned(checks: list[dict[str, Any]]) -> bool:
+def learned(checks: list[dict[str, Any]], losses: list[torch.Tensor]) -> bool:
     """Whether training may stop (``until: learned``): the last check found every reachable
-    slice learned (its verdict learned, or cannot: what it fails is out of reach) and the loss no
-    longer falls from the check before (``convergence.still_falling``)."""
+    slice learned (its verdict learned, or cannot: what it fails is out of reach) and the loss of
+    the steps so far no longer falls by the rule the report applies to the record
+    (``convergence.curve_state`` on ``loss_curve``), so a cell never stops "learned" that its
+    report then calls "still falling"."""
     last = checks[-1]
     if last["verdict"] not in (LEARNED, CANNOT):
         return False
-    if len(checks) < 2:
-        return True
-    return not still_falling(checks[-2]["loss"], last["loss"], last["marginal_loss"])
+    curve = loss_curve(torch.stack(losses).tolist())
+    return len(curve) < 2 or curve_state(curve, last["marginal_loss"]) != STILL_FALLING
 
 
 def agreed(stop: bool, context: Context) -> bool:
