@@ -16,7 +16,8 @@ from zoo.__main__ import int_at_least
 from zoo.views.pictures import draw_attention
 
 from ..tasks import get_task
-from .train import build_model, sample_seed
+from .seeds import sample_seed
+from .train import build_model
 
 
 def attention_map(

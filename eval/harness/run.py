@@ -38,6 +38,7 @@ from zoo.core.arguments import suggest
 from ..tasks import Task, get_task, list_tasks
 from . import distributed
 from .config import ConfigError, build, load_config
+from .seeds import BATCH_BITS, SEED_BITS
 from .workers import append_record, parse_shard, run_in_processes
 
 if TYPE_CHECKING:
@@ -171,9 +172,9 @@ LIMITS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "model.mlp_dim": (lambda v: v >= 0, ">= 0 (0: no MLP)"),
 }
 
-# Cell seeds from 0 to 2**31 - 1: each spans 2**32 batch seeds per stream (train.sample_seed),
-# and the largest, 2**64 - 1, is the largest seed torch takes.
-SEEDS = 2**31
+# Cell seeds from 0 to 2047: each draws its own 2**20 batches per stream within the 32 bits that
+# seed torch's CPU generator (train.sample_seed).
+SEEDS = 2**SEED_BITS
 
 
 def check_names(config: RunConfig, source: str) -> None:
@@ -268,7 +269,7 @@ def check_names(config: RunConfig, source: str) -> None:
         check_until(train, f"{source}: {where}")
     for i, seed in enumerate(config.seeds):
         if not 0 <= seed < SEEDS:
-            raise ConfigError(f"{source}: seeds[{i}] must be from 0 to 2**31 - 1, got {seed}")
+            raise ConfigError(f"{source}: seeds[{i}] must be from 0 to {SEEDS - 1}, got {seed}")
     for key, values in (
         ("tasks", config.tasks),
         ("variants", config.variants),
@@ -340,6 +341,13 @@ def check_until(train: dict[str, Any], where: str) -> None:
         raise ConfigError(
             f"{where}.until: learned needs max_steps >= steps (the budget), got max_steps "
             f"{train['max_steps']} with steps {train['steps']}"
+        )
+    budget = train["max_steps"] if train["until"] == "learned" else train["steps"]
+    if budget > 2**BATCH_BITS:
+        name = "max_steps" if train["until"] == "learned" else "steps"
+        raise ConfigError(
+            f"{where}.{name} must be at most 2**{BATCH_BITS} (the batches one cell seed draws, "
+            f"eval/harness/seeds.py), got {budget}"
         )
     checks = train["until"] == "learned" or train["check_every"] > 0
     if checks and train["context_parallel"] > 1:

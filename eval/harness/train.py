@@ -33,17 +33,9 @@ from . import context_parallel
 from .convergence import STILL_FALLING, curve_state
 from .distributed import Context, wrap
 from .model import SequenceModel
+from .seeds import BATCH_BITS, sample_seed
 from .slices import slice_reach, slice_verdict
 from .verdict import CANNOT, LEARNED
-
-
-def sample_seed(cell_seed: int, stream: str, index: int) -> int:
-    """The task-sampling seed of batch ``index`` in a stream ("train" or "eval") of a cell seed.
-
-    Streams interleave by parity, so a train batch and an eval batch never share a seed, whatever
-    the cell seed or the number of steps.
-    """
-    return (cell_seed * 2**32 + index) * 2 + (stream == "eval")
 
 
 def variant_params(cell: dict[str, Any], task: Task) -> dict[str, Any]:
@@ -181,6 +173,11 @@ def train(
     steps = settings["steps"]
     until = settings.get("until", "steps")
     budget = settings["max_steps"] if until == "learned" else steps  # the schedule's length
+    if budget * context.world > 2**BATCH_BITS:
+        raise ValueError(
+            f"{budget} steps on {context.world} data-parallel ranks draw more than 2**{BATCH_BITS} "
+            "batches, the most one cell seed has (eval/harness/seeds.py)"
+        )
     warmup = max(1, round(settings["warmup"] * budget))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: schedule(s, budget, warmup))
     data = Context(0, 1, context.device) if sharded else context  # sharded: the same batch
@@ -322,7 +319,8 @@ def greedy(task: Task) -> bool:
 # The evaluation stream's batch indices from which the checks during training draw theirs: far
 # from the evaluation's own (0, 1, ...), so that training never stops on the sequences the record
 # is scored on.
-CHECK_OFFSET = 2**31
+# The checks' part of the evaluation stream: past every evaluation's batches (eval_batches).
+CHECK_OFFSET = 2 ** (BATCH_BITS - 1)
 
 
 def eval_batches(cell: dict[str, Any], length: int, offset: int = 0):
@@ -330,6 +328,12 @@ def eval_batches(cell: dict[str, Any], length: int, offset: int = 0):
     batches of ``eval_batch_size``, drawn from the evaluation stream from index ``offset``:
     what ``evaluate`` scores, drawn again where the report needs them."""
     settings = cell["train"]
+    if -(-settings["eval_samples"] // settings["eval_batch_size"]) > CHECK_OFFSET:
+        raise ValueError(
+            f"train.eval_samples={settings['eval_samples']} makes more than {CHECK_OFFSET} "
+            f"batches of train.eval_batch_size={settings['eval_batch_size']}: the evaluation "
+            "would draw the checks' sequences"
+        )
     task = get_task(cell["task"], seq_len=length, **cell["task_params"])
     remaining, index = settings["eval_samples"], 0
     while remaining > 0:

@@ -50,7 +50,9 @@ def refusal(*overrides: str, world: int | None = 1) -> str:
         (["device=nonsense"], ["device", "nonsense", "'auto', 'cpu' or 'cuda'"]),
         # each of these passed the checks, then failed every cell (several after training)
         (["backend=nonsense"], ["backend", "nonsense", "sdpa"]),
-        (["seeds=[-1]"], ["seeds[0]", "-1", "2**31"]),
+        (["seeds=[-1]"], ["seeds[0]", "-1", "2047"]),
+        (["seeds=[2048]"], ["seeds[0]", "2048", "2047"]),  # above: another seed's batches
+        (["train.steps=1048577"], ["train.steps", "2**20", "1048577"]),
         (["seeds=[0, 1, 0]"], ["seeds", "0", "twice"]),
         (["variants=[full, local, full]"], ["variants", "full", "twice"]),
         (["train.lr=[0.001, 0.001]"], ["train.lr", "0.001", "twice"]),
@@ -96,7 +98,7 @@ def test_what_runs_is_not_refused():
     # exclude knows the module variants (nsa) that variants takes
     config = checked("variants=[nsa, full]", "exclude=[{variant: nsa, encoding: rope}]")
     assert [c["variant"] for c in cells(config)] == ["full"]
-    checked("train.grad_clip=.inf", "train.warmup=0", "seeds=[0, 2147483647]", "backend=sdpa")
+    checked("train.grad_clip=.inf", "train.warmup=0", "seeds=[0, 2047]", "backend=sdpa")
     checked("tasks=[graph_hops]", "task_params={}", "variants=[graph]", "causal=true",
             "train.generation=false")  # fmt: skip
 
