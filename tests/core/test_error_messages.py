@@ -214,12 +214,18 @@ def test_a_scale_that_is_not_finite(scale):
         zoo.attention(q, q, q, variant="full", scale=scale)  # inf returned NaN everywhere
 
 
-def test_a_seed_beyond_64_bits():
+def test_a_seed_beyond_32_bits():
+    """torch's CPU generator reads the low 32 bits of a seed: 2**32 + 5 would draw the pattern
+    of 5, so seeds above 2**32 - 1 are refused, naming the bound and why."""
     q = torch.randn(1, 2, 8, 4)
+    draw = lambda seed: torch.rand(3, generator=torch.Generator().manual_seed(seed))  # noqa: E731
+    assert torch.equal(draw(5), draw(2**32 + 5))
     expected = (
-        r"seed must be at most 2\*\*64 - 1 = 18446744073709551615 \(torch.Generator.manual_seed "
-        r"takes a 64-bit seed\), got 1180591620717411303424"
+        r"seed must be at most 2\*\*32 - 1 = 4294967295 \(torch's CPU generator reads 32 bits of "
+        r"a seed: a larger one would repeat a smaller one's draws\), got 1180591620717411303424"
     )
+    with pytest.raises(ValueError, match=expected.replace("1180591620717411303424", "4294967296")):
+        zoo.attention(q, q, q, variant="random", block_size=2, seed=2**32)
     with pytest.raises(ValueError, match=expected):
         zoo.attention(q, q, q, variant="bigbird", seed=2**70)  # was "Overflow when unpacking"
     with pytest.raises(ValueError, match=expected):  # failed only at the first forward
@@ -228,7 +234,7 @@ def test_a_seed_beyond_64_bits():
         zoo.attention(q, q, q, variant="performer", seed=2**70)
     with pytest.raises(ValueError, match=r"seed must be at least 0, got -1"):
         zoo.attention(q, q, q, variant="random", seed=-1)
-    assert zoo.attention(q, q, q, variant="random", block_size=2, seed=2**64 - 1).isfinite().all()
+    assert zoo.attention(q, q, q, variant="random", block_size=2, seed=2**32 - 1).isfinite().all()
 
 
 def test_a_value_of_no_parameter_type_gets_the_parameter_check():

@@ -118,16 +118,18 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
-SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes a seed of 64 bits
+# torch.Generator.manual_seed takes 64 bits, but its CPU generator (a Mersenne Twister) reads the
+# low 32: a larger seed would draw what a smaller one draws, so it is refused.
+SEED_MAX = 2**32 - 1
 
 
 def check_seed(name: str, value: object) -> int:
-    """A seed for ``torch.Generator().manual_seed``: an int in [0, 2**64 - 1]."""
+    """A seed for ``torch.Generator().manual_seed`` on the CPU: an int in [0, 2**32 - 1]."""
     check_int(name, value, minimum=0)
     if value > SEED_MAX:
         raise ValueError(
-            f"{name} must be at most 2**64 - 1 = {SEED_MAX} (torch.Generator.manual_seed takes a "
-            f"64-bit seed), got {value}"
+            f"{name} must be at most 2**32 - 1 = {SEED_MAX} (torch's CPU generator reads 32 bits "
+            f"of a seed: a larger one would repeat a smaller one's draws), got {value}"
         )
     return value
 

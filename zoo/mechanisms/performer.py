@@ -117,7 +117,7 @@ class PerformerAttention(Mechanism):
     def redraw(self) -> None:
         """Draw the next W (from seed + draws + 1)."""
         self.draws += 1
-        seed = (self.seed + self.draws) % (SEED_MAX + 1)  # past 2**64 - 1, from 0 again
+        seed = (self.seed + self.draws) % (SEED_MAX + 1)  # past 2**32 - 1, from 0 again
         fresh = orthogonal_features(self.num_features, self.head_dim, seed)
         self.projection.copy_(fresh)
 

@@ -27,7 +27,7 @@ Candidates (``among``):
 
 Per head (``per_head``). BigBird and Hugging Face draw one table per head
 (``_bigbird_block_rand_mask_with_head``). With ``per_head=True`` (the default of the ``bigbird``
-variant, ``random_per_head``) query head h draws its own table with seed ``seed + h`` (mod 2**64),
+variant, ``random_per_head``) query head h draws its own table with seed ``seed + h`` (mod 2**32),
 by the same rules as the shared table, so head 0's table is the shared one and a head's table does
 not depend on how many heads there are. It is still a fixed pattern (chosen by position, not by
 content, unlike ``zoo.patterns.routed``): ``specialize`` gives a ``RandomBlocks`` whose views are
@@ -78,7 +78,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..core.arguments import check_int, check_seed
+from ..core.arguments import SEED_MAX, check_int, check_seed
 from .base import Pattern, Spans, state_from
 from .families import register_pattern
 from .global_blocks import check_position, global_block_indices
@@ -149,7 +149,8 @@ def _floyd(uniform: Tensor, candidates: Tensor, count: int) -> Tensor:
     return chosen.sort(dim=1).values
 
 
-SEED_SPAN = 2**64  # torch.Generator's seeds: head h draws with (seed + h) mod 2**64
+# The seeds torch's CPU generator tells apart: head h draws with (seed + h) mod SEED_SPAN.
+SEED_SPAN = SEED_MAX + 1
 
 
 @register_pattern("random")
@@ -203,7 +204,7 @@ class Random(Pattern):
         return draw_outside(blocks, self.num_blocks, seed, self.window_neighbors, avoid, causal)
 
     def head_tables(self, blocks: int, heads: int) -> Tensor:
-        """[heads, blocks, r]: head h's table drawn with seed (seed + h) mod 2**64."""
+        """[heads, blocks, r]: head h's table drawn with seed (seed + h) mod 2**32."""
         draws = [
             self._table(blocks, self._causal, (self.seed + h) % SEED_SPAN) for h in range(heads)
         ]
