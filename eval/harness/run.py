@@ -173,7 +173,7 @@ LIMITS: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 # Cell seeds from 0 to 2047: each draws its own 2**20 batches per stream within the 32 bits that
-# seed torch's CPU generator (train.sample_seed).
+# seed torch's CPU generator (seeds.sample_seed).
 SEEDS = 2**SEED_BITS
 
 

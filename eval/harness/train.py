@@ -8,9 +8,8 @@ CPU, fixed seeds.
 ``train.until: learned`` trains within a budget of ``train.max_steps`` (the schedule spans it)
 and stops at the first check from ``train.steps`` on where every slice within the pattern's reach
 is learned and the loss no longer falls by the report's rule (``Checker``, eval/harness/verdict.py,
-eval/harness/convergence.py); the checks score
-sequences of their own, drawn from the evaluation stream far from the evaluation's, so training
-never stops on what the record is scored on. Every record says what each test length's slices
+eval/harness/convergence.py); the checks score sequences of their own, drawn from the evaluation
+stream far from the evaluation's, so training never stops on what the record is scored on. Every record says what each test length's slices
 reach (``slice_reach``) and its ``verdict``.
 """
 
@@ -319,7 +318,6 @@ def greedy(task: Task) -> bool:
 # The evaluation stream's batch indices from which the checks during training draw theirs: far
 # from the evaluation's own (0, 1, ...), so that training never stops on the sequences the record
 # is scored on.
-# The checks' part of the evaluation stream: past every evaluation's batches (eval_batches).
 CHECK_OFFSET = 2 ** (BATCH_BITS - 1)
 
 
