@@ -34,14 +34,22 @@ def training_state(record: dict[str, Any]) -> str:
 
 def curve_state(curve: list[float], marginal: float) -> str:
     """CONVERGED, STILL_FALLING or AT_MARGINAL for a loss curve (``train.loss_curve``) and the
-    marginal loss: the rule of ``training_state``, which training with ``until: learned`` also
-    applies to the curve of its steps so far before it stops."""
+    marginal loss."""
     if curve[-1] > 0.95 * marginal:
         return AT_MARGINAL
+    return STILL_FALLING if loss_falls(curve, marginal) else CONVERGED
+
+
+def loss_falls(curve: list[float], marginal: float) -> bool:
+    """Whether the loss of the curve's last tenth fell from the tenth before it
+    (``still_falling``), whatever its level: what training with ``until: learned`` reads from the
+    curve of its steps so far before it stops. A curve of one point does not fall."""
+    if len(curve) < 2:
+        return False
     tenth = max(1, len(curve) // 10)
     late = statistics.fmean(curve[-tenth:])
     before = statistics.fmean(curve[-2 * tenth : -tenth])
-    return STILL_FALLING if still_falling(before, late, marginal) else CONVERGED
+    return still_falling(before, late, marginal)
 
 
 def still_falling(before: float, late: float, marginal: float) -> bool:

@@ -4,7 +4,8 @@ length (eval/harness/verdict.py), for records of any age.
 A record trained since the verdicts were introduced carries ``slice_reach`` (answers in reach and
 answers, per slice value, at each test length). An older one does not; its reach is computed
 here from its cell: the evaluation sequences are drawn again (the same seeds as ``evaluate``:
-sampling is a pure function of the task, the length and the seed) and each answer's needed
+sampling is a pure function of the task, the length and the seed; for cell seed 0, whose draws
+eval/harness/seeds.py kept, and the only seed of such records here) and each answer's needed
 positions checked against the pattern's reach, so the verdicts of committed results need no
 retraining. The accuracies and chance are the record's own.
 """

@@ -38,7 +38,7 @@ from zoo.core.arguments import suggest
 from ..tasks import Task, get_task, list_tasks
 from . import distributed
 from .config import ConfigError, build, load_config
-from .seeds import BATCH_BITS, SEED_BITS
+from .seeds import SEED_BITS, draw_problem
 from .workers import append_record, parse_shard, run_in_processes
 
 if TYPE_CHECKING:
@@ -342,13 +342,6 @@ def check_until(train: dict[str, Any], where: str) -> None:
             f"{where}.until: learned needs max_steps >= steps (the budget), got max_steps "
             f"{train['max_steps']} with steps {train['steps']}"
         )
-    budget = train["max_steps"] if train["until"] == "learned" else train["steps"]
-    if budget > 2**BATCH_BITS:
-        name = "max_steps" if train["until"] == "learned" else "steps"
-        raise ConfigError(
-            f"{where}.{name} must be at most 2**{BATCH_BITS} (the batches one cell seed draws, "
-            f"eval/harness/seeds.py), got {budget}"
-        )
     checks = train["until"] == "learned" or train["check_every"] > 0
     if checks and train["context_parallel"] > 1:
         raise ConfigError(
@@ -495,7 +488,7 @@ def training_problem(
             f"train.context_parallel={shards} splits each sequence over {shards} processes, this "
             f"run has {world}; run it under torchrun --nproc-per-node {shards}"
         )
-    return None
+    return draw_problem(train, world if world is not None and shards == 1 else 1)
 
 
 def results_file(config: RunConfig) -> Path:

@@ -1,16 +1,16 @@
 """Train one cell of a sweep and measure it: accuracy per test length and slice, time, memory.
 
 Training data is drawn fresh every step from the task's generator (seeds that never repeat and
-never meet the evaluation seeds), so there is nothing to overfit but the task itself. AdamW with
-linear warm-up and cosine decay to zero, gradient clipping, bf16 autocast on GPU and float32 on
-CPU, fixed seeds.
+never meet the evaluation's, eval/harness/seeds.py), so there is nothing to overfit but the task
+itself. AdamW with linear warm-up and cosine decay to zero, gradient clipping, bf16 autocast on
+GPU and float32 on CPU, fixed seeds.
 
 ``train.until: learned`` trains within a budget of ``train.max_steps`` (the schedule spans it)
 and stops at the first check from ``train.steps`` on where every slice within the pattern's reach
-is learned and the loss no longer falls by the report's rule (``Checker``, eval/harness/verdict.py,
-eval/harness/convergence.py); the checks score sequences of their own, drawn from the evaluation
-stream far from the evaluation's, so training never stops on what the record is scored on. Every record says what each test length's slices
-reach (``slice_reach``) and its ``verdict``.
+is learned and the loss no longer falls by the report's rule (``Checker``,
+eval/harness/verdict.py, eval/harness/convergence.py); the checks score sequences of their own
+(eval/harness/seeds.py), so training never stops on what the record is scored on. Every record
+says what each test length's slices reach (``slice_reach``) and its ``verdict``.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ import zoo
 
 from ..tasks import IGNORE, Batch, Task, get_task
 from . import context_parallel
-from .convergence import STILL_FALLING, curve_state
+from .convergence import loss_falls
 from .distributed import Context, wrap
 from .model import SequenceModel
-from .seeds import BATCH_BITS, sample_seed
+from .seeds import CHECK_OFFSET, sample_seed
 from .slices import slice_reach, slice_verdict
 from .verdict import CANNOT, LEARNED
 
@@ -172,11 +172,6 @@ def train(
     steps = settings["steps"]
     until = settings.get("until", "steps")
     budget = settings["max_steps"] if until == "learned" else steps  # the schedule's length
-    if budget * context.world > 2**BATCH_BITS:
-        raise ValueError(
-            f"{budget} steps on {context.world} data-parallel ranks draw more than 2**{BATCH_BITS} "
-            "batches, the most one cell seed has (eval/harness/seeds.py)"
-        )
     warmup = max(1, round(settings["warmup"] * budget))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: schedule(s, budget, warmup))
     data = Context(0, 1, context.device) if sharded else context  # sharded: the same batch
@@ -222,9 +217,9 @@ def train(
                 progress.set_postfix(loss=f"{losses[-1].item():.3f}", refresh=False)
         if checker is not None and (step % every == 0 or step == budget):
             began = time.perf_counter()
-            checks.append(checker.check(step, losses[len(losses) - every :], targets_seen))
+            checks.append(checker.check(step, losses, every, targets_seen))
             checking += time.perf_counter() - began
-            if until == "learned" and step >= steps and agreed(learned(checks, losses), context):
+            if until == "learned" and step >= steps and agreed(learned(checks), context):
                 stopped = "learned"
                 break
     if sharded:  # each rank's loss is its share: the batch's, and whole sequences from here on
@@ -315,23 +310,11 @@ def greedy(task: Task) -> bool:
     return bool(getattr(task, "feed_answers", False))
 
 
-# The evaluation stream's batch indices from which the checks during training draw theirs: far
-# from the evaluation's own (0, 1, ...), so that training never stops on the sequences the record
-# is scored on.
-CHECK_OFFSET = 2 ** (BATCH_BITS - 1)
-
-
 def eval_batches(cell: dict[str, Any], length: int, offset: int = 0):
     """(task, batch) of the cell's ``eval_samples`` evaluation sequences at ``length``, in
     batches of ``eval_batch_size``, drawn from the evaluation stream from index ``offset``:
     what ``evaluate`` scores, drawn again where the report needs them."""
     settings = cell["train"]
-    if -(-settings["eval_samples"] // settings["eval_batch_size"]) > CHECK_OFFSET:
-        raise ValueError(
-            f"train.eval_samples={settings['eval_samples']} makes more than {CHECK_OFFSET} "
-            f"batches of train.eval_batch_size={settings['eval_batch_size']}: the evaluation "
-            "would draw the checks' sequences"
-        )
     task = get_task(cell["task"], seq_len=length, **cell["task_params"])
     remaining, index = settings["eval_samples"], 0
     while remaining > 0:
@@ -410,8 +393,9 @@ def check_interval(settings: dict[str, Any]) -> int:
 class Checker:
     """The checks during training: the model scored on sequences of the train length drawn once
     from their own part of the evaluation stream (``CHECK_OFFSET``), with the slices' reach on
-    them; each check records the step, the loss since the last one, the accuracy per slice and
-    the verdict it gives (eval/harness/verdict.py)."""
+    them; each check records the step, the loss since the last one, whether the loss of the
+    steps so far still falls by the report's rule (``convergence.loss_falls`` on ``loss_curve``),
+    the accuracy per slice and the verdict it gives (eval/harness/verdict.py)."""
 
     def __init__(self, model: SequenceModel, cell: dict[str, Any], context: Context) -> None:
         self.model, self.cell, self.context = model, cell, context
@@ -420,15 +404,19 @@ class Checker:
         params = variant_params(cell, self.drawn[0][0])
         self.reach = slice_reach(cell, length, self.drawn, params)
 
-    def check(self, step: int, losses: list[torch.Tensor], seen: torch.Tensor) -> dict[str, Any]:
+    def check(
+        self, step: int, losses: list[torch.Tensor], every: int, seen: torch.Tensor
+    ) -> dict[str, Any]:
         found = evaluate(self.model, self.cell, self.cell["train_len"], self.context, self.drawn)
         level = marginal(seen)
         said = slice_verdict(
             self.cell["task"], found["slices"], self.reach, level["chance_accuracy"]
         )
+        so_far = torch.stack(losses)
         return {
             "step": step,
-            "loss": round(float(torch.stack(losses).mean()), 5),
+            "loss": round(float(so_far[-every:].mean()), 5),
+            "loss_falling": loss_falls(loss_curve(so_far.tolist()), level["marginal_loss"]),
             "marginal_loss": level["marginal_loss"],
             "accuracy": found["accuracy"],
             "slices": found["slices"],
@@ -436,17 +424,13 @@ class Checker:
         }
 
 
-def learned(checks: list[dict[str, Any]], losses: list[torch.Tensor]) -> bool:
+def learned(checks: list[dict[str, Any]]) -> bool:
     """Whether training may stop (``until: learned``): the last check found every reachable
     slice learned (its verdict learned, or cannot: what it fails is out of reach) and the loss of
-    the steps so far no longer falls by the rule the report applies to the record
-    (``convergence.curve_state`` on ``loss_curve``), so a cell never stops "learned" that its
-    report then calls "still falling"."""
+    the steps so far no longer falling by the rule the report applies to the record, so a cell
+    never stops "learned" that its report then calls "still falling"."""
     last = checks[-1]
-    if last["verdict"] not in (LEARNED, CANNOT):
-        return False
-    curve = loss_curve(torch.stack(losses).tolist())
-    return len(curve) < 2 or curve_state(curve, last["marginal_loss"]) != STILL_FALLING
+    return last["verdict"] in (LEARNED, CANNOT) and not last["loss_falling"]
 
 
 def agreed(stop: bool, context: Context) -> bool:

@@ -86,7 +86,8 @@ class Task:
     def _check_sample_args(self, n: int, seed: int) -> torch.Generator:
         """Validate `sample`'s arguments and return a generator seeded from `seed`."""
         check_int("n", n, minimum=1)
-        check_int("seed", seed, minimum=0)
+        # torch's CPU generator reads 32 bits of a seed: a larger one would draw a smaller one's
+        check_int("seed", seed, minimum=0, maximum=2**32 - 1)
         return torch.Generator().manual_seed(seed)
 
 

@@ -224,8 +224,15 @@ def test_a_seed_beyond_32_bits():
         r"seed must be at most 2\*\*32 - 1 = 4294967295 \(torch's CPU generator reads 32 bits of "
         r"a seed: a larger one would repeat a smaller one's draws\), got 1180591620717411303424"
     )
-    with pytest.raises(ValueError, match=expected.replace("1180591620717411303424", "4294967296")):
+    at_bound = expected.replace("1180591620717411303424", "4294967296")
+    with pytest.raises(ValueError, match=at_bound):
         zoo.attention(q, q, q, variant="random", block_size=2, seed=2**32)
+    with pytest.raises(ValueError, match=at_bound):
+        zoo.attention(q, q, q, variant="bigbird", block_size=2, seed=2**32)
+    with pytest.raises(ValueError, match=at_bound):
+        zoo.attention(q, q, q, variant="performer", seed=2**32)
+    for variant, params in (("bigbird", {"block_size": 2}), ("performer", {})):
+        assert zoo.attention(q, q, q, variant=variant, seed=2**32 - 1, **params).isfinite().all()
     with pytest.raises(ValueError, match=expected):
         zoo.attention(q, q, q, variant="bigbird", seed=2**70)  # was "Overflow when unpacking"
     with pytest.raises(ValueError, match=expected):  # failed only at the first forward

@@ -52,7 +52,9 @@ def refusal(*overrides: str, world: int | None = 1) -> str:
         (["backend=nonsense"], ["backend", "nonsense", "sdpa"]),
         (["seeds=[-1]"], ["seeds[0]", "-1", "2047"]),
         (["seeds=[2048]"], ["seeds[0]", "2048", "2047"]),  # above: another seed's batches
-        (["train.steps=1048577"], ["train.steps", "2**20", "1048577"]),
+        (["train.steps=1048577"], ["train.steps=1048577", "2**20"]),
+        (["train.until=learned", "train.max_steps=1048577"], ["train.max_steps=1048577"]),
+        (["train.eval_samples=600000", "train.eval_batch_size=1"], ["train.eval_samples=600000"]),
         (["seeds=[0, 1, 0]"], ["seeds", "0", "twice"]),
         (["variants=[full, local, full]"], ["variants", "full", "twice"]),
         (["train.lr=[0.001, 0.001]"], ["train.lr", "0.001", "twice"]),

@@ -365,7 +365,7 @@ def test_a_training_pool_is_read_in_shuffled_epochs():
     first_epoch = torch.cat(
         [drawn[r](s).inputs for s in (0, 1) for r in (0, 1)]
     )  # 2 steps x 2 ranks x 3
-    pool = task.sample(12, eval.harness.train.sample_seed(3, "train", 0)).inputs
+    pool = task.sample(12, eval.harness.seeds.sample_seed(3, "train", 0)).inputs
     as_rows = lambda x: sorted(tuple(row.tolist()) for row in x)  # noqa: E731
     assert as_rows(first_epoch) == as_rows(pool), "an epoch covers the pool once, ranks disjoint"
     second = torch.cat([drawn[r](s).inputs for s in (2, 3) for r in (0, 1)])

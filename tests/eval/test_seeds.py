@@ -10,8 +10,8 @@ import itertools
 import pytest
 import torch
 
-from eval.harness.seeds import BATCH_BITS, SEED_BITS, sample_seed
-from eval.harness.train import CHECK_OFFSET, eval_batches
+from eval.harness.seeds import BATCH_BITS, CHECK_OFFSET, SEED_BITS, draw_problem, sample_seed
+from eval.harness.train import eval_batches
 from eval.tasks import get_task
 
 
@@ -29,6 +29,11 @@ def test_every_batch_seed_is_distinct_and_within_32_bits():
     ]
     assert len(set(seeds)) == len(seeds)
     assert all(0 <= s < 2**32 for s in seeds)
+
+
+def test_cell_seed_0_draws_as_before_the_layout():
+    for stream, index in itertools.product(("train", "eval"), (0, 1, 7, 4000)):
+        assert sample_seed(0, stream, index) == 2 * index + (stream == "eval")
 
 
 def test_two_cell_seeds_draw_different_batches():
@@ -53,6 +58,7 @@ def test_the_checks_score_sequences_of_their_own():
         ((2**SEED_BITS, "train", 0), ["cell seed", str(2**SEED_BITS - 1), str(2**SEED_BITS)]),
         ((0, "train", 2**BATCH_BITS), ["train stream", f"2**{BATCH_BITS}", str(2**BATCH_BITS)]),
         ((-1, "eval", 0), ["cell seed", "-1"]),
+        ((0, "evaluation", 0), ["stream", "'evaluation'", "'train', 'eval'"]),
     ],
 )
 def test_out_of_bounds_names_what_and_the_bound(args, words):
@@ -61,8 +67,47 @@ def test_out_of_bounds_names_what_and_the_bound(args, words):
     assert all(w in str(error.value) for w in words), error.value
 
 
-def test_too_many_evaluation_batches_would_meet_the_checks():
-    cell = {"task": "mqar", "task_params": {}, "seed": 0,
-            "train": {"eval_samples": CHECK_OFFSET + 1, "eval_batch_size": 1}}  # fmt: skip
-    with pytest.raises(ValueError, match="eval_samples"):
-        next(eval_batches(cell, 64))
+TRAIN = {"steps": 100, "batch_size": 8, "eval_samples": 64, "eval_batch_size": 32}
+
+
+@pytest.mark.parametrize(
+    ("settings", "ranks", "words"),
+    [
+        ({"steps": 2**BATCH_BITS + 1}, 1, ["train.steps=1048577", "2**20"]),
+        ({"steps": 2**BATCH_BITS // 2 + 1}, 2, ["on 2 data-parallel", "1048578"]),
+        ({"until": "learned", "max_steps": 2**BATCH_BITS + 1}, 1, ["train.max_steps"]),
+        ({"steps": 2**18, "batch_size": 64, "pool": 16}, 1, ["train.pool=16", "1048576 epochs"]),
+        ({"eval_samples": CHECK_OFFSET + 1, "eval_batch_size": 1}, 1, ["train.eval_samples"]),
+    ],
+)
+def test_settings_that_would_draw_past_a_cell_seed_are_refused_before_training(
+    settings, ranks, words
+):
+    problem = draw_problem({**TRAIN, **settings}, ranks)
+    assert problem is not None and all(w in problem for w in words), problem
+
+
+@pytest.mark.parametrize(
+    ("settings", "ranks"),
+    [
+        ({"steps": 2**BATCH_BITS}, 1),  # the last batch index is 2**20 - 1
+        ({"steps": 2**BATCH_BITS // 2}, 2),
+        ({"steps": 2**BATCH_BITS, "pool": 16, "batch_size": 8}, 1),  # 2**19 epochs
+        ({"eval_samples": CHECK_OFFSET, "eval_batch_size": 1}, 1),
+    ],
+)
+def test_settings_at_the_bounds_draw(settings, ranks):
+    assert draw_problem({**TRAIN, **settings}, ranks) is None
+
+
+def test_the_data_parallel_bound_is_checked_with_the_run_s_processes():
+    from eval.harness.config import ConfigError, load_config
+    from eval.harness.run import RunConfig, cells, check_cells
+
+    config = load_config(RunConfig, None, [
+        "tasks=[mqar]", "variants=[full]", "train_lengths=[32]", "test_lengths=[32]",
+        f"train.steps={2**BATCH_BITS // 2 + 1}", "train.batch_size=8",
+    ])  # fmt: skip
+    check_cells(cells(config), "test", world=1)
+    with pytest.raises(ConfigError, match="on 2 data-parallel processes"):
+        check_cells(cells(config), "test", world=2)

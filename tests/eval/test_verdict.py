@@ -15,12 +15,19 @@ from eval.findings import NOT_LEARNED as CLAIM_NOT_LEARNED
 from eval.findings.base import verdict
 from eval.harness import distributed
 from eval.harness.config import ConfigError, load_config
-from eval.harness.convergence import CONVERGED, STILL_FALLING, training_state
+from eval.harness.convergence import (
+    AT_MARGINAL,
+    CONVERGED,
+    STILL_FALLING,
+    curve_state,
+    loss_falls,
+    training_state,
+)
 from eval.harness.learned import record_verdict
 from eval.harness.report import write_report
 from eval.harness.run import RunConfig, cells, check_cells, check_names, make_cell, run
 from eval.harness.selection import chosen_records
-from eval.harness.train import learned
+from eval.harness.train import learned, loss_curve
 from eval.harness.verdict import (
     AT_CHANCE,
     CANNOT,
@@ -135,26 +142,40 @@ def test_until_learned_stops_as_soon_as_the_reachable_slices_are_learned(until_r
         checks = record["checks"]
         assert record["stopped"] == "learned" and 200 <= record["steps_taken"] < 1500
         assert record["steps_taken"] == checks[-1]["step"] and checks[-1]["verdict"] == said
-        # it stopped where its report does not call the loss still falling
-        assert training_state(record) != STILL_FALLING, record["loss_curve"]
+        # it stopped at the first check from `steps` on with the reachable slices learned and
+        # the loss no longer falling, where its report does not call the loss still falling
+        assert training_state(record) == CONVERGED, record["loss_curve"]
+        assert not checks[-1]["loss_falling"]
+        for check in checks[:-1]:
+            if check["step"] >= 200 and check["verdict"] in (LEARNED, CANNOT):
+                assert check["loss_falling"], (variant, check)
         assert record["verdict"] == {"32": said}
-        assert all({"step", "loss", "accuracy", "slices", "verdict"} <= set(c) for c in checks)
+        assert all(
+            {"step", "loss", "loss_falling", "accuracy", "slices", "verdict"} <= set(c)
+            for c in checks
+        )
     # the window learned the gaps within its reach and failed the one beyond it
     reach = records["local"]["slice_reach"]["32"]["slices"]["gap"]
     assert reach["8"][0] == 0 < reach["2"][0] == reach["2"][1]
 
 
 def test_until_learned_waits_for_the_curve_the_report_judges_not_the_last_two_checks():
-    check = {"verdict": CANNOT, "marginal_loss": 3.47}
+    marginal = 3.47
     # 9000 steps whose last two checks are level (1.55 each) but whose last tenth fell from the
     # tenth before (1.90 to 1.55: still falling; 1.56 to 1.55: level)
-    falling = [1.90] * 7200 + [1.90] * 900 + [1.55] * 900
-    level_checks = [dict(check, loss=1.55), dict(check, loss=1.55)]
-    assert not learned(level_checks, [torch.tensor(x) for x in falling])
-    flat = [1.90] * 7200 + [1.56] * 900 + [1.55] * 900
-    assert learned(level_checks, [torch.tensor(x) for x in flat])
+    falling = loss_curve([1.90] * 8100 + [1.55] * 900)
+    assert loss_falls(falling, marginal) and curve_state(falling, marginal) == STILL_FALLING
+    flat = loss_curve([1.90] * 7200 + [1.56] * 900 + [1.55] * 900)
+    assert not loss_falls(flat, marginal) and curve_state(flat, marginal) == CONVERGED
+    # near the marginal the report says "no better than the marginal", and a falling loss
+    # there still keeps training going
+    high = loss_curve([3.80] * 8100 + [3.35] * 900)
+    assert curve_state(high, marginal) == AT_MARGINAL and loss_falls(high, marginal)
+    assert not loss_falls([1.0], marginal)  # one point: nothing to compare
+    check = {"verdict": CANNOT, "loss_falling": False}
+    assert learned([check]) and not learned([dict(check, loss_falling=True)])
     # and the slices first: a reachable slice not learned never stops, however flat the loss
-    assert not learned([dict(check, verdict=NOT_LEARNED, loss=1.55)], [torch.tensor(1.0)] * 50)
+    assert not learned([dict(check, verdict=NOT_LEARNED)])
 
 
 def test_until_learned_runs_to_its_budget_where_nothing_is_learned(tmp_path):

@@ -224,6 +224,15 @@ def test_performer_redraws_its_features_every_interval_in_training_only():
     assert torch.equal(again, first)  # one seed, one draw
 
 
+def test_performer_redraws_past_the_last_seed_from_seed_0():
+    """Seeds wrap at 2**32, the seeds torch's CPU generator tells apart: the redraw after seed
+    2**32 - 1 draws with seed 0."""
+    module = zoo.create_attention("performer", dim=32, num_heads=2, seed=2**32 - 1)
+    module.mechanism.redraw()
+    zero = zoo.create_attention("performer", dim=32, num_heads=2, seed=0).mechanism.projection
+    assert torch.equal(module.mechanism.projection, zero)
+
+
 def test_linear_features_keep_float32_precision_far_below_zero():
     """φ(x) = elu(x) + 1 is exp(x) below 0: computed as (exp(x) - 1) + 1 in float32 it came out
     0 at x = -20 (a key that weighs nothing); its gradient stays finite at large x."""
