@@ -8,7 +8,8 @@ a variant that cannot run a length) is recorded as failed with the reason and th
 the next run of the sweep tries it again, and the report keeps each cell's latest record.
 
 A cell's key covers its config, not the zoo's code: after a change to what a variant computes
-(its definition or its registry defaults), run the sweep into a fresh ``out``. Each record names
+(its definition or its registry defaults) or to what the harness draws (eval/harness/seeds.py),
+run the sweep into a fresh ``out``. Each record names
 the commit it ran at (``environment.commit``, with ``+changes`` when the tree had uncommitted
 changes).
 """
