@@ -1,0 +1,48 @@
+"""Accuracy per exact key-to-query gap and per query position of one trained MQAR cell, read
+from a checkpoint the harness saved (``save_checkpoints=true``):
+
+    python eval/results/mqar-spread-window-cpu/per_gap.py OUT/checkpoints/KEY.pt [SEQUENCES]
+
+The harness reports gaps in power-of-two buckets; this splits them, on fresh sequences (seed
+12345, far from training's and the evaluation's streams)."""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+
+import torch
+
+from eval.harness.train import build_model
+from eval.tasks import get_task
+
+
+def main(path: str, sequences: int = 4096) -> None:
+    saved = torch.load(path, weights_only=False)
+    cell = saved["cell"]
+    task = get_task(cell["task"], seq_len=cell["train_len"], **cell["task_params"])
+    model = build_model(cell, task)
+    model.load_state_dict(saved["model"])
+    model.eval()
+    batch = task.sample(sequences, 12345)
+    with torch.no_grad():
+        right = model(batch.inputs, batch.padding_mask).argmax(-1) == batch.targets
+    gaps, keys = batch.meta["query_distance"], batch.meta["pair_positions"]
+    rows = torch.arange(sequences)[:, None].expand_as(gaps)
+    hit = right[rows, keys + gaps]  # each query's answer
+    for name, by in (("gap", gaps), ("query position", keys + gaps)):
+        tally: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+        for value, ok in zip(by.flatten().tolist(), hit.flatten().tolist(), strict=True):
+            tally[value][0] += ok
+            tally[value][1] += 1
+        print(f"| {name} | " + " | ".join(str(v) for v in sorted(tally)) + " |")
+        print("|---|" + "---|" * len(tally))
+        print(
+            "| accuracy (answers) | "
+            + " | ".join(f"{a / n:.2f} ({n})" for _, (a, n) in sorted(tally.items()))
+            + " |\n"
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], *(int(a) for a in sys.argv[2:]))
