@@ -3,8 +3,8 @@ from a checkpoint the harness saved (``save_checkpoints=true``):
 
     python eval/results/mqar-spread-window-cpu/per_gap.py OUT/checkpoints/KEY.pt [SEQUENCES]
 
-The harness reports gaps in power-of-two buckets; this splits them, on fresh sequences (seed
-12345, far from training's and the evaluation's streams)."""
+The harness reports gaps in power-of-two buckets; this splits them by exact gap, by query
+position and by both, on 4096 fresh sequences drawn with seed 12345."""
 
 from __future__ import annotations
 
@@ -42,6 +42,18 @@ def main(path: str, sequences: int = 4096) -> None:
             + " | ".join(f"{a / n:.2f} ({n})" for _, (a, n) in sorted(tally.items()))
             + " |\n"
         )
+    # where the misses lie: accuracy per (gap, query position) at the query region's first
+    # positions, for the gaps a window of 15 reaches in one layer and the first beyond
+    places = sorted(set((keys + gaps).flatten().tolist()))[:7]
+    print("| gap \\ query position | " + " | ".join(map(str, places)) + " |")
+    print("|---|" + "---|" * len(places))
+    for gap in range(2, 19, 2):
+        cells = []
+        for place in places:
+            chosen = (gaps == gap) & (keys + gaps == place)
+            count = int(chosen.sum())
+            cells.append(f"{hit[chosen].float().mean():.2f} ({count})" if count else "-")
+        print(f"| {gap} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
