@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-BATCH_BITS = 20  # batches per stream and cell seed: steps x data-parallel ranks, checks included
+# Batches per stream and cell seed (of the evaluation stream, half the evaluation's, half the
+# checks').
+BATCH_BITS = 20
 SEED_BITS = 31 - BATCH_BITS  # cell seeds from 0 to 2**SEED_BITS - 1 (eval/harness/run.py)
 STREAMS = ("train", "eval")
 # The evaluation stream's batch indices from which the checks during training draw theirs: past

@@ -32,7 +32,7 @@ from . import context_parallel
 from .convergence import loss_falls
 from .distributed import Context, wrap
 from .model import SequenceModel
-from .seeds import CHECK_OFFSET, sample_seed
+from .seeds import CHECK_OFFSET, draw_problem, sample_seed
 from .slices import slice_reach, slice_verdict
 from .verdict import CANNOT, LEARNED
 
@@ -175,6 +175,9 @@ def train(
     warmup = max(1, round(settings["warmup"] * budget))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: schedule(s, budget, warmup))
     data = Context(0, 1, context.device) if sharded else context  # sharded: the same batch
+    problem = draw_problem(settings, data.world)  # run.py refuses it before; a direct call here
+    if problem is not None:
+        raise ValueError(problem)
     per_rank = settings["batch_size"] // data.world
     if context.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(context.device)

@@ -92,7 +92,8 @@ def test_settings_that_would_draw_past_a_cell_seed_are_refused_before_training(
     [
         ({"steps": 2**BATCH_BITS}, 1),  # the last batch index is 2**20 - 1
         ({"steps": 2**BATCH_BITS // 2}, 2),
-        ({"steps": 2**BATCH_BITS, "pool": 16, "batch_size": 8}, 1),  # 2**19 epochs
+        ({"steps": 2**BATCH_BITS - 1, "pool": 1, "batch_size": 1}, 1),  # orders at 1 .. 2**20 - 1
+        ({"steps": 2**BATCH_BITS // 2 - 1, "pool": 1, "batch_size": 2}, 2),  # ranks share epochs
         ({"eval_samples": CHECK_OFFSET, "eval_batch_size": 1}, 1),
     ],
 )
@@ -100,14 +101,58 @@ def test_settings_at_the_bounds_draw(settings, ranks):
     assert draw_problem({**TRAIN, **settings}, ranks) is None
 
 
+def test_the_bound_for_a_pool_is_its_epochs_not_its_steps():
+    train = {**TRAIN, "steps": 2**BATCH_BITS, "pool": 1, "batch_size": 1}
+    assert "2**20 - 1" in draw_problem(train)  # epoch 2**20 - 1 would draw its order at 2**20
+    assert draw_problem({**train, "pool": 2}) is None  # 2**19 epochs
+
+
+def test_the_drawn_indices_stay_within_what_draw_problem_allows(monkeypatch):
+    """The largest batch index that training draws, a pool read by two data-parallel ranks and
+    fresh batches, is the one draw_problem bounds."""
+    from eval.harness import train
+    from eval.harness.distributed import Context
+
+    drawn = []
+    real = train.sample_seed
+
+    def recorded(seed: int, stream: str, index: int) -> int:
+        drawn.append((stream, index))
+        return real(seed, stream, index)
+
+    monkeypatch.setattr(train, "sample_seed", recorded)
+    task = get_task("mqar", seq_len=32, vocab_size=16, num_kv_pairs=2)
+    for pool, steps in ((6, 10), (0, 10)):
+        drawn.clear()
+        for rank in (0, 1):
+            draw = train.batches(task, 0, pool, 2, Context(rank, 2, torch.device("cpu")))
+            for step in range(steps):
+                draw(step)
+        largest = max(i for stream, i in drawn if stream == "train")
+        # 10 steps of a batch of 4 over 2 ranks: fresh, indices 0 .. 19; a pool of 6, the orders
+        # of epochs 0 .. 6 at 1 .. 7, the bound's (steps x batch - 1) // pool + 1
+        assert largest == (19 if not pool else (steps * 4 - 1) // pool + 1), (pool, largest)
+
+
+def test_context_parallel_draws_once_per_step_whatever_its_processes():
+    train = {**TRAIN, "steps": 2**BATCH_BITS // 2 + 1, "context_parallel": 2}
+    assert draw_problem(train, 1) is None  # run.py passes 1 for sharded cells
+
+
+OVERRIDES = [
+    "tasks=[mqar]", "variants=[full]", "train_lengths=[32]", "test_lengths=[32]",
+    f"train.steps={2**BATCH_BITS // 2 + 1}", "train.batch_size=8",
+]  # fmt: skip
+
+
 def test_the_data_parallel_bound_is_checked_with_the_run_s_processes():
     from eval.harness.config import ConfigError, load_config
     from eval.harness.run import RunConfig, cells, check_cells
 
-    config = load_config(RunConfig, None, [
-        "tasks=[mqar]", "variants=[full]", "train_lengths=[32]", "test_lengths=[32]",
-        f"train.steps={2**BATCH_BITS // 2 + 1}", "train.batch_size=8",
-    ])  # fmt: skip
+    config = load_config(RunConfig, None, OVERRIDES)
     check_cells(cells(config), "test", world=1)
     with pytest.raises(ConfigError, match="on 2 data-parallel processes"):
         check_cells(cells(config), "test", world=2)
+    # the same steps with the sequence sharded over the 2 processes: one batch a step
+    sharded = load_config(RunConfig, None, [*OVERRIDES, "train.context_parallel=2"])
+    check_cells(cells(sharded), "test", world=2)

@@ -146,6 +146,8 @@ def test_until_learned_stops_as_soon_as_the_reachable_slices_are_learned(until_r
         # the loss no longer falling, where its report does not call the loss still falling
         assert training_state(record) == CONVERGED, record["loss_curve"]
         assert not checks[-1]["loss_falling"]
+        # read off the whole curve so far: at the stop, the record's own curve
+        assert not loss_falls(record["loss_curve"], record["marginal_loss"])
         for check in checks[:-1]:
             if check["step"] >= 200 and check["verdict"] in (LEARNED, CANNOT):
                 assert check["loss_falling"], (variant, check)
@@ -161,8 +163,8 @@ def test_until_learned_stops_as_soon_as_the_reachable_slices_are_learned(until_r
 
 def test_until_learned_waits_for_the_curve_the_report_judges_not_the_last_two_checks():
     marginal = 3.47
-    # 9000 steps whose last two checks are level (1.55 each) but whose last tenth fell from the
-    # tenth before (1.90 to 1.55: still falling; 1.56 to 1.55: level)
+    # 9000 steps whose last tenth fell from the tenth before (1.90 to 1.55: still falling), where
+    # checks of the last 500 steps each would both read 1.55; and one level (1.56 to 1.55)
     falling = loss_curve([1.90] * 8100 + [1.55] * 900)
     assert loss_falls(falling, marginal) and curve_state(falling, marginal) == STILL_FALLING
     flat = loss_curve([1.90] * 7200 + [1.56] * 900 + [1.55] * 900)

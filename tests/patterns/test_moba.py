@@ -332,7 +332,7 @@ def test_the_choice_compiled_as_on_a_gpu_is_the_choice(causal, cached, monkeypat
         for compiled in (False, True):
             with monkeypatch.context() as m:
                 if chunked:
-                    m.setattr(moba, "CHOICE_ELEMENTS", 2 * 4 * 40 * 64)  # 64 queries a chunk
+                    m.setattr(moba, "CHOICE_ELEMENTS", 2 * 4 * 40 * 64)  # 40-128 queries a chunk
                 if compiled:
                     m.setattr(fused, "fuses", lambda t: not torch.compiler.is_compiling())
                 out.append(moba.moba_choice(q, k, block_size=16, top_k=3, causal=causal, **kwargs))
@@ -344,9 +344,12 @@ def test_the_choice_compiled_as_on_a_gpu_is_the_choice(causal, cached, monkeypat
         assert torch.equal(compiled, eager), n
     assert 1 <= counters["stats"]["unique_graphs"] - before <= 2
     whole = counters["stats"]["unique_graphs"]
+    graph, calls = moba._choose.compiled, []  # each chunk runs the compiled function
+    monkeypatch.setitem(moba._choose.__dict__, "compiled", lambda *a: calls.append(1) or graph(*a))
     for n in (300, 517, 1000, 777):
         eager, compiled = choices(n, chunked=True)
         assert torch.equal(compiled, eager), n
+    assert len(calls) > 4  # several chunks a call
     assert counters["stats"]["unique_graphs"] - whole <= 2  # chunks: not a graph per length
     assert moba._choose.failed is None
 
