@@ -51,11 +51,14 @@ KILL_ONCE = "ZOO_RAY_KILL_ONCE"
 def run_on_ray(
     config, source: str, overrides: list[str], sweep: list[dict[str, Any]], done: set[str],
     results: Path, run_cell: Callable, show_progress: bool = True,
+    check_cells: Callable | None = None,
 ) -> int:  # fmt: skip
     """Run the cells of ``sweep`` not in ``done`` as Ray tasks, each record appended to
     ``results``; 0 when every cell got a record, 130 on Ctrl-C. ``run_cell(cell, config,
-    context, progress)`` trains one cell (``eval.harness.run.run_cell``, handed over so that this
-    module does not import the one that calls it)."""
+    context, progress)`` trains one cell and ``check_cells(cells, source, world)`` refuses, with
+    a ConfigError, cells that cannot train over ``world`` processes, here before any task starts
+    (``eval.harness.run``'s, handed over so that this module does not import the one that calls
+    it)."""
     ray = _import_ray()
     address = config.ray_address or os.environ.get("RAY_ADDRESS", "")
     _check_reachable(address)
@@ -65,6 +68,8 @@ def run_on_ray(
     print(f"{source}: {len(todo)} cells to run on Ray, {len(sweep) - len(todo)} done in {results}",
           flush=True)  # fmt: skip
     needs = _resources(config, ray.cluster_resources())
+    if check_cells is not None:  # the driver now knows each task's processes
+        check_cells(todo, source, needs["processes"])
     progress = _progress_actor().remote() if todo else None
     task = ray.remote(_train_cell).options(
         num_cpus=needs["cpus"], num_gpus=needs["gpus"], max_retries=config.max_retries,

@@ -427,8 +427,8 @@ def check_cells(cells_: list[dict[str, Any]], source: str, world: int | None = 1
     encoding cannot reach, generation without a causal token model, a graph variant on a task
     without a graph, a batch that does not split over the ``world`` processes of this run or a
     context parallelism of another number of processes (None: not known here, as for Ray's
-    driver; a cell that Ray trains over several processes is checked in them), a 2-D model tested
-    on another image grid."""
+    driver before it connects; it checks again once it knows a task's processes), a 2-D model
+    tested on another image grid."""
     from .train import build_model, variant_params
 
     for cell in cells_:
@@ -673,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(RunConfig, args.config, args.overrides)
         check_names(config, args.config)
-        # this run's processes: torchrun's, or one; Ray's driver does not know a cell's
+        # this run's processes: torchrun's, or one; Ray's driver knows a cell's once connected
         ray = config.launcher == "ray" and not inner
         world = None if ray else int(os.environ.get("WORLD_SIZE", "1"))
         check_cells(cells(config), args.config, world)
@@ -689,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             status = run_on_ray(
                 config, args.config, args.overrides, cells(config), finished_keys(results),
-                results, run_cell, not args.no_progress,
+                results, run_cell, not args.no_progress, check_cells,
             )  # fmt: skip
         except ConfigError as error:
             print(f"error: {error}", file=sys.stderr)

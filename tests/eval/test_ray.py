@@ -125,6 +125,18 @@ def test_a_cell_over_two_processes_runs_under_torchrun_in_its_task(cluster, tmp_
     assert record["environment"]["world_size"] == 2
 
 
+def test_a_cell_that_cannot_split_over_its_task_s_processes_is_refused_at_launch(
+    cluster, tmp_path, capsys
+):
+    """A batch of 3 over a task's 2 processes: refused by the driver before any task starts (it
+    was a failed record per cell, after scheduling), naming the batch and the processes."""
+    out = tmp_path / "odd"
+    extra = ("launcher=ray", "variants=[full]", "resources={processes: 2, cpus: 2}")
+    assert sweep(out, *extra, "train.batch_size=3") == 2
+    assert "train.batch_size=3 does not split over the 2 processes" in capsys.readouterr().err
+    assert not (out / "results.jsonl").exists() or not (out / "results.jsonl").read_text()
+
+
 def _default_interrupt() -> None:
     """In the child, before it starts: Ctrl-C's default action, as a terminal gives it. An
     ignored signal stays ignored across exec, and the pytest-xdist worker that runs this test
