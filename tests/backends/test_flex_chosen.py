@@ -105,6 +105,55 @@ def test_gathered_rows_give_moba_gradients_through_the_kernel_and_the_merge(
         assert (got - want).abs().max() < 1e-5
 
 
+def test_the_bookkeeping_compiled_as_on_a_gpu_gives_the_reference(gathered, monkeypatch):
+    """What a GPU runs (``zoo.core.fused``: the block sums, the choice, the rows and their merge
+    each compiled, the merge's backward too), forced on a CPU around the emulated kernel: the
+    reference's output and gradients at lengths no block divides, causal (a fixed member cuts
+    the own block), padded, one sequence wholly (rows without a key: zeros, no NaN); each
+    function compiles at most twice over three lengths (a static graph, then one of symbolic
+    lengths). Without a fixed member the rows compile as in the test above."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from zoo.backends.flex_chosen import _merge_pairs, _row_layout
+    from zoo.core import fused
+    from zoo.decoding.block_sums import _sums
+    from zoo.patterns.moba import _choose
+
+    functions = (_sums, _choose, _row_layout, _merge_pairs)
+    torch._dynamo.reset()
+    for function in functions:
+        function.__dict__.pop("compiled", None)
+        monkeypatch.setattr(function, "failed", None)
+    monkeypatch.setattr(fused, "fuses", lambda t: not torch.compiler.is_compiling())
+    monkeypatch.setattr(flex_kernel, "_kernel", lambda compiled, q=None: emulated_flex)
+    counted = flex_module.gathered_rows_of  # the compiled kernel's path: the rows fused
+    monkeypatch.setattr(flex_module, "gathered_rows_of", lambda c, b, fuse: counted(c, b))
+    merge = flex_module.merged_per_query
+    monkeypatch.setattr(flex_module, "merged_per_query", lambda *a, fuse: merge(*a))
+    for n in (300, 517, 777):
+        q, k, v, padding = _inputs(n, n, padded=True, seed=n)
+        padding[0] = True  # a sequence of padding only
+        k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)
+        kw = dict(variant="moba", block_size=64, top_k=3, causal=True, key_padding_mask=padding)
+        outs, grads = [], []
+        for backend in (_Differentiable(block_size=16, compile=False), "reference"):
+            leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+            out = zoo.attention(*leaves, backend=backend, **kw)
+            out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+            outs.append(out)
+            grads.append([x.grad for x in leaves])
+        assert not outs[0].isnan().any()
+        assert (outs[0] - outs[1]).abs().max() < 1e-5, n
+        for got, want in zip(*grads, strict=True):
+            assert not got.isnan().any()
+            assert (got - want).abs().max() < 1e-5, n
+    assert gathered == ["moba"] * 3
+    for function in functions:
+        assert function.failed is None, function.failed
+        graphs = len(_debug_get_cache_entry_list(function.fn.__code__))
+        assert 1 <= graphs <= 2, (function.fn.__qualname__, graphs)
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_random_shapes_and_intersections_on_the_rows(seed, monkeypatch):
     """Any batch, lengths (fewer or more queries than keys), block sizes (a MoBA block smaller
@@ -261,14 +310,46 @@ def test_gpu_gathered_moba_forward_backward_matches_reference(causal, dtype, gat
     assert "moba" in gathered
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from zoo.backends.flex_chosen import _row_layout
+    from zoo.backends.flex_chosen import _merge_pairs, _row_layout
+    from zoo.decoding.block_sums import _sums
     from zoo.patterns.moba import _choose
 
-    # the rows and the choice ran compiled (``zoo.core.fused``): graphs in dynamo's cache of
-    # their code, and no failure that sent them back to eager
-    for fused in (_row_layout, _choose):
+    # the block sums, the choice, the rows and their merge ran compiled (``zoo.core.fused``):
+    # graphs in dynamo's cache of their code, and no failure that sent them back to eager
+    for fused in (_sums, _choose, _row_layout, _merge_pairs):
         assert fused.failed is None
         assert _debug_get_cache_entry_list(fused.fn.__code__), fused.fn.__qualname__
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_the_transposed_lists_are_those_flex_computes(shape, causal, padded):
+    """A call that records gradients: the kernel query blocks of each kernel key block, made
+    with the rows' layout (one compiled graph on a GPU), are exactly what
+    ``BlockMask.from_kv_blocks`` computes from the key blocks' lists (backward reads them)."""
+    from zoo.backends.flex_chosen import SKIPS_Q_BLOCKS
+    from zoo.backends.flex_kernel import _flex_module
+
+    if not SKIPS_Q_BLOCKS:
+        pytest.skip("this torch's from_kv_blocks computes them itself")
+    q_len, kv_len, size, block = shape
+    q, k, v, padding = _inputs(q_len, kv_len, padded)
+    q.requires_grad_()
+    call = prepare_call(q, k, v, variant="moba", block_size=size, top_k=3, causal=causal,
+                        key_padding_mask=padding)  # fmt: skip
+    got = gathered_rows_of(call, block).block_mask
+    want = _flex_module().BlockMask.from_kv_blocks(
+        got.kv_num_blocks, got.kv_indices, got.full_kv_num_blocks, got.full_kv_indices,
+        BLOCK_SIZE=block, seq_lengths=got.seq_lengths,
+    )  # fmt: skip
+    for name in ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        assert getattr(got, name).dtype == getattr(want, name).dtype, name
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    without = gathered_rows_of(prepare_call(q.detach(), k, v, variant="moba", block_size=size,
+                                            top_k=3, causal=causal, key_padding_mask=padding),
+                               block).block_mask  # fmt: skip
+    assert without.q_num_blocks is None  # a forward alone: nothing transposed
 
 
 def test_the_rows_compiled_equal_the_eager_rows_in_two_graphs_for_every_length():
@@ -291,7 +372,7 @@ def test_the_rows_compiled_equal_the_eager_rows_in_two_graphs_for_every_length()
                                 key_padding_mask=padding)  # fmt: skip
             chosen, fixed = chosen_parts(call.pattern)
             args = (chosen.picks, kept_keys(call, 16), fixed, chosen.blocks, chosen.block_size,
-                    call.kv_len, int(chosen.offset), 16)  # fmt: skip
+                    call.kv_len, int(chosen.offset), 16, True)  # fmt: skip
             want, got = _row_layout.fn(*args), compiled(*args)
             flat = torch.utils._pytree.tree_leaves
             assert all(torch.equal(a, b) for a, b in zip(flat(want), flat(got), strict=True))

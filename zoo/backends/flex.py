@@ -61,7 +61,7 @@ from .flex_chosen import (
     gathered_pays,
     gathered_rows_of,
     kept_keys,
-    rows_per_query,
+    merged_per_query,
 )
 from .flex_decode import flex_decode
 from .flex_kernel import (
@@ -73,7 +73,7 @@ from .flex_kernel import (
     run_kernel,
 )
 from .flex_lookup import lookup_mask_mod, lookup_pays
-from .lse_merge import merge, merge_along
+from .lse_merge import merge
 
 
 def flex_frame(pattern: Pattern, q_len: int, kv_len: int, block: int, device) -> Frame:
@@ -454,8 +454,7 @@ class FlexBackend(Backend):
             _one_graph_per_shape(q, k, v)
             out, lse = run_kernel(compiled, least, gather_queries(q, rows), k, v, lse=True,
                                   **kernel_args)  # fmt: skip
-            out, _ = merge_along(rows_per_query(out, rows), rows_per_query(lse, rows))
-            return out.to(q.dtype)
+            return merged_per_query(out, lse, rows, q.dtype, fuse=compiled)
 
         return run
 

@@ -19,13 +19,15 @@ same density). MoBA's own kernel, and this path, make each (query, chosen block)
   the kernel's, the last block).
 - The kernel runs once on the gathered queries (B, H, rows, D) and the caller's k and v, and
   returns each row's log-sum-exp; a query's rows merge by it (``lse_merge.merge_along``), so the
-  gradient flows through the gather, the kernel and the merge by autograd.
+  gradient flows through the gather, the kernel and the merge by autograd. On a GPU the merge is
+  one compiled graph (``zoo.core.fused``), its backward another.
 - Rows: the pairs (queries x chosen blocks: n * top_k) plus at most one partly filled kernel
   block per segment; the count is a bound fixed by the shapes, so nothing waits on the device,
   and fake tensors and traced graphs run it. Kernel query blocks past the used rows attend no key.
-- The rows' bookkeeping (a sort of the pairs, their rows, the block lists: about 100 small
-  operations) runs as one compiled graph on a GPU (``zoo.core.fused``), where eagerly each would
-  be a launch and host work; the block mask is assembled from its tensors eagerly.
+- The rows' bookkeeping (a sort of the pairs, their rows, the block lists, and for a call that
+  records gradients the transposed lists backward reads: about 100 small operations) runs as
+  one compiled graph on a GPU (``zoo.core.fused``), where eagerly each would be a launch and
+  host work; the block mask holds its tensors as they are.
 - Eager flex (``compile=False``, tests) scores every row against every key: the rows make it
   slower than the union there; the path is for the compiled kernel.
 
@@ -51,6 +53,7 @@ from ..patterns import EMPTY, FULL, PARTIAL, Pattern, Spans
 from ..patterns.compose import Intersection
 from ..patterns.routed import ChosenBlocks
 from .flex_kernel import _flex_module
+from .lse_merge import merge_along
 
 
 def chosen_parts(pattern: Pattern) -> tuple[ChosenBlocks, Pattern | None] | None:
@@ -102,6 +105,9 @@ def _width(chosen_block: int, block: int) -> int:
     return chosen_block // block + 2
 
 
+Lists = tuple[Tensor, Tensor]  # a block mask's (counts, indices) of one kind of block
+
+
 @dataclass(frozen=True, eq=False)
 class GatheredRows:
     """One call's rows (``B, H, R``): the query each row holds, the row of each (query, pick
@@ -123,8 +129,11 @@ def gathered_rows_of(call: AttentionCall, block: int, fuse: bool = True) -> Gath
     keep = kept_keys(call, block)
     size, offset = chosen.block_size, int(chosen.offset)
     layout = _row_layout if fuse else _row_layout.fn
-    row_query, pair_row, row_block, partial, full = layout(
-        chosen.picks, keep, fixed, chosen.blocks, size, call.kv_len, offset, block
+    # The transposed block lists, which only backward reads, made with the rest of the layout;
+    # in a caller's traced graph from_kv_blocks makes them, inside that graph, as it always did.
+    transposed = call.needs_grad and SKIPS_Q_BLOCKS and not torch.compiler.is_compiling()
+    row_query, pair_row, row_block, partial, full, by_key = layout(
+        chosen.picks, keep, fixed, chosen.blocks, size, call.kv_len, offset, block, transposed
     )
 
     def chosen_mask(b, h, q_idx, kv_idx):
@@ -134,24 +143,29 @@ def gathered_rows_of(call: AttentionCall, block: int, fuse: bool = True) -> Gath
         return allowed
 
     build = _flex_module().BlockMask.from_kv_blocks
-    skip = not call.needs_grad and SKIPS_Q_BLOCKS  # the transposed layout only backward reads
+    skip = SKIPS_Q_BLOCKS and (transposed or not call.needs_grad)
     options = {"compute_q_blocks": False} if skip else {}
     block_mask = build(
         *partial, *full, BLOCK_SIZE=block, mask_mod=chosen_mask,
         seq_lengths=(row_query.shape[-1], call.kv_len), **options,
     )  # fmt: skip
+    if transposed:  # what from_kv_blocks computes eagerly (about 60 operations at 16K)
+        (block_mask.q_num_blocks, block_mask.q_indices), by_key_full = by_key
+        block_mask.full_q_num_blocks, block_mask.full_q_indices = by_key_full
     return GatheredRows(row_query, pair_row, block_mask, chosen.picks.shape[-1])
 
 
 @fused
 def _row_layout(
     picks: Tensor, keep: Tensor, fixed: Pattern | None, nb: int, size: int, kv_len: int,
-    offset: int, block: int,
-) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:  # fmt: skip
+    offset: int, block: int, transposed: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Lists, Lists, tuple[Lists, Lists] | None]:  # fmt: skip
     """The rows of a choice ``picks`` (B, H, Lq, slots) of ``nb`` blocks of ``size`` keys:
-    (row_query, pair_row (see ``GatheredRows``), each row's chosen block (B, H, R) int32, and
-    the kernel key blocks of each kernel query block, PARTIAL and FULL, as flex's
-    ``BlockMask.from_kv_blocks`` takes them: (counts, indices) each)."""
+    (row_query, pair_row (see ``GatheredRows``), each row's chosen block (B, H, R) int32, the
+    kernel key blocks of each kernel query block, PARTIAL and FULL, as flex's
+    ``BlockMask.from_kv_blocks`` takes them: (counts, indices) each, and where ``transposed``
+    the kernel query blocks of each kernel key block, PARTIAL and FULL, as it would compute
+    them (else None))."""
     picks = picks.long()
     B, H, q_len, slots = picks.shape
     device = picks.device
@@ -173,9 +187,9 @@ def _row_layout(
     row_segment = torch.full((B, H, rows), 2 * nb, dtype=torch.long, device=device)
     row_segment.scatter_(-1, row, by_segment)
     pair_row = torch.empty_like(row).scatter_(-1, order, row)
-    partial, full = _block_lists(row_query, row_segment, keep, fixed, offset, size, nb, kv_len,
-                                 block)  # fmt: skip
-    return row_query, pair_row, (row_segment // 2).to(torch.int32), partial, full
+    partial, full, by_key = _block_lists(row_query, row_segment, keep, fixed, offset, size, nb,
+                                         kv_len, block, transposed)  # fmt: skip
+    return row_query, pair_row, (row_segment // 2).to(torch.int32), partial, full, by_key
 
 
 def _segments(
@@ -215,12 +229,13 @@ def kept_keys(call: AttentionCall, block: int) -> Tensor:
 
 def _block_lists(
     row_query: Tensor, row_segment: Tensor, keep: Tensor, fixed: Pattern | None, offset: int,
-    size: int, nb: int, kv_len: int, block: int,
-) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:  # fmt: skip
+    size: int, nb: int, kv_len: int, block: int, transposed: bool = False,
+) -> tuple[Lists, Lists, tuple[Lists, Lists] | None]:  # fmt: skip
     """The kernel key blocks over the rows, (counts, indices) of the PARTIAL ones and of the FULL
     ones: each kernel query block attends the kernel key blocks of its segment's chosen block,
     FULL where every key there is the block's, kept, and the segment FULL; the mask_mod reads
-    each row's block and query."""
+    each row's block and query. Where ``transposed``, also the kernel query blocks of each
+    kernel key block, PARTIAL and FULL (``by_key``), else None."""
     B, H, _ = row_query.shape
     kv_blocks = keep.shape[1] // block
     segment = row_segment[..., ::block]  # (B, H, Qb): a kernel block's rows are one segment's
@@ -253,7 +268,18 @@ def _block_lists(
         index = torch.nn.functional.pad(index, (0, kv_blocks - width))
         return chosen_kind.sum(-1).to(torch.int32), index.to(torch.int32).contiguous()
 
-    return listed(PARTIAL), listed(FULL)
+    def by_key(kind: int) -> Lists:
+        """What ``BlockMask.from_kv_blocks`` computes from ``listed(kind)`` (flex's
+        ``_transpose_ordered``): per kernel key block, how many kernel query blocks attend it,
+        and those first in ascending order, then the others."""
+        dense = torch.zeros(*state.shape[:3], kv_blocks + 1, dtype=torch.int32, device=keep.device)
+        dense.scatter_(-1, torch.where(state == kind, candidate, kv_blocks), 1)  # one past: dropped
+        dense = dense[..., :kv_blocks].transpose(-1, -2)
+        order = torch.argsort(dense, dim=-1, descending=True, stable=True)
+        return dense.sum(-1).to(torch.int32), order.to(torch.int32).contiguous()
+
+    by_keys = (by_key(PARTIAL), by_key(FULL)) if transposed else None
+    return listed(PARTIAL), listed(FULL), by_keys
 
 
 def _takes_compute_q_blocks() -> bool:
@@ -299,10 +325,26 @@ def gather_queries(q: Tensor, rows: GatheredRows) -> Tensor:
     return q.gather(2, index)
 
 
-def rows_per_query(x: Tensor, rows: GatheredRows) -> Tensor:
-    """The rows' outputs (B, H, R, Dv) or log-sum-exps (B, H, R) -> each query's rows, one per
-    pick slot: (B, H, Lq, slots, Dv) or (B, H, Lq, slots)."""
-    index = rows.pair_row if x.dim() == 3 else rows.pair_row[..., None].expand(
-        *rows.pair_row.shape, x.shape[-1])  # fmt: skip
-    B, H, pairs = rows.pair_row.shape
-    return x.gather(2, index).view(B, H, pairs // rows.slots, rows.slots, *x.shape[3:])
+def merged_per_query(
+    out: Tensor, lse: Tensor, rows: GatheredRows, dtype: torch.dtype, fuse: bool = True
+) -> Tensor:
+    """The rows' outputs (B, H, R, Dv) and log-sum-exps (B, H, R) -> each query's output
+    (B, H, Lq, Dv) in ``dtype``: its rows, one per pick slot, merged by log-sum-exp
+    (``lse_merge.merge_along``). One compiled graph on a GPU (``zoo.core.fused``), and one for
+    its backward, where eagerly the merge was about 25 operations and launches each way; eager
+    where ``fuse`` is False."""
+    merge = _merge_pairs if fuse else _merge_pairs.fn
+    return merge(out, lse, rows.pair_row, rows.slots, dtype)
+
+
+@fused
+def _merge_pairs(
+    out: Tensor, lse: Tensor, pair_row: Tensor, slots: int, dtype: torch.dtype
+) -> Tensor:
+    """``merged_per_query`` of the rows of each (query, pick slot) pair ``pair_row``."""
+    B, H, pairs = pair_row.shape
+    per_query = (B, H, pairs // slots, slots)
+    index = pair_row[..., None].expand(*pair_row.shape, out.shape[-1])
+    outs = out.gather(2, index).view(*per_query, out.shape[-1])
+    merged, _ = merge_along(outs, lse.gather(2, pair_row).view(per_query))
+    return merged.to(dtype)

@@ -21,6 +21,9 @@ falls back to eager unseen. The function must be pure tensor code of its argumen
 ints, bools, patterns), and must not read values on the host. Its values are those of the eager
 function up to float rounding (a compiled division or sum may round differently in the last bit).
 
+A function whose one expression suits a compiler but not eager execution (an intermediate as
+large as the inputs, which a compiled graph fuses away) names its eager twin (``fused_or``).
+
 Where the compiled graph fails and the eager function does not (a torch whose compiler cannot
 lower an operation on this GPU), the function runs eagerly from then on, with one warning that
 names it and the error. Where the eager function fails too, the inputs are at fault: its error is
@@ -69,11 +72,13 @@ def fuses(t: Tensor) -> bool:
 
 
 class Fused:
-    """``fn``, compiled where ``fuses`` its first argument (see the module docstring)."""
+    """``fn``, compiled where ``fuses`` its first argument, else ``eager`` (see the module
+    docstring)."""
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], eager: Callable[..., Any] | None = None) -> None:
         functools.update_wrapper(self, fn)
         self.fn = fn
+        self.eager = fn if eager is None else eager
         self.failed: str | None = None  # the compiled graph's error, once it failed alone
 
     @functools.cached_property
@@ -84,13 +89,13 @@ class Fused:
 
     def __call__(self, *args: Any) -> Any:
         if self.failed is not None or not fuses(args[0]):
-            return self.fn(*args)
+            return self.eager(*args)
         try:
             return self.compiled(*args)
         except torch.OutOfMemoryError:
             raise
         except Exception as error:
-            out = self.fn(*args)  # raises where the inputs are at fault: the graph is kept
+            out = self.eager(*args)  # raises where the inputs are at fault: the graph is kept
             self.failed = f"{type(error).__name__}: {error}"
             warnings.warn(
                 f"zoo: compiling {self.fn.__module__}.{self.fn.__qualname__} failed; it runs "
@@ -104,3 +109,10 @@ class Fused:
 def fused(fn: Callable[..., Any]) -> Fused:
     """``fn`` compiled into one graph on a GPU (see the module docstring)."""
     return Fused(fn)
+
+
+def fused_or(eager: Callable[..., Any]) -> Callable[[Callable[..., Any]], Fused]:
+    """``fn`` compiled into one graph on a GPU, and ``eager`` where it is not compiled: the same
+    values in a form that suits eager execution (in chunks, where ``fn``'s one expression would
+    hold an intermediate that a compiled graph never makes)."""
+    return lambda fn: Fused(fn, eager)

@@ -13,6 +13,8 @@ import copy
 import torch
 from torch import Tensor
 
+from ..core.fused import fused_or
+
 SUM_CHUNK = 1 << 24  # key elements copied to float32 at once (64 MB)
 
 
@@ -22,11 +24,24 @@ def block_sums(k: Tensor, keep: Tensor, block: int) -> tuple[Tensor, Tensor]:
     blocks, D) of the kept keys in each block of ``block`` positions (the last one shorter when
     L is not a multiple) and (B, blocks) how many keys each holds.
 
-    A few blocks at a time: a float32 copy of every key, and its product with ``keep``, were
-    each as large as k (512 MB apiece at 128K tokens, 16 heads, D = 64)."""
+    On a GPU one compiled graph that reads k once and writes only the sums (``zoo.core.fused``),
+    where eagerly each chunk of blocks was a dozen operations and launches; eagerly a few blocks
+    at a time, since a float32 copy of every key, and its product with ``keep``, were each as
+    large as k (512 MB apiece at 128K tokens, 16 heads, D = 64)."""
+    return _sums(k, keep, block)
+
+
+def _padded_keep(keep: Tensor, blocks: int, block: int) -> Tensor:
+    """keep (B, L) -> (B, blocks, block), False past L."""
+    padded = torch.nn.functional.pad(keep, (0, blocks * block - keep.shape[1]))
+    return padded.view(-1, blocks, block)
+
+
+def _chunked_sums(k: Tensor, keep: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """``block_sums`` eagerly, a few blocks at a time."""
     B, kv_heads, length, D = k.shape
     blocks = -(-length // block)
-    keep = torch.nn.functional.pad(keep, (0, blocks * block - length)).view(B, blocks, block)
+    keep = _padded_keep(keep, blocks, block)
     weights = keep.to(torch.float32)[:, None, :, :, None]  # (B, 1, blocks, block, 1)
     sums = torch.empty(B, kv_heads, blocks, D, dtype=torch.float32, device=k.device)
     step = max(1, SUM_CHUNK // max(1, B * kv_heads * block * D))  # blocks at a time
@@ -38,6 +53,17 @@ def block_sums(k: Tensor, keep: Tensor, block: int) -> tuple[Tensor, Tensor]:
         keys = keys.unflatten(2, (last - first, block)).mul_(weights[:, :, first:last])
         sums[:, :, first:last] = keys.sum(3)
     return sums, keep.sum(-1)
+
+
+@fused_or(_chunked_sums)
+def _sums(k: Tensor, keep: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """``block_sums`` in one expression, which a compiler fuses into one pass over k."""
+    length = k.shape[2]
+    blocks = -(-length // block)
+    keep = _padded_keep(keep, blocks, block)
+    keys = torch.nn.functional.pad(k, (0, 0, 0, blocks * block - length))
+    keys = keys.unflatten(2, (blocks, block)).to(torch.float32) * keep[:, None, :, :, None]
+    return keys.sum(3), keep.sum(-1)
 
 
 class RunningBlockSums:

@@ -77,32 +77,34 @@ def moba_choice(
         sums = block_sums(k, keep, block_size)
     totals, counts = sums  # (B, H_kv, blocks, D), (B, blocks)
     blocks = counts.shape[1]
-    if q_pos is None:
-        q_pos = torch.arange(q_len, device=q.device) + kv_len - q_len  # (Lq,)
-    else:
-        q_pos = q_pos[:, None]  # (B, 1, Lq): per sequence
-    own = q_pos.div(block_size, rounding_mode="floor")[..., None]  # (..., Lq, 1); < 0 before keys
+    # None: bottom-right aligned, consecutive positions from kv_len - q_len; else (B, 1, Lq)
+    q_pos = kv_len - q_len if q_pos is None else q_pos[:, None]
     # Queries in chunks: the float32 scores and their sort are (rows, blocks) per head at a time,
     # not (Lq, blocks) (2 GiB of scores at 128K tokens, 16 heads, blocks of 512).
     rows = max(1, CHOICE_ELEMENTS // max(B * H * blocks, 1))
     if rows >= q_len:  # one chunk (16K tokens, 16 heads, blocks of 512): no copy
-        return _choose(q, totals, counts, own, causal, top_k)
+        return _choose(q, totals, counts, q_pos, block_size, causal, top_k)
     chosen = torch.empty(B, H, q_len, min(top_k, blocks), dtype=torch.int32, device=q.device)
     for start in range(0, q_len, rows):
         part = slice(start, start + rows)
-        chosen[:, :, part] = _choose(q[:, :, part], totals, counts, own[..., part, :], causal,
+        positions = q_pos + start if isinstance(q_pos, int) else q_pos[..., part]
+        chosen[:, :, part] = _choose(q[:, :, part], totals, counts, positions, block_size, causal,
                                      top_k)  # fmt: skip
     return chosen
 
 
 @fused
 def _choose(
-    q: Tensor, totals: Tensor, counts: Tensor, own: Tensor, causal: bool, top_k: int
-) -> Tensor:
+    q: Tensor, totals: Tensor, counts: Tensor, q_pos: Tensor | int, block_size: int, causal: bool,
+    top_k: int,
+) -> Tensor:  # fmt: skip
     """(B, H, rows, min(top_k, blocks)) the choice of the queries q (B, H, rows, D) among the
-    blocks of the key sums ``totals`` (B, H_kv, blocks, D) and their ``counts`` (B, blocks),
-    ``own`` (..., rows, 1) each query's own block: one compiled graph on a GPU
-    (``zoo.core.fused``)."""
+    blocks of ``block_size`` keys whose sums are ``totals`` (B, H_kv, blocks, D) and counts
+    ``counts`` (B, blocks); ``q_pos`` the queries' positions (B, 1, rows), or the first one's
+    where they are consecutive (an int): one compiled graph on a GPU (``zoo.core.fused``)."""
+    if isinstance(q_pos, int):
+        q_pos = torch.arange(q.shape[2], device=q.device) + q_pos  # (rows,)
+    own = q_pos.div(block_size, rounding_mode="floor")[..., None]  # (..., rows, 1); < 0 before keys
     means = totals / counts.clamp(min=1)[:, None, :, None]  # (B, H_kv, blocks, D)
     group = q.shape[1] // totals.shape[1]
     means = means.repeat_interleave(group, dim=1).transpose(-1, -2)  # (B, H, D, blocks)
