@@ -145,3 +145,29 @@ def test_an_eager_twin_runs_where_the_function_is_not_compiled(monkeypatch):
     g = fused_module.fused_or(twin)(_double)
     g.__dict__["compiled"] = lambda *args: _double(*args) + 100
     assert torch.equal(g(torch.ones(2), 0), torch.full((2,), 102.0)) and twin_calls == [1, 2]
+
+
+def test_a_backward_that_fails_to_compile_fails_in_the_call_and_runs_eagerly(monkeypatch):
+    """An argument that records gradients: the graph's backward compiles with its forward, so a
+    backward the compiler cannot lower warns in the call, which returns the eager values, and
+    the caller's backward runs (compiled lazily, it raised from ``backward()`` at every step)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def forward_compiler(graph, inputs):
+        return make_boxed_func(graph.forward)
+
+    def broken_backward(graph, inputs):
+        raise RuntimeError("no lowering for the backward")
+
+    monkeypatch.setattr(fused_module, "fuses", lambda t: True)
+    torch._dynamo.reset()
+    f = Fused(_double)
+    backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=broken_backward)
+    f.__dict__["compiled"] = torch.compile(f.fn, backend=backend)
+    x = torch.ones(3, requires_grad=True)
+    with pytest.warns(RuntimeWarning, match="no lowering for the backward"):
+        out = f(x, 1)
+    out.sum().backward()
+    assert torch.equal(out, torch.full((3,), 3.0)) and torch.equal(x.grad, torch.full((3,), 2.0))
+    assert "no lowering for the backward" in f.failed

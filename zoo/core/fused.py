@@ -25,13 +25,15 @@ A function whose one expression suits a compiler but not eager execution (an int
 large as the inputs, which a compiled graph fuses away) names its eager twin (``fused_or``).
 
 Where the compiled graph fails and the eager function does not (a torch whose compiler cannot
-lower an operation on this GPU), the function runs eagerly from then on, with one warning that
-names it and the error. Where the eager function fails too, the inputs are at fault: its error is
-raised and the compiled graph is kept. Running out of memory is raised as it is.
+lower an operation on this GPU; the backward too, compiled with the forward where an argument
+records gradients), the function runs eagerly from then on, with one warning that names it and
+the error. Where the eager function fails too, the inputs are at fault: its error is raised and
+the compiled graph is kept. Running out of memory is raised as it is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections.abc import Callable
@@ -91,7 +93,8 @@ class Fused:
         if self.failed is not None or not fuses(args[0]):
             return self.eager(*args)
         try:
-            return self.compiled(*args)
+            with _backward_lowered_now(args):
+                return self.compiled(*args)
         except torch.OutOfMemoryError:
             raise
         except Exception as error:
@@ -104,6 +107,22 @@ class Fused:
                 stacklevel=2,
             )
             return out
+
+
+def _backward_lowered_now(args: tuple) -> contextlib.AbstractContextManager:
+    """Where an argument records gradients, the compiled graph's backward compiled with its
+    forward, so that a backward that fails to lower fails here, in ``Fused``'s reach (AOTAutograd
+    compiles it at the first ``.backward()`` otherwise, where the failure would be raised from
+    the caller's ``loss.backward()`` at every step). A torch without the setting lowers it
+    lazily."""
+    import torch._functorch.config as functorch_config
+
+    records = torch.is_grad_enabled() and any(
+        isinstance(a, Tensor) and a.requires_grad for a in args
+    )
+    if not records or not hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+        return contextlib.nullcontext()
+    return functorch_config.patch(force_non_lazy_backward_lowering=True)
 
 
 def fused(fn: Callable[..., Any]) -> Fused:
