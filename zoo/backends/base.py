@@ -11,6 +11,7 @@ from torch import Tensor
 
 from ..core.call import AttentionCall
 from ..core.call_plans import PlannedCall
+from ..core.fused import fused
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -118,15 +119,26 @@ class DecodeStep:
         pattern whose pairs differ per head (chosen by content, or drawn per head). Made where
         it is read (each backend reads it once): a step whose every query attends every slot in
         use (full or causal attention at one length, a full window) runs on sdpa without it, some
-        ten operations fewer, each a launch on a GPU. Not a functools.cached_property, whose
+        ten operations fewer, each a launch on a GPU. On a GPU one compiled graph
+        (``zoo.core.fused``), where eagerly the pattern's operations were 20 to 50 launches a
+        step (BigBird's tables, MoBA's chosen blocks). Not a functools.cached_property, whose
         lock (Python 3.11) dynamo cannot trace: a compiled step would break its graph there."""
-        q_pos, key_pos, pattern = self.q_pos, self.key_pos, self.pattern
-        b = torch.arange(q_pos.shape[0], device=q_pos.device)[:, None, None, None]
-        per_head = pattern.routed or pattern.per_head
-        heads = self.q.shape[1] if per_head else 1
-        h = torch.arange(heads, device=q_pos.device)[None, :, None, None]
-        allowed = pattern.allowed_at(b, h, q_pos[:, None, :, None], key_pos[:, None, None, :])
-        return allowed & self.key_ok[:, None, None, :] & self.valid[:, None, :, None]
+        pattern = self.pattern
+        heads = self.q.shape[1] if pattern.routed or pattern.per_head else 1
+        return _step_mask(self.q_pos, self.key_pos, self.slots_ok, self.valid, pattern, heads)
+
+
+@fused
+def _step_mask(
+    q_pos: Tensor, key_pos: Tensor, slots_ok: Tensor | None, valid: Tensor, pattern: object,
+    heads: int,
+) -> Tensor:  # fmt: skip
+    """``DecodeStep.mask`` of its tensors: (B, heads, t, S)."""
+    b = torch.arange(q_pos.shape[0], device=q_pos.device)[:, None, None, None]
+    h = torch.arange(heads, device=q_pos.device)[None, :, None, None]
+    allowed = pattern.allowed_at(b, h, q_pos[:, None, :, None], key_pos[:, None, None, :])
+    key_ok = key_pos >= 0 if slots_ok is None else slots_ok
+    return allowed & key_ok[:, None, None, :] & valid[:, None, :, None]
 
 
 class Backend:

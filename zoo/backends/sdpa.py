@@ -21,6 +21,7 @@ from torch.nn.functional import scaled_dot_product_attention
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..core.call import AttentionCall
+from ..core.fused import fused
 from ..core.shape_cache import concrete
 from .base import FLOATS, Backend, Capabilities, DecodeStep, step_bias
 from .blocked.index_rows import index_rows
@@ -204,12 +205,23 @@ def gather_allowed(
     Without a host synchronisation: a running count of each row's allowed slots (one pass over
     the mask, int32), then the j-th allowed slot found by a binary search of j in it, for the
     ``most`` columns; the rest O(K). (``nonzero`` packed them in one pass but needs its count
-    on the host.)"""
-    B, L, S = mask.shape
+    on the host.) On a GPU one compiled graph (``zoo.core.fused``), where eagerly it was some 35
+    launches a step."""
+    L, S = mask.shape[1:]
     width = max(min(most, S), 1)
     kv_heads = keys.shape[1]
     if 2 * width * (kv_heads if L == 1 else L) >= S * kv_heads:
         return None
+    return _packed(mask, keys, values, key_pos, width)
+
+
+@fused
+def _packed(
+    mask: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, width: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``gather_allowed``'s packing to ``width`` columns."""
+    B, L, S = mask.shape
+    kv_heads = keys.shape[1]
     # The j-th allowed slot of a row is the first where the row's running count reaches j.
     place = mask.reshape(B * L, S).cumsum(1, dtype=torch.int32)  # (B * L, S), nondecreasing
     counts = place[:, -1:]  # (B * L, 1)
