@@ -17,9 +17,11 @@ import torch
 from helpers import FIXED_VARIANTS, GRAPH_VARIANTS, cache_params, gpu, skip_without_fake_cuda
 
 import zoo
-from zoo.backends import FlexBackend
+from zoo.backends import FlexBackend, base, sdpa
+from zoo.decoding import block_sums
 from zoo.functional import resolve_pattern
 from zoo.layout.block_layout import specialized, with_heads
+from zoo.patterns import moba
 from zoo.testing.fake_cuda import fake_cuda
 
 VARIANTS = [v for v in FIXED_VARIANTS if v not in GRAPH_VARIANTS] + ["moba"]
@@ -218,6 +220,8 @@ def test_a_step_that_attends_every_slot_makes_no_mask_and_few_operations(monkeyp
 
 
 STEP_VARIANTS = ["causal", "sliding_window", "longformer", "bigbird", "strided", "moba"]
+# what a GPU step runs compiled (zoo.core.fused): the mask, sdpa's packing, MoBA's sums and choice
+FUSED_ON_A_STEP = (base._step_mask, sdpa._packed, block_sums._sums, moba._choose)
 
 
 @gpu
@@ -227,8 +231,10 @@ STEP_VARIANTS = ["causal", "sliding_window", "longformer", "bigbird", "strided",
 def test_steps_on_a_gpu_do_not_synchronise(variant, backend, valid_lens):
     """One-token steps, and a rollback between them (``KVCache.rollback``), under
     torch.cuda.set_sync_debug_mode("error"): a synchronisation raises. The prefill and a first
-    step (which compiles flex and computes the host's tables) run before; the steps' outputs
-    match those of a cache on the CPU."""
+    step (which compile flex and the step's graphs, and compute the host's tables) run before;
+    the steps' outputs match those of a cache on the CPU. A graph ``zoo.core.fused`` compiles
+    inside (sdpa's packing of the keys, where it first pays) catches what its call raises and
+    runs eagerly: none may have failed."""
     torch.manual_seed(0)
     choice = FlexBackend(block_size=16) if backend == "flex" else backend
     attn = zoo.create_attention(variant, dim=64, num_heads=4, num_kv_heads=2, pos="rope",
@@ -258,3 +264,5 @@ def test_steps_on_a_gpu_do_not_synchronise(variant, backend, valid_lens):
                     torch.cuda.set_sync_debug_mode("default")
         outs[device] = torch.cat(got, 1).cpu()
     assert torch.allclose(outs["cuda"], outs["cpu"], atol=1e-4, rtol=1e-4)
+    failed = {f.__qualname__: f.failed for f in FUSED_ON_A_STEP if f.failed is not None}
+    assert not failed, failed

@@ -1,10 +1,10 @@
 """What a GPU compiles of a decoding step (``zoo.core.fused``): the pairs the pattern allows
 (``DecodeStep.mask``) and sdpa's packing of each row's allowed keys (``sdpa.gather_allowed``),
 each one graph where eagerly they were 20 to 50 launches a step. Forced to compile on a CPU:
-a prefill, a step of 3 tokens, then one token at a time to the cache's end (rows of different
-lengths too), equal to the eager steps; each function compiles a few graphs over the thirty
+a prefill, a step of 3 tokens, then one token at a time to 43 tokens (a 2-D grid's 64; rows of
+different lengths too), equal to the eager steps; each function compiles a few graphs over the
 steps, not one a step, and none fails back to eager. CI compiles a sample; ZOO_SLOW=1 every
-variant that decodes."""
+variant that decodes. The packing per query head (a mask chosen by content) is held apart."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from zoo.backends import base, sdpa
 from zoo.core import fused
 
 VARIANTS = [v for v in FIXED_VARIANTS if v not in GRAPH_VARIANTS] + ["moba"]
-# tables (bigbird), chosen blocks (moba), a strided pattern and a 2-D one whose keys are packed
+# tables (bigbird) and chosen blocks (moba), whose keys this short cache does not pack; a strided
+# pattern and a 2-D one, whose keys it packs (one mask for every head)
 SAMPLE = {"bigbird", "moba", "strided", "neighborhood_2d"}
 FUNCTIONS = (base._step_mask, sdpa._packed)
 
@@ -70,3 +71,27 @@ def test_the_step_compiled_as_on_a_gpu_equals_the_eager_step(variant, rows, monk
     # a static graph, one of symbolic sizes, a one-token step's; the packing's width too
     assert 1 <= graphs[0] <= 3 and graphs[1] <= 4, graphs
     assert (graphs[1] > 0) == any(packed), (graphs, packed)
+
+
+def test_keys_packed_per_query_head_compiled_as_on_a_gpu_equal_the_eager_packing(monkeypatch):
+    """A mask per query head (MoBA's, where few keys are chosen): the packing compiled (forced on
+    a CPU) equals the eager one at three slot counts and bounds, grouped heads, rows with no key;
+    one graph of symbolic sizes."""
+    torch._dynamo.reset()
+    sdpa._packed.__dict__.pop("compiled", None)
+    monkeypatch.setattr(sdpa._packed, "failed", None)
+    g = torch.Generator().manual_seed(0)
+    for slots, most in ((300, 24), (517, 40), (777, 33)):
+        mask = torch.rand(2, 4, slots, generator=g) < most / slots / 2  # (B, H, S), per head
+        mask[1, 3] = False  # a head of a row with no key
+        keys, values = (torch.randn(2, 2, slots, 8, generator=g) for _ in range(2))
+        key_pos = torch.arange(slots).expand(2, 1, slots)
+        eager = sdpa.gather_allowed(mask, keys, values, key_pos, most)
+        with monkeypatch.context() as m:
+            m.setattr(fused, "fuses", lambda t: not torch.compiler.is_compiling())
+            compiled = sdpa.gather_allowed(mask, keys, values, key_pos, most)
+        assert eager is not None and eager[1].shape == (2, 4, most, 8)
+        for a, b in zip(eager, compiled, strict=True):
+            assert torch.equal(a, b), slots
+    assert sdpa._packed.failed is None
+    assert len(_debug_get_cache_entry_list(sdpa._packed.fn.__code__)) == 1

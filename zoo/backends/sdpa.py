@@ -215,7 +215,7 @@ def gather_allowed(
     return _packed(mask, keys, values, key_pos, width)
 
 
-@fused
+@fused(dynamic=True)  # the slots in use and their bound change from step to step
 def _packed(
     mask: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, width: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -15,11 +15,12 @@ kernels, one guard check), where that pays and can run:
 - not on fake or meta tensors (shapes only: nothing to run).
 
 Automatic dynamic shapes: the first length compiles a static graph, the second one of symbolic
-sizes that serves every later length; other kinds of call (a decoding step, another batch size,
-autocast) add a graph each, and dynamo's limit of graphs per function is raised so that none
-falls back to eager unseen. The function must be pure tensor code of its arguments (tensors,
-ints, bools, patterns), and must not read values on the host. Its values are those of the eager
-function up to float rounding (a compiled division or sum may round differently in the last bit).
+sizes that serves every later length (``fused(dynamic=True)``: symbolic from the first); other
+kinds of call (a decoding step, another batch size, autocast) add a graph each, and dynamo's
+limit of graphs per function is raised so that none falls back to eager unseen. The function
+must be pure tensor code of its arguments (tensors, ints, bools, patterns), and must not read
+values on the host. Its values are those of the eager function up to float rounding (a compiled
+division or sum may round differently in the last bit).
 
 A function whose one expression suits a compiler but not eager execution (an intermediate as
 large as the inputs, which a compiled graph fuses away) names its eager twin (``fused_or``).
@@ -28,7 +29,9 @@ Where the compiled graph fails and the eager function does not (a torch whose co
 lower an operation on this GPU; the backward too, compiled with the forward where an argument
 records gradients), the function runs eagerly from then on, with one warning that names it and
 the error. Where the eager function fails too, the inputs are at fault: its error is raised and
-the compiled graph is kept. Running out of memory is raised as it is.
+the compiled graph is kept. Running out of memory is raised as it is. A failure sends the function
+eager for every later call, whatever its arguments (a pattern that dynamo cannot trace takes a
+decoding step's mask eager for every pattern in the process).
 """
 
 from __future__ import annotations
@@ -77,17 +80,22 @@ class Fused:
     """``fn``, compiled where ``fuses`` its first argument, else ``eager`` (see the module
     docstring)."""
 
-    def __init__(self, fn: Callable[..., Any], eager: Callable[..., Any] | None = None) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], eager: Callable[..., Any] | None = None,
+        dynamic: bool | None = None,
+    ) -> None:  # fmt: skip
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.eager = fn if eager is None else eager
+        self.dynamic = dynamic
         self.failed: str | None = None  # the compiled graph's error, once it failed alone
 
     @functools.cached_property
     def compiled(self) -> Callable[..., Any]:
-        """``fn`` under torch.compile (automatic dynamic shapes); built on first use."""
+        """``fn`` under torch.compile (automatic dynamic shapes, or ``dynamic``); built on first
+        use."""
         raise_recompile_limit()
-        return torch.compile(self.fn, dynamic=None)
+        return torch.compile(self.fn, dynamic=self.dynamic)
 
     def __call__(self, *args: Any) -> Any:
         if self.failed is not None or not fuses(args[0]):
@@ -125,9 +133,13 @@ def _backward_lowered_now(args: tuple) -> contextlib.AbstractContextManager:
     return functorch_config.patch(force_non_lazy_backward_lowering=True)
 
 
-def fused(fn: Callable[..., Any]) -> Fused:
-    """``fn`` compiled into one graph on a GPU (see the module docstring)."""
-    return Fused(fn)
+def fused(fn: Callable[..., Any] | None = None, *, dynamic: bool | None = None) -> Any:
+    """``fn`` compiled into one graph on a GPU (see the module docstring); ``@fused(dynamic=True)``
+    for a function whose sizes change from call to call by design (a decoding step's slots in
+    use): symbolic sizes from its first call, not a static graph then a recompile."""
+    if fn is None:
+        return lambda f: Fused(f, dynamic=dynamic)
+    return Fused(fn, dynamic=dynamic)
 
 
 def fused_or(eager: Callable[..., Any]) -> Callable[[Callable[..., Any]], Fused]:
