@@ -2,12 +2,15 @@
 work): the CUDA wrapping of the runs by key block (``zoo.backends.lse_kernel.cuda_kernel``) run
 on a CPU with its kernels taken out, so that what is left is the host work around them; and
 ``OperationCount``, the operations it dispatches (``python -m eval bench-overhead``, a test that
-they do not grow with the runs)."""
+they do not grow with the runs), and ``uncounted``, a function a GPU compiles (``zoo.core.fused``)
+taken out of the count."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 
 class OperationCount(TorchDispatchMode):
@@ -20,6 +23,19 @@ class OperationCount(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
         return func(*args, **(kwargs or {}))
+
+
+def uncounted(fused) -> Callable:
+    """A ``zoo.core.fused`` function run outside any counting mode: what its compiled graph
+    replaces on a GPU (one graph, not its operations). It stands in for the function, ``fn``
+    too, so that a caller that takes ``fused.fn`` (eager by choice) is not counted either."""
+
+    def run(*args):
+        with _disable_current_modes():
+            return fused.fn(*args)
+
+    run.fn = run
+    return run
 
 
 class ShapeOnlyEfficientOps:

@@ -11,13 +11,12 @@ from contextlib import ExitStack
 from unittest import mock
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 import zoo
 from zoo.backends import base, flex_chosen, sdpa
 from zoo.decoding import block_sums
 from zoo.patterns import moba
-from zoo.testing.shape_only_kernels import OperationCount
+from zoo.testing.shape_only_kernels import OperationCount, uncounted
 
 FUSED = (
     (base, "_step_mask"),
@@ -28,17 +27,6 @@ FUSED = (
     (flex_chosen, "_merge_pairs"),
 )
 VARIANTS = ["causal", "sliding_window", "longformer", "block_local", "bigbird", "strided", "moba"]
-
-
-def uncounted(fused):
-    """What a compiled graph replaces: the function, run outside the counting mode."""
-
-    def run(*args):
-        with _disable_current_modes():
-            return fused.fn(*args)
-
-    run.fn = run
-    return run
 
 
 def step_ops(variant: str, fuse: bool) -> int:

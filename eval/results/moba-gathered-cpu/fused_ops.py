@@ -18,7 +18,6 @@ from unittest import mock
 
 import torch
 from torch._inductor.utils import run_and_get_code
-from torch.utils._python_dispatch import _disable_current_modes
 
 import zoo
 from zoo.backends import flex as flex_module
@@ -27,7 +26,7 @@ from zoo.backends.flex import FlexBackend
 from zoo.core.prepare import prepare_call
 from zoo.decoding import block_sums as sums_module
 from zoo.patterns import moba
-from zoo.testing.shape_only_kernels import OperationCount
+from zoo.testing.shape_only_kernels import OperationCount, uncounted
 
 VIEWS = re.compile(r"aten\.(view|unsqueeze|expand|alias|transpose|select|slice|detach)\.")
 
@@ -56,17 +55,6 @@ class Named(OperationCount):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.views += bool(VIEWS.match(str(func)))
         return super().__torch_dispatch__(func, types, args, kwargs)
-
-
-def uncounted(fused):
-    """The fused function run outside the counting mode: what a compiled graph replaces."""
-
-    def run(*args):
-        with _disable_current_modes():
-            return fused.fn(*args)
-
-    run.fn = run
-    return run
 
 
 def compiled_calls(fn, *args) -> int:
