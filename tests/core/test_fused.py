@@ -120,15 +120,16 @@ def test_running_out_of_memory_is_raised_as_it_is(monkeypatch):
 
 
 def test_an_eager_twin_runs_where_the_function_is_not_compiled(monkeypatch):
-    """``fused_or``: the eager twin where nothing fuses and after a failed compile (its values,
-    never the one expression meant for a compiler); the compiled function where it fuses."""
+    """``fused(eager=...)``: the eager twin where nothing fuses and after a failed compile (its
+    values, never the one expression meant for a compiler); the compiled function where it
+    fuses."""
     twin_calls = []
 
     def twin(x: torch.Tensor, n: int) -> torch.Tensor:
         twin_calls.append(n)
         return _double(x, n)
 
-    f = fused_module.fused_or(twin)(_double)
+    f = fused_module.fused(eager=twin)(_double)
     assert f.__name__ == "_double" and f.fn is _double
     monkeypatch.setattr(Fused, "compiled", property(lambda self: pytest.fail("compiled")))
     assert torch.equal(f(torch.ones(2), 1), torch.full((2,), 3.0)) and twin_calls == [1]
@@ -142,7 +143,7 @@ def test_an_eager_twin_runs_where_the_function_is_not_compiled(monkeypatch):
     with pytest.warns(RuntimeWarning, match="no lowering"):
         assert torch.equal(f(torch.ones(2), 2), torch.full((2,), 4.0))
     assert twin_calls == [1, 2]
-    g = fused_module.fused_or(twin)(_double)
+    g = fused_module.fused(eager=twin)(_double)
     g.__dict__["compiled"] = lambda *args: _double(*args) + 100
     assert torch.equal(g(torch.ones(2), 0), torch.full((2,), 102.0)) and twin_calls == [1, 2]
 

@@ -49,6 +49,7 @@ from torch import Tensor
 
 from ..core.call import AttentionCall
 from ..core.fused import fused
+from ..layout.block_layout import used_first_unsorted
 from ..patterns import EMPTY, FULL, PARTIAL, Pattern, Spans
 from ..patterns.compose import Intersection
 from ..patterns.routed import ChosenBlocks
@@ -272,18 +273,12 @@ def _block_lists(
         """What ``BlockMask.from_kv_blocks`` computes from ``listed(kind)`` (flex's
         ``_transpose_ordered``, a stable descending argsort of the 0/1 grid): per kernel key
         block, how many kernel query blocks attend it, and those first in ascending order, then
-        the others. A stable partition, not a sort: Inductor's argsort made cold compiles of
-        block masks take minutes on CUDA (pytorch/pytorch#182060), and flex marks its own to
-        run eagerly."""
+        the others (without a sort: ``used_first_unsorted``)."""
         dense = torch.zeros(*state.shape[:3], kv_blocks + 1, dtype=torch.int32, device=keep.device)
         dense.scatter_(-1, torch.where(state == kind, candidate, kv_blocks), 1)  # one past: dropped
         hit = dense[..., :kv_blocks].transpose(-1, -2)  # (B, H, kv blocks, Qb)
-        count = hit.sum(-1, keepdim=True)
-        before = hit.cumsum(-1) - hit  # the attending query blocks before each one
-        j = torch.arange(hit.shape[-1], device=hit.device)
-        rank = torch.where(hit == 1, before, count + j - before)  # hits first, then the rest
-        order = torch.empty_like(rank).scatter_(-1, rank, j.expand_as(rank))
-        return count[..., 0].to(torch.int32), order.to(torch.int32).contiguous()
+        order = used_first_unsorted(hit)
+        return hit.sum(-1).to(torch.int32), order.to(torch.int32).contiguous()
 
     by_keys = (by_key(PARTIAL), by_key(FULL)) if transposed else None
     return listed(PARTIAL), listed(FULL), by_keys

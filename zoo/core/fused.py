@@ -23,7 +23,7 @@ values on the host. Its values are those of the eager function up to float round
 division or sum may round differently in the last bit).
 
 A function whose one expression suits a compiler but not eager execution (an intermediate as
-large as the inputs, which a compiled graph fuses away) names its eager twin (``fused_or``).
+large as the inputs, which a compiled graph fuses away) names its eager twin (``fused(eager=...)``).
 
 Where the compiled graph fails and the eager function does not (a torch whose compiler cannot
 lower an operation on this GPU; the backward too, compiled with the forward where an argument
@@ -133,17 +133,16 @@ def _backward_lowered_now(args: tuple) -> contextlib.AbstractContextManager:
     return functorch_config.patch(force_non_lazy_backward_lowering=True)
 
 
-def fused(fn: Callable[..., Any] | None = None, *, dynamic: bool | None = None) -> Any:
-    """``fn`` compiled into one graph on a GPU (see the module docstring); ``@fused(dynamic=True)``
-    for a function whose sizes change from call to call by design (a decoding step's slots in
-    use): symbolic sizes from its first call, not a static graph then a recompile."""
+def fused(
+    fn: Callable[..., Any] | None = None, *, eager: Callable[..., Any] | None = None,
+    dynamic: bool | None = None,
+) -> Any:  # fmt: skip
+    """``fn`` compiled into one graph on a GPU (see the module docstring), as ``@fused`` or
+    ``@fused(...)``. ``eager``: the function's twin where it is not compiled, the same values in
+    a form that suits eager execution (in chunks, where ``fn``'s one expression would hold an
+    intermediate that a compiled graph never makes). ``dynamic=True`` for a function whose sizes
+    change from call to call by design (a decoding step's slots in use): symbolic sizes from its
+    first call, not a static graph then a recompile."""
     if fn is None:
-        return lambda f: Fused(f, dynamic=dynamic)
-    return Fused(fn, dynamic=dynamic)
-
-
-def fused_or(eager: Callable[..., Any]) -> Callable[[Callable[..., Any]], Fused]:
-    """``fn`` compiled into one graph on a GPU, and ``eager`` where it is not compiled: the same
-    values in a form that suits eager execution (in chunks, where ``fn``'s one expression would
-    hold an intermediate that a compiled graph never makes)."""
-    return lambda fn: Fused(fn, eager)
+        return lambda f: Fused(f, eager, dynamic)
+    return Fused(fn, eager, dynamic)

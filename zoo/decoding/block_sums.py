@@ -13,7 +13,7 @@ import copy
 import torch
 from torch import Tensor
 
-from ..core.fused import fused_or
+from ..core.fused import fused
 
 SUM_CHUNK = 1 << 24  # key elements copied to float32 at once (64 MB)
 
@@ -55,7 +55,7 @@ def _chunked_sums(k: Tensor, keep: Tensor, block: int) -> tuple[Tensor, Tensor]:
     return sums, keep.sum(-1)
 
 
-@fused_or(_chunked_sums)
+@fused(eager=_chunked_sums)
 def _sums(k: Tensor, keep: Tensor, block: int) -> tuple[Tensor, Tensor]:
     """``block_sums`` in one expression, which a compiler fuses into one pass over k."""
     length = k.shape[2]

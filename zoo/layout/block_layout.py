@@ -24,6 +24,16 @@ def used_first(flags: Tensor) -> Tensor:
     return torch.argsort(flags.to(torch.int8), dim=-1, descending=True, stable=True)
 
 
+def used_first_unsorted(flags: Tensor) -> Tensor:
+    """``used_first``'s indices by counting, not sorting, for a compiled graph: Inductor's
+    argsort made cold compiles of block masks take minutes on CUDA (pytorch/pytorch#182060)."""
+    hit = flags.to(torch.int64)
+    before = hit.cumsum(-1) - hit  # the True entries before each one
+    j = torch.arange(hit.shape[-1], device=hit.device)
+    rank = torch.where(hit == 1, before, hit.sum(-1, keepdim=True) + j - before)
+    return torch.empty_like(rank).scatter_(-1, rank, j.expand_as(rank))
+
+
 @dataclass(frozen=True, eq=False)
 class RowGroup:
     """Query blocks that need about as many key blocks, padded to one width for a batched gather."""
