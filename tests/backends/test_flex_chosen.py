@@ -123,7 +123,7 @@ def test_the_bookkeeping_compiled_as_on_a_gpu_gives_the_reference(gathered, monk
     torch._dynamo.reset()
     for function in functions:
         function.__dict__.pop("compiled", None)
-        monkeypatch.setattr(function, "failed", None)
+        monkeypatch.setattr(function, "failures", {})
     monkeypatch.setattr(fused, "fuses", lambda t: not torch.compiler.is_compiling())
     monkeypatch.setattr(flex_kernel, "_kernel", lambda compiled, q=None: emulated_flex)
     counted = flex_module.gathered_rows_of  # the compiled kernel's path: the rows fused

@@ -92,6 +92,54 @@ def test_a_failed_compile_warns_once_and_runs_eagerly_from_then_on(monkeypatch):
     assert f.failed == "RuntimeError: no lowering for aten.sort on this GPU"
 
 
+class _Leaf:
+    def weight(self) -> int:
+        return 1
+
+
+class _Other(_Leaf):
+    pass
+
+
+class _Union:
+    def __init__(self, *children):
+        self.children = children
+
+
+def _weighted(x: torch.Tensor, pattern: object) -> torch.Tensor:
+    return x * 2
+
+
+def test_a_failed_compile_sends_eager_only_the_calls_of_its_kind(monkeypatch):
+    """A graph that fails for one kind of argument (a pattern dynamo cannot trace) sends eager
+    that kind alone, told by the classes of the non-tensor arguments and of a composition's
+    members: the other kinds, and a composition of other members, still run compiled."""
+    compiled_calls = []
+
+    def compiled(x, pattern):
+        if isinstance(pattern, _Other) or any(
+            isinstance(c, _Other) for c in getattr(pattern, "children", ())
+        ):
+            raise RuntimeError("cannot trace _Other")
+        compiled_calls.append(type(pattern).__name__)
+        return _weighted(x, pattern)
+
+    monkeypatch.setattr(fused_module, "fuses", lambda t: True)
+    f = Fused(_weighted)
+    f.__dict__["compiled"] = compiled
+    x = torch.ones(2)
+    with pytest.warns(RuntimeWarning, match=r"of this kind \(_Other\).*cannot trace _Other"):
+        f(x, _Other())
+    with pytest.warns(RuntimeWarning, match=r"\(_Union\(_Leaf, _Other\)\)"):
+        f(x, _Union(_Leaf(), _Other()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for pattern in (_Other(), _Leaf(), _Union(_Leaf(), _Leaf()), _Union(_Leaf(), _Other())):
+            assert torch.equal(f(x, pattern), torch.full((2,), 2.0))
+    assert compiled_calls == ["_Leaf", "_Union"]  # the failed kinds were not tried again
+    assert len(f.failures) == 2 and f.failed.count("cannot trace _Other") == 2
+
+
 def test_inputs_at_fault_raise_and_keep_the_compiled_graph(monkeypatch):
     """Where the eager run fails too, its error is raised, nothing warns, and the next call runs
     compiled again."""

@@ -44,7 +44,7 @@ def test_the_step_compiled_as_on_a_gpu_equals_the_eager_step(variant, rows, monk
     torch._dynamo.reset()
     for function in FUNCTIONS:
         function.__dict__.pop("compiled", None)
-        monkeypatch.setattr(function, "failed", None)
+        monkeypatch.setattr(function, "failures", {})
     packed = []  # the steps whose allowed keys were packed (where that pays)
     gather = sdpa.gather_allowed
 
@@ -79,7 +79,7 @@ def test_keys_packed_per_query_head_compiled_as_on_a_gpu_equal_the_eager_packing
     one graph of symbolic sizes."""
     torch._dynamo.reset()
     sdpa._packed.__dict__.pop("compiled", None)
-    monkeypatch.setattr(sdpa._packed, "failed", None)
+    monkeypatch.setattr(sdpa._packed, "failures", {})
     g = torch.Generator().manual_seed(0)
     for slots, most in ((300, 24), (517, 40), (777, 33)):
         mask = torch.rand(2, 4, slots, generator=g) < most / slots / 2  # (B, H, S), per head

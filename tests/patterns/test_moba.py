@@ -325,7 +325,7 @@ def test_the_choice_compiled_as_on_a_gpu_is_the_choice(causal, cached, monkeypat
     torch._dynamo.reset()
     for function in (moba._choose, _sums):
         function.__dict__.pop("compiled", None)
-        monkeypatch.setattr(function, "failed", None)
+        monkeypatch.setattr(function, "failures", {})
 
     def choices(n: int, chunked: bool) -> tuple[Tensor, Tensor]:
         torch.manual_seed(n)

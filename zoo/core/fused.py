@@ -27,11 +27,12 @@ large as the inputs, which a compiled graph fuses away) names its eager twin (``
 
 Where the compiled graph fails and the eager function does not (a torch whose compiler cannot
 lower an operation on this GPU; the backward too, compiled with the forward where an argument
-records gradients), the function runs eagerly from then on, with one warning that names it and
-the error. Where the eager function fails too, the inputs are at fault: its error is raised and
-the compiled graph is kept. Running out of memory is raised as it is. A failure sends the function
-eager for every later call, whatever its arguments (a pattern that dynamo cannot trace takes a
-decoding step's mask eager for every pattern in the process).
+records gradients), the calls of that kind run eagerly from then on, with one warning that names
+the function, the kind and the error. A kind (``call_kind``) is the classes of the arguments that
+are neither tensors nor numbers, a composed pattern's members included: a pattern that dynamo
+cannot trace takes a decoding step's mask eager for that pattern, not for every pattern in the
+process. Where the eager function fails too, the inputs are at fault: its error is raised and the
+compiled graph is kept. Running out of memory is raised as it is.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ class Fused:
         self.fn = fn
         self.eager = fn if eager is None else eager
         self.dynamic = dynamic
-        self.failed: str | None = None  # the compiled graph's error, once it failed alone
+        # the compiled graph's error per kind of call (``call_kind``), where it failed alone
+        self.failures: dict[tuple, str] = {}
 
     @functools.cached_property
     def compiled(self) -> Callable[..., Any]:
@@ -97,8 +99,16 @@ class Fused:
         raise_recompile_limit()
         return torch.compile(self.fn, dynamic=self.dynamic)
 
+    @property
+    def failed(self) -> str | None:
+        """The compiled graph's errors, one per kind of call that failed, or None."""
+        return "; ".join(self.failures.values()) or None
+
     def __call__(self, *args: Any) -> Any:
-        if self.failed is not None or not fuses(args[0]):
+        if not fuses(args[0]):
+            return self.eager(*args)
+        kind = call_kind(args) if self.failures else None
+        if kind in self.failures:
             return self.eager(*args)
         try:
             with _backward_lowered_now(args):
@@ -107,14 +117,41 @@ class Fused:
             raise
         except Exception as error:
             out = self.eager(*args)  # raises where the inputs are at fault: the graph is kept
-            self.failed = f"{type(error).__name__}: {error}"
+            kind = call_kind(args)
+            self.failures[kind] = f"{type(error).__name__}: {error}"
             warnings.warn(
-                f"zoo: compiling {self.fn.__module__}.{self.fn.__qualname__} failed; it runs "
-                f"eagerly from now on (more host time): {self.failed}",
+                f"zoo: compiling {self.fn.__module__}.{self.fn.__qualname__} failed; its calls "
+                f"of this kind ({describe_kind(kind)}) run eagerly from now on (more host "
+                f"time): {self.failures[kind]}",
                 RuntimeWarning,
                 stacklevel=2,
             )
             return out
+
+
+def call_kind(args: tuple) -> tuple:
+    """What a compiled graph's code depends on beyond tensors' shapes and numbers: the class of
+    each other argument, a composed pattern's members' classes with it (``children``, or a
+    difference's ``include`` and ``exclude``). Calls of one kind trace the same operations."""
+    return tuple(_kind(a) for a in args if not isinstance(a, (Tensor, int, float, bool)))
+
+
+def _kind(a: Any) -> tuple:
+    members = getattr(a, "children", None)
+    if members is None and hasattr(a, "include") and hasattr(a, "exclude"):
+        members = (a.include, a.exclude)
+    if not isinstance(members, (tuple, list)):
+        members = ()
+    return (type(a).__qualname__, *(_kind(m) for m in members))
+
+
+def describe_kind(kind: tuple) -> str:
+    """``call_kind`` in words: Union(Local, Global)."""
+
+    def one(k: tuple) -> str:
+        return k[0] + (f"({', '.join(one(m) for m in k[1:])})" if len(k) > 1 else "")
+
+    return ", ".join(one(k) for k in kind) or "tensors and numbers only"
 
 
 def _backward_lowered_now(args: tuple) -> contextlib.AbstractContextManager:
