@@ -331,10 +331,11 @@ start_list() {
 }
 
 # pytest's arguments for the GPU tests: a line per test as it ends (-v; under xdist also when the
-# run is stopped), the failures' summary and the 30 slowest at the end (the whole run took 398 s
-# at 12 workers on the H200: which tests to trim), xdist workers where it imports.
+# run is stopped), the failures' summary and the time of every test of 2 s or more at the end (the
+# whole run took 398 s at 12 workers on the H200: which tests to trim), xdist workers where it
+# imports.
 test_args() {
-    TEST_ARGS=(-v -rfE -p no:cacheprovider --durations=30)
+    TEST_ARGS=(-v -rfE -p no:cacheprovider --durations=0 --durations-min=2)
     if [[ $FAKE != 1 ]] && "$PY" -c "import xdist" 2>/dev/null; then
         TEST_ARGS+=(-n "${TEST_WORKERS:-12}")
         export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-2}
