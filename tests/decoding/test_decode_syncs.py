@@ -12,6 +12,8 @@ that the outputs are unchanged is held by the other tests of this folder (agains
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from helpers import FIXED_VARIANTS, GRAPH_VARIANTS, cache_params, gpu, skip_without_fake_cuda
@@ -224,45 +226,98 @@ STEP_VARIANTS = ["causal", "sliding_window", "longformer", "bigbird", "strided",
 FUSED_ON_A_STEP = (base._step_mask, sdpa._packed, block_sums._sums, moba._choose)
 
 
+def _generation(model, device: str, x: torch.Tensor, valid_lens: bool, watched) -> torch.Tensor:
+    """A prefill, a first step, then steps and a rollback inside ``watched`` (a context: on a
+    GPU the sync debug mode); the outputs of all."""
+    cache = model.new_cache(2, LENGTH)
+    lens = [torch.tensor(n, device=device) for n in ([12, 5], [1, 1], [1, 0], [0, 1])]
+    rows = x.to(device)
+    got = []
+    with torch.no_grad():
+        got.append(model(rows[:, :12], cache=cache, valid_lens=lens[0] if valid_lens else None))
+        got.append(model(rows[:, 12:13], cache=cache))
+        with watched():
+            for i in range(13, 24):
+                if i == 18:  # a round of speculative decoding: one token taken back
+                    cache.rollback(1)
+                step = lens[1 + i % 3] if valid_lens else None
+                got.append(model(rows[:, i : i + 1], cache=cache, valid_lens=step))
+    return torch.cat(got, 1).cpu()
+
+
+@contextlib.contextmanager
+def _graphs_made(made: list[int]):
+    """Appends the number of graphs torch.compile made inside the block."""
+    from torch._dynamo.utils import counters
+
+    before = counters["stats"]["unique_graphs"]
+    try:
+        yield
+    finally:
+        made.append(counters["stats"]["unique_graphs"] - before)
+
+
 @gpu
 @pytest.mark.parametrize("valid_lens", [False, True], ids=["all", "valid_lens"])
 @pytest.mark.parametrize("backend", ["sdpa", "reference", "flex"])
 @pytest.mark.parametrize("variant", STEP_VARIANTS)
 def test_steps_on_a_gpu_do_not_synchronise(variant, backend, valid_lens):
     """One-token steps, and a rollback between them (``KVCache.rollback``), under
-    torch.cuda.set_sync_debug_mode("error"): a synchronisation raises. The prefill and a first
-    step (which compile flex and the step's graphs, and compute the host's tables) run before;
-    the steps' outputs match those of a cache on the CPU. A graph ``zoo.core.fused`` compiles
-    inside (sdpa's packing of the keys, where it first pays) catches what its call raises and
-    runs eagerly: none may have failed."""
+    torch.cuda.set_sync_debug_mode("error"): a synchronisation raises. A first generation on
+    another cache compiles what the steps run (flex, the graphs of ``zoo.core.fused``: the mask,
+    sdpa's packing where it first pays, which strided reaches at its fifth step) and computes
+    the host's tables; in the second, watched, nothing compiles (a compile's own synchronisations
+    would pass unseen) and no fused graph has failed back to eager (``Fused`` catches what its
+    call raises). The steps' outputs match those of a cache on the CPU."""
     torch.manual_seed(0)
     choice = FlexBackend(block_size=16) if backend == "flex" else backend
     attn = zoo.create_attention(variant, dim=64, num_heads=4, num_kv_heads=2, pos="rope",
                                 causal=True, backend=choice, **small(variant)).eval()  # fmt: skip
     x = torch.randn(2, 24, 64)
-    outs = {}
-    for device in ("cpu", "cuda"):
-        model = attn.to(device)
-        cache = model.new_cache(2, LENGTH)
-        lens = [torch.tensor(n, device=device) for n in ([12, 5], [1, 1], [1, 0], [0, 1])]
-        rows = x.to(device)
-        got = []
-        with torch.no_grad():
-            got.append(model(rows[:, :12], cache=cache, valid_lens=lens[0] if valid_lens else None))
-            got.append(model(rows[:, 12:13], cache=cache))
-            if device == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.set_sync_debug_mode("error")
-            try:
-                for i in range(13, 24):
-                    if i == 18:  # a round of speculative decoding: one token taken back
-                        cache.rollback(1)
-                    step = lens[1 + i % 3] if valid_lens else None
-                    got.append(model(rows[:, i : i + 1], cache=cache, valid_lens=step))
-            finally:
-                if device == "cuda":
-                    torch.cuda.set_sync_debug_mode("default")
-        outs[device] = torch.cat(got, 1).cpu()
-    assert torch.allclose(outs["cuda"], outs["cpu"], atol=1e-4, rtol=1e-4)
+    cpu = _generation(attn, "cpu", x, valid_lens, contextlib.nullcontext)
+    model = attn.to("cuda")
+    _generation(model, "cuda", x, valid_lens, contextlib.nullcontext)  # compiles, tables
+    made: list[int] = []
+
+    @contextlib.contextmanager
+    def watched():
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with _graphs_made(made):
+                yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    cuda = _generation(model, "cuda", x, valid_lens, watched)
+    assert torch.allclose(cuda, cpu, atol=1e-4, rtol=1e-4)
     failed = {f.__qualname__: f.failed for f in FUSED_ON_A_STEP if f.failed is not None}
     assert not failed, failed
+    assert made == [0], f"{made[0]} graphs compiled inside the watched steps"
+
+
+@pytest.mark.parametrize("variant", ["strided", "bigbird", "moba"])
+def test_a_second_generation_compiles_nothing_with_the_steps_fused_as_on_a_gpu(
+    variant, monkeypatch
+):
+    """The GPU test above on a CPU, with ``zoo.core.fused``'s graphs compiled as on a GPU: after
+    one generation, a second of the same steps (strided packs its keys from its fifth step)
+    makes no graph, and its outputs are the first's."""
+    from zoo.core import fused
+
+    torch._dynamo.reset()
+    for function in FUSED_ON_A_STEP:
+        function.__dict__.pop("compiled", None)
+        monkeypatch.setattr(function, "failures", {})
+    monkeypatch.setattr(fused, "fuses", fused.compiles_here)
+    torch.manual_seed(0)
+    attn = zoo.create_attention(variant, dim=64, num_heads=4, num_kv_heads=2, pos="rope",
+                                causal=True, backend="sdpa", **small(variant)).eval()  # fmt: skip
+    x = torch.randn(2, 24, 64)
+    made: list[int] = []
+    first = _generation(attn, "cpu", x, True, contextlib.nullcontext)
+    second = _generation(attn, "cpu", x, True, lambda: _graphs_made(made))
+    assert torch.allclose(first, second, atol=1e-5)
+    assert all(f.failed is None for f in FUSED_ON_A_STEP)
+    assert made == [0], f"{made[0]} graphs compiled in the second generation"
+    torch._dynamo.reset()
