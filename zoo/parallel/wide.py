@@ -12,7 +12,8 @@ partials, instead of every shard.
 A partial is a few query rows against one shard's keys, every pair the pattern allows computed
 (the cost the pattern itself gives global rows), in float32, or float64 for float64: on a CPU
 through the FlashAttention kernel (``lse_merge.kernel_partial``, with an additive mask only
-where some pair is not allowed or a bias is added), elsewhere, or for another score, as the
+where some pair is not allowed or a bias is added), elsewhere, for another score, or for a
+bias with learned parameters (the kernel's backward gives its mask no gradient), as the
 reference backend computes, with an explicit masked softmax (``lse_merge.partial``). Both exchanges
 (queries out, partials back) are ``SwapRows``, which every rank runs, with or without rows to
 ship, so that autograd returns the gradients of the partials to their owners' keys and those of
@@ -88,6 +89,8 @@ def _chunk_partial(q, k, v, padding, wrapper: AtPositions, scale, score, bias):
         allowed = attention_mask(call)
         if call.bias is not None:
             mask = score_bias(call, dtype)[None].masked_fill(~allowed, -math.inf)
+            if mask.requires_grad:  # a learned bias (t5): the kernel's backward gives its mask
+                return partial(*masked_scores(call))  # no gradient, autograd's dense one does
         elif not bool(allowed.all()):
             mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, -math.inf)
     k, v = (repeat_kv(t.to(dtype), call.groups) for t in (call.k, call.v))
