@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import socket
 import time
 
@@ -663,3 +664,20 @@ def test_a_choice_by_content_is_not_kept_by_the_per_shape_caches():
     assert shape_cache.stats()["entries"] == before
     call_pattern(AtPositions(local, positions, positions), False, {}, 16, 16, cpu)
     assert shape_cache.stats()["entries"] > before
+
+
+@pytest.mark.parametrize(
+    ("shards", "order", "words"),
+    [
+        ([torch.zeros(1, 4, 2), torch.zeros(1, 6, 2)], "contiguous", "lengths [4, 6]"),
+        ([torch.zeros(1, 3, 2)] * 2, "head_tail", "odd"),
+        ([torch.zeros(1, 4, 2)] * 2, "headtail", "order must be one of"),
+        ([], "contiguous", "lengths []"),
+    ],
+    ids=("unequal", "odd head_tail", "misspelt order", "none"),
+)
+def test_unshard_refuses_shards_it_cannot_join(shards, order, words):
+    """Joined anyway, unequal shards lost rows (4 + 6 came back as 8), an odd head-tail shard
+    came back with rows dropped and out of order, and a misspelt order joined contiguously."""
+    with pytest.raises(ValueError, match=re.escape(words)):
+        unshard(shards, dim=1, order=order)

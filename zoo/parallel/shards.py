@@ -95,6 +95,21 @@ def shard(x: Tensor, rank: int, world: int, *, dim: int = -2, order: str = "cont
 
 def unshard(shards: list[Tensor], *, dim: int = -2, order: str = "contiguous") -> Tensor:
     """The whole sequence from every rank's shard (rank order): the inverse of ``shard``."""
+    # The join reorders by positions made from the first shard's length and the order: shards it
+    # does not describe would come back with rows dropped or out of place, without an error.
+    lengths = [part.shape[dim] for part in shards]
+    if order not in ORDERS:
+        raise ValueError(f"unshard: order must be one of {ORDERS}, got {order!r}")
+    if not shards or len(set(lengths)) > 1:
+        raise ValueError(
+            f"unshard: the shards have lengths {lengths} along dim {dim}; pass every rank's "
+            "shard, in rank order, each of the same length (as shard cuts them)"
+        )
+    if order == "head_tail" and lengths[0] % 2:
+        raise ValueError(
+            f"unshard: order='head_tail' joins shards of two equal halves, but the shards have "
+            f"{lengths[0]} rows along dim {dim}, odd; were they cut with order='contiguous'?"
+        )
     world = len(shards)
     layout = ShardLayout(world, shards[0].shape[dim], order)
     joined = torch.cat(shards, dim=dim)
