@@ -681,3 +681,20 @@ def test_unshard_refuses_shards_it_cannot_join(shards, order, words):
     came back with rows dropped and out of order, and a misspelt order joined contiguously."""
     with pytest.raises(ValueError, match=re.escape(words)):
         unshard(shards, dim=1, order=order)
+
+
+@pytest.mark.parametrize(
+    ("rank", "world", "order", "words"),
+    [
+        (0, 2, "headtail", "order must be one of ('contiguous', 'head_tail'), got 'headtail'"),
+        (2, 2, "contiguous", "rank 2 is not one of the 2 ranks"),
+        (-1, 2, "contiguous", "rank -1 is not one of the 2 ranks"),
+        (0, 0, "contiguous", "rank 0 is not one of the 0 ranks"),
+    ],
+    ids=("misspelt order", "rank past the last", "negative rank", "no ranks"),
+)
+def test_shard_names_a_bad_order_or_rank(rank, world, order, words):
+    """A misspelt order was told to pad its length to a multiple of the world size; a rank out
+    of range raised IndexError ('index out of range in self'), and no ranks ZeroDivisionError."""
+    with pytest.raises(ValueError, match=re.escape(words)):
+        shard(torch.zeros(1, 8, 2), rank, world, dim=1, order=order)

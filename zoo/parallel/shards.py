@@ -81,9 +81,15 @@ def shard(x: Tensor, rank: int, world: int, *, dim: int = -2, order: str = "cont
     """Rank ``rank``'s shard of a whole sequence ``x`` along ``dim`` (length divisible by
     ``world``; by 2 * world for ``head_tail``), as ``zoo.attention(..., cp_group=...)`` takes it:
     dim -2 for q, k, v (B, H, L, D), dim 1 for a key padding mask (B, L) or an input (B, L, dim)."""
+    if order not in ORDERS:  # not a length to pad: the order itself is unknown
+        raise ValueError(f"shard: order must be one of {ORDERS}, got {order!r}")
+    if not 0 <= rank < world:
+        raise ValueError(
+            f"shard: rank {rank} is not one of the {world} ranks of the group (0 to {world - 1})"
+        )
     length = x.shape[dim]
     parts = 2 * world if order == "head_tail" else world
-    if order not in ORDERS or length % parts:
+    if length % parts:
         raise ValueError(
             f"shard: x has length {length} along dim {dim}, which cp_order={order!r} cannot cut "
             f"into {world} equal shards; pad it to a multiple of {parts}"
