@@ -323,8 +323,9 @@ def _check_wide(rank: int, world: int, group) -> list[str]:
 
 
 def _check_errors(rank: int, world: int, group) -> list[str]:
-    """Bad calls: each must raise on EVERY rank (none left waiting), naming what to fix; a good
-    call afterwards still matches (no message of a failed call left in flight)."""
+    """Bad calls: each must raise on EVERY rank (none left waiting), naming what to fix (a
+    plan_block below 1 was once read as 1); a good call afterwards still matches (no message of
+    a failed call left in flight)."""
     q, k, v, padding, _ = _inputs()
     mine = [shard(t, rank, world) for t in (q, k, v)]
     short = [t[:, :, :-1] if rank == world - 1 else t for t in mine]
@@ -348,6 +349,26 @@ def _check_errors(rank: int, world: int, group) -> list[str]:
                 failures.append(f"rank {rank}: {name}: {words!r} not in: {error}")
         else:
             failures.append(f"rank {rank}: {name}: no error raised")
+    for name, options, words in (
+        ("plan_block 0", dict(plan_block=0), "plan_block must be positive, got 0"),
+        ("plan_block 8.0", dict(plan_block=8.0), "plan_block must be an int, got 8.0"),
+        ("overlap 'yes'", dict(overlap="yes"), "overlap must be True or False, got 'yes'"),
+    ):
+        try:
+            zoo.parallel.context_parallel_attention(*mine, group=group, variant="local",
+                                                    window_size=7, **options)  # fmt: skip
+        except Exception as error:  # plan_block 8.0 once failed deep inside the plan
+            if words not in str(error):
+                failures.append(f"rank {rank}: {name}: {words!r} not in: {error}")
+        else:
+            failures.append(f"rank {rank}: {name}: no error raised")
+    try:
+        shard_stats(*mine, group=group, variant="local", window_size=7, plan_block=-4)
+    except ValueError as error:
+        if "plan_block must be positive, got -4" not in str(error):
+            failures.append(f"rank {rank}: shard_stats plan_block -4: {error}")
+    else:
+        failures.append(f"rank {rank}: shard_stats plan_block -4: no error raised")
     out = zoo.attention(*mine, variant="local", window_size=7, cp_group=group)
     whole = zoo.attention(q, k, v, variant="local", window_size=7, backend="reference")
     if _error(out, shard(whole, rank, world)) > TOLERANCE:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..backends import Backend, resolve_backend
+from ..core.arguments import check_bool, check_int
 from ..core.call import check_key_padding_mask, check_qkv, unread_padding
 from ..core.device_build import has_no_data, on_host
 from ..core.narrowed import narrowed
@@ -128,6 +129,11 @@ def context_parallel_attention(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     problem, setup = None, None
     try:
+        # Checked here, so that every rank raises it: a plan_block below 1 was read as 1, and
+        # 8.0 failed deep inside the plan (an IndexError, or one of repeat_interleave's).
+        check_int("plan_block", plan_block)
+        if overlap is not None:
+            check_bool("overlap", overlap)
         setup = _setup(q, k, v, variant, causal, key_padding_mask, pos, order, params, world)
     except (TypeError, ValueError) as error:
         problem = error
@@ -427,6 +433,7 @@ def shard_stats(
     """What this rank receives and computes in ``context_parallel_attention`` with the same
     arguments, from the plan alone: no collective, no data moved."""
     check_group(group, q)
+    check_int("plan_block", plan_block)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     pattern, _, padding = _setup(q, k, v, variant, causal, key_padding_mask, pos, order, params,
                                  world)  # fmt: skip
