@@ -339,6 +339,14 @@ def _check_errors(rank: int, world: int, group) -> list[str]:
         "odd shard, head_tail": (odd, dict(variant="local", cp_order="head_tail"), "cp_order"),
         "return_weights": (mine, dict(variant="local", return_weights=True), "return_weights"),
         "padding shape": (mine, dict(variant="local", key_padding_mask=padding), "key_padding"),
+        # Not a tensor: an AttributeError in the agreement's fingerprint ("'list' object has no
+        # attribute 'shape'") once came before it, on the ranks that passed it only.
+        "padding a list on one rank": (
+            mine,
+            dict(variant="local", key_padding_mask=[[False] * 7] * BATCH if rank == 0 else None),
+            "key_padding_mask",
+        ),
+        "q a list": ([q.tolist(), *mine[1:]], dict(variant="local"), "q must be a torch.Tensor"),
     }
     failures = []
     for name, (tensors, kwargs, words) in bad_calls.items():

@@ -329,13 +329,19 @@ def _setup(q, k, v, variant, causal, key_padding_mask, pos, order, params, world
 def _fingerprint(q, k, v, padding, variant, causal, pos, order, params) -> tuple:
     """What every rank must agree on, by field: a rank that differs is named with the field."""
     return (
-        ("q shape", tuple(q.shape)), ("k shape", tuple(k.shape)), ("v shape", tuple(v.shape)),
-        ("dtype", str(q.dtype)),
-        ("key_padding_mask shape", None if padding is None else tuple(padding.shape)),
+        ("q shape", _shape(q)), ("k shape", _shape(k)), ("v shape", _shape(v)),
+        ("dtype", str(getattr(q, "dtype", None))),
+        ("key_padding_mask shape", None if padding is None else _shape(padding)),
         ("variant", _name(variant)), ("causal", causal), ("cp_order", order),
         ("parameters", repr(sorted(params.items()))),
         ("pos", pos if pos is None or isinstance(pos, str) else type(pos).__name__),
     )  # fmt: skip
+
+
+def _shape(x: object) -> tuple[int, ...] | str:
+    """A tensor's shape, or the type of what is not one: _setup has then found the problem,
+    which the agreement must still reach on every rank, not an AttributeError here on one."""
+    return tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
 
 
 def _agree(group, fingerprint: tuple, problem: Exception | None) -> None:
