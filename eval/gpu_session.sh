@@ -51,11 +51,16 @@
 # carrying .whl and .gpu-cache (the compile cache, below; bring back its parts after the second):
 #   ZOO_GPU_SESSION_CACHE=.gpu-cache LIMIT=560 bash eval/gpu_session.sh tests   # timeout_s 590
 #   ZOO_GPU_SESSION_CACHE=.gpu-cache ZOO_GPU_SESSION_BUNDLE=1 \
-#     ZOO_GPU_SESSION_SHARES="env:4 realization:8 goals:20 moba:7 divisible:6 overhead:3 \
-#     profile:8 profile_moba:6 decode:12 decode_compiled:10 compiles:6" \
-#     bash eval/gpu_session.sh all 385                                    # timeout_s 415
-# (with ARGS_goals='lengths=[16384,65536]' where the 8K cells are known; the second run of
-# 2026-11-28 had 385 s left after the tests' 428). Tests of this script:
+#     ZOO_GPU_SESSION_SHARES="env:4 moba:16 profile_moba:8 decode:12 decode_compiled:14 \
+#     goals:22 divisible:6 realization:6 overhead:3" \
+#     ARGS_goals='lengths=[16384,65536]' bash eval/gpu_session.sh all 385  # timeout_s 415
+# (the second run of 2026-11-28 had 385 s left after the tests' 428, and every stage of its
+# second command stopped at its limit, most of it compiling). These shares go to what no run has
+# measured since the code changed: MoBA with its bookkeeping compiled (1 of its 8 cells measured,
+# before that), decoding with the fused step mask and a static cache on flex, the 16K and 64K
+# goal cells; goal (d) held on the H200 (compiles) and the goal cells' profile ran at 8K, so
+# neither stage has a share. Stages run in their fixed order (below), whatever the shares' order.
+# Tests of this script:
 # STAGE_CMD_<stage>='...' replaces a stage's command (run by bash, with $OUT set), and
 # ZOO_GPU_SESSION_FAKE=1 makes every other stage a no-op (tests/eval/test_gpu_session.py).
 #
