@@ -209,3 +209,21 @@ def test_nsa_is_a_registry_entry():
     assert zoo.get_module_spec("nsa").parameters()["select_count"] == 16  # the published n
     with pytest.raises(TypeError, match="did you mean 'select_count'"):
         zoo.create_attention("nsa", dim=DIM, num_heads=HEADS, select_cuont=3)
+
+
+@pytest.mark.parametrize(
+    "padding,error,match",
+    [
+        (torch.zeros(2, L - 1, dtype=torch.bool), ValueError, rf"\(batch, kv_len\) = \(2, {L}\)"),
+        (torch.zeros(2, L), TypeError, "must be a bool tensor.*got dtype torch.float32"),
+        (torch.zeros(2, L, dtype=torch.long), TypeError, "got dtype torch.int64"),
+    ],
+    ids=["short", "float", "long"],
+)
+def test_a_bad_key_padding_mask_names_what_it_must_be(padding, error, match):
+    """As MultiHeadAttention refuses it; these failed inside the branches with PyTorch's messages
+    (a size mismatch, '~ is only implemented on integer and Boolean-type tensors', 'expected
+    condition to be a boolean tensor')."""
+    x, _ = inputs()
+    with pytest.raises(error, match=match):
+        make()(x, key_padding_mask=padding)

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from ..backends import Backend, resolve_backend
 from ..core.arguments import check_int
-from ..core.call import AttentionCall, unread_padding
+from ..core.call import AttentionCall, check_key_padding_mask, unread_padding
 from ..core.scores import DotProduct
 from ..functional import attention
 from ..patterns import Causal, ChosenBlocks, Intersection, Pattern, Spans
@@ -180,6 +180,11 @@ class NativeSparseAttention(nn.Module):
         if valid_lens is not None:
             valid_lens = check_valid_lens(valid_lens, x.shape[0])
             key_padding_mask = padding_of(valid_lens, key_padding_mask, x, x)
+        # The branches pool, select blocks and invert the mask before any backend checks it: a
+        # wrong shape or dtype would otherwise fail deep inside with PyTorch's own message.
+        key_padding_mask = check_key_padding_mask(
+            key_padding_mask, x.shape[0], x.shape[1], x.device
+        )
         q = rearrange(self.q_proj(x), "b l (h d) -> b h l d", h=self.num_heads)
         k = rearrange(self.k_proj(x), "b l (h d) -> b h l d", h=self.num_kv_heads)
         v = rearrange(self.v_proj(x), "b l (h d) -> b h l d", h=self.num_kv_heads)
