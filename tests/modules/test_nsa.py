@@ -194,6 +194,10 @@ def test_short_sequences_run():
         ("select_count", 0, "select_count must be positive, got 0"),
         ("block_stride", 1.5, "block_stride must be an int, got 1.5"),
         ("causal", False, "causal self-attention"),
+        ("bias", "False", "bias must be True or False, got 'False'"),
+        ("learned_compression", "False", "learned_compression must be True or False"),
+        ("backend", "sdp", "unknown backend 'sdp'; did you mean 'sdpa'"),
+        ("backend", 3, "backend must be 'auto', a name from zoo.list_backends()"),
     ],
 )
 def test_bad_options_name_the_value(option, value, match):

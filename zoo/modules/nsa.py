@@ -35,8 +35,8 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from ..backends import Backend, resolve_backend
-from ..core.arguments import check_int
+from ..backends import Backend, backend_named, resolve_backend
+from ..core.arguments import check_bool, check_int
 from ..core.call import AttentionCall, check_key_padding_mask, unread_padding
 from ..core.scores import DotProduct
 from ..functional import attention
@@ -142,6 +142,11 @@ class NativeSparseAttention(nn.Module):
                 f"select_count ({select_count}) must leave room for the first block and the "
                 f"num_local ({num_local}) local blocks it always chooses: at least {num_local + 1}"
             )
+        # A string "False" is truthy and would build what it declines; a misspelt backend would
+        # fail only at the first forward.
+        check_bool("bias", bias)
+        check_bool("learned_compression", learned_compression)
+        backend_named(backend)
         self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
         self.backend = backend
         kv_width = self.num_kv_heads * self.head_dim
