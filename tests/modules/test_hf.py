@@ -200,8 +200,13 @@ def test_default_names_and_reregistering() -> None:
             "did you mean 'reference'",
         ),
         (lambda: zoo_hf.register("local", bakend="sdpa"), TypeError, "'backend' is an option"),
+        (  # was "'int' object is not iterable", from the search for close backend names
+            lambda: zoo_hf.register("local", backend=3),
+            TypeError,
+            r"backend must be 'auto', a name from zoo.list_backends\(\).*got 3 \(int\)",
+        ),
     ],
-    ids=["variant", "parameter", "backend", "option"],
+    ids=["variant", "parameter", "backend", "option", "backend_type"],
 )
 def test_bad_registrations_name_the_fix(call, error, message) -> None:
     with pytest.raises(error, match=message):

@@ -41,7 +41,7 @@ from types import ModuleType
 import torch
 from torch import Tensor, nn
 
-from ..backends import get_backend
+from ..backends import backend_named
 from ..functional import attention, resolve_pattern
 from ..patterns import Intersection, Local, Pattern
 
@@ -291,8 +291,7 @@ def register(
         options=("name", "backend"),
         options_of="zoo.integrations.transformers.register",
     )
-    if backend != "auto":
-        get_backend(backend)
+    backend_named(backend)  # a name, "auto" or a Backend; anything else named in a TypeError
     if name is None:
         shown = [f"{k}={v!r}" for k, v in sorted(params.items())]
         shown += [f"backend={backend!r}"] if backend != "auto" else []
