@@ -365,6 +365,25 @@ def test_padding_holding_nan_reaches_no_real_token(variant):
     assert all(torch.isfinite(g).all() for g in grads)
 
 
+@pytest.mark.parametrize("pos", ["none", "learned"])
+def test_padding_holding_nan_reaches_no_parameter_gradient(pos):
+    """A cached call that records gradients: NaN in padding columns reaches no parameter's
+    gradient, which equals the gradient with finite padding. Before, the q, k and v projections'
+    weight gradients were NaN (x summed over every column, padding included: 0 * NaN)."""
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    dirty = x.clone()
+    dirty[1, 3:] = float("nan")
+    grads = []
+    for inputs in (x, dirty):
+        attn = module("causal", pos=pos).train()
+        out = attn(inputs, cache=attn.new_cache(2, 16), valid_lens=torch.tensor([6, 3]))
+        out.sum().backward()
+        grads.append({name: p.grad for name, p in attn.named_parameters()})
+    for name, grad in grads[1].items():
+        assert torch.isfinite(grad).all(), name
+        torch.testing.assert_close(grad, grads[0][name], rtol=0, atol=1e-12)
+
+
 def test_a_learned_table_serves_rows_whose_padding_passes_its_end():
     """Only real tokens need a position: a finished row's padding, or a padded column, past a
     learned table's end is no error; a real token past it is (on a CPU, by the encoding)."""

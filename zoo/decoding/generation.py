@@ -198,8 +198,15 @@ def module_step(
         counts = cache.whole_counts(t)
     else:
         counts = step_counts(valid_lens, batch, t, cache.keys.device)
+    padding = None
+    if valid_lens is not None:
+        padding = cache.steps(t).to(x.device) >= counts[:, None].to(x.device)  # (B, t)
     if module.pos.kind == "embed":
         x = embed_at(module.pos, x, cache, counts, valid_lens is None)
+    if padding is not None:
+        # Padding columns may hold NaN: zeroing q, k and v after the projections keeps it from
+        # the outputs, but the projections' weight gradients sum x over every column (0 * NaN).
+        x = x.masked_fill(padding[:, :, None], 0.0)
     q = rearrange(module.q_proj(x), "b l (h d) -> b h l d", h=module.num_heads)
     k = rearrange(module.k_proj(x), "b l (h d) -> b h l d", h=module.num_kv_heads)
     v = rearrange(module.v_proj(x), "b l (h d) -> b h l d", h=module.num_kv_heads)
@@ -220,7 +227,6 @@ def module_step(
         full=valid_lens is None,
     )
     out = module.out_proj(rearrange(out, "b h l d -> b l (h d)"))  # (B, t, dim)
-    if valid_lens is None:  # no padding column
+    if padding is None:  # no padding column
         return out
-    padding = cache.steps(t).to(out.device) >= counts[:, None].to(out.device)
     return out.masked_fill(padding[:, :, None], 0.0)  # padding columns: zeros
