@@ -61,6 +61,18 @@ def test_cross_attention_with_another_width_and_length():
     )  # weights come from the reference backend
 
 
+def test_a_cross_attention_module_called_without_context_says_so():
+    """kv_dim != dim: self-attention had reported "context must have shape (2, kv_len, 24)"
+    for a call without context, and a cached call "mat1 and mat2 shapes cannot be multiplied"."""
+    attn = zoo.MultiHeadAttention(32, 4, kv_dim=24, causal=True)
+    x = torch.randn(2, 10, 32)
+    message = r"reads keys and values from context \(kv_dim=24\).*dim=32"
+    with pytest.raises(ValueError, match=message):
+        attn(x)
+    with pytest.raises(ValueError, match=message):
+        attn(x, cache=attn.new_cache(2, 16))
+
+
 def test_valid_lens_equals_the_padding_mask():
     attn = zoo.create_attention("longformer", dim=32, num_heads=2, window_size=4)
     x = torch.randn(3, 50, 32)

@@ -271,6 +271,12 @@ class MultiHeadAttention(nn.Module):
         if not torch.compiler.is_compiling() and torch.jit.is_tracing():
             raise RuntimeError(_no_torchscript("torch.jit.trace"))
         self._check_x(x)
+        if context is None and self.kv_dim != self.dim:  # before a cached call, which has none
+            raise ValueError(
+                f"this module reads keys and values from context (kv_dim={self.kv_dim}), but the "
+                f"call gives none, and x has the width dim={self.dim}: pass context=..., or build "
+                "the module without kv_dim for self-attention (and a cache)"
+            )
         if valid_lens is not None:
             valid_lens = check_valid_lens(valid_lens, x.shape[0])
         if cache is not None:
