@@ -211,6 +211,10 @@ BAD_FILES = {
         "    params: {w: 2}\n    description: d\n",
         r"variant 'a': params \['w'\] are declared",
     ),
+    "name not a string": (  # YAML reads yes as True, 3 as an int: zoo list failed on them
+        "variants:\n  yes: {pattern: full, description: d}\n",
+        "variant True: a name must be a string, but YAML reads this one as a bool; quote it",
+    ),
     "missing pattern": ("variants:\n  a: {description: d}\n", "variant 'a': needs 'pattern'"),
     "not a mapping": ("variants:\n  a: 3\n", "variant 'a': an entry is a mapping"),
     "unknown section": ("variantz: {}\n", "unknown section 'variantz'; did you mean 'variants'"),
@@ -229,6 +233,16 @@ def test_malformed_files_name_the_file_and_the_entry(case, tmp_path):
     with pytest.raises(ValueError, match=message) as error:
         Registry().load(path)
     assert str(path) in str(error.value)
+
+
+def test_a_name_yaml_reads_as_no_string_leaves_the_listings_working(tmp_path):
+    """An unquoted ``3:`` or ``yes:`` in a ZOO_REGISTRY file was added as an int or bool name,
+    and every listing (``zoo.list_variants()``, ``zoo list``) then raised TypeError."""
+    path = write(tmp_path, "variants:\n  3: {pattern: local, description: d}\n")
+    registry = Registry()
+    with pytest.warns(zoo.registry.RegistryWarning, match="variant 3: a name must be a string"):
+        registry.load(path, strict=False)
+    assert registry.variants == {}
 
 
 def test_a_name_defined_twice_across_files(tmp_path):

@@ -189,6 +189,11 @@ def read_registry_file(path: str | os.PathLike) -> dict[str, dict[str, object]]:
 def check_entry(section: str, name: str, entry: object, source: str) -> dict[str, object]:
     """An entry's fields, checked for shape; errors name the file, the entry and the fix."""
     where = f"{source}: {SINGULAR[section]} {name!r}"
+    if not isinstance(name, str):  # listings and lookups match names as strings
+        raise ValueError(
+            f"{where}: a name must be a string, but YAML reads this one as a "
+            f"{type(name).__name__}; quote it in the file"
+        )
     keys, required = SECTION_KEYS[section]
     if not isinstance(entry, dict):
         raise ValueError(f"{where}: an entry is a mapping with keys {sorted(keys)}")
