@@ -89,6 +89,26 @@ def test_user_file_adds_a_composition(fresh_registry, tmp_path):
     assert attn(torch.randn(1, 12, 16)).shape == (1, 12, 16)
 
 
+def test_a_parameter_placed_inside_a_list(fresh_registry, tmp_path):
+    """``global_tokens: [$first, 5]`` was passed on as the string '$first', so the entry failed
+    with "global_tokens[0] must be an int, got '$first'" although it declares first."""
+    path = write(
+        tmp_path,
+        """
+        variants:
+          two_globals:
+            pattern: {global: {global_tokens: [$first, 5]}}
+            params: {first: 0}
+            description: Tokens first and 5 attend and are attended by all.
+        """,
+    )
+    zoo.load_registry(path)
+    assert zoo.get_spec("two_globals").build(first=2) == zoo.patterns.Global([2, 5])
+    with pytest.raises(ValueError, match=r"\$last refers to a parameter .* do not declare"):
+        pattern = {"global": {"global_tokens": ["$first", "$last"]}}
+        zoo.VariantSpec(name="b", pattern=pattern, params={"first": 0}).validate()
+
+
 def test_zoo_registry_environment_variable(tmp_path):
     path = write(
         tmp_path,

@@ -139,6 +139,8 @@ def _substitute(value: object, params: dict[str, object]) -> object:
                 f"{value} refers to a parameter that the entry's params do not declare"
             )
         return params[name]
+    if isinstance(value, list):  # a list parameter may place some items: [$first, 5]
+        return [_substitute(item, params) for item in value]
     return value
 
 
