@@ -235,6 +235,10 @@ BAD_FILES = {
         "variants:\n  yes: {pattern: full, description: d}\n",
         "variant True: a name must be a string, but YAML reads this one as a bool; quote it",
     ),
+    "unknown encoding parameter": (  # was the class's TypeError, with no parameters listed
+        "positional:\n  p: {encoding: rope, params: {bas: 3}, description: d}\n",
+        "encoding 'p': encoding class 'rope' has no parameter 'bas' .*did you mean 'base'",
+    ),
     "missing pattern": ("variants:\n  a: {description: d}\n", "variant 'a': needs 'pattern'"),
     "not a mapping": ("variants:\n  a: 3\n", "variant 'a': an entry is a mapping"),
     "unknown section": ("variantz: {}\n", "unknown section 'variantz'; did you mean 'variants'"),

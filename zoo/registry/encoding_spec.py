@@ -40,15 +40,18 @@ class EncodingSpec:
     def kind(self) -> str:
         return self.encoding_class().kind
 
-    def parameters(self) -> dict[str, object]:
-        """The parameters a caller may set, with their defaults."""
+    def class_parameters(self) -> dict[str, object]:
+        """The keyword parameters of the class, with its defaults."""
         signature = inspect.signature(self.encoding_class().__init__).parameters.values()
-        own = {
+        return {
             p.name: p.default
             for p in signature
             if p.kind == p.KEYWORD_ONLY and p.name not in SHARED
         }
-        return {**own, **self.params}
+
+    def parameters(self) -> dict[str, object]:
+        """The parameters a caller may set, with their defaults."""
+        return {**self.class_parameters(), **self.params}
 
     def build(
         self, *, dim: int, num_heads: int, causal: bool = False, **overrides: object
@@ -68,4 +71,7 @@ class EncodingSpec:
 
     def validate(self) -> None:
         """Build it once at a typical size, so that a bad parameter fails when the file loads."""
+        # the entry's own params are the defaults that parameters() checks callers against, so
+        # they are checked against the class (else the class's own TypeError, with no list)
+        check_parameters(f"encoding class {self.encoding!r}", self.params, self.class_parameters())
         self.probe()
