@@ -5,6 +5,7 @@ accepts the same thing twice, and suggests the nearest names for an unknown one.
 from __future__ import annotations
 
 import pytest
+import torch
 
 import zoo
 from zoo.backends import SdpaBackend
@@ -63,3 +64,32 @@ def test_every_register_raises_on_a_taken_name_and_replaces_on_request(
         assert table[name] is thing
     finally:
         table[name] = before
+
+
+class NoCapabilities(zoo.Backend):
+    name = "no_capabilities"
+
+    def forward(self, call):
+        return call.v, None
+
+
+class Unnamed(zoo.Backend):
+    capabilities = SdpaBackend.capabilities
+
+
+def test_register_backend_refuses_a_backend_without_name_or_capabilities():
+    """A backend lacking capabilities registered, and then every call refused by any backend
+    raised AttributeError from the listing of backends that can; one lacking a name raised
+    AttributeError; lone values in Capabilities failed in each call, or (patterns) meant any."""
+    with pytest.raises(TypeError, match=r"backend 'no_capabilities' needs capabilities, a zoo"):
+        zoo.register_backend(NoCapabilities())
+    assert "no_capabilities" not in zoo.list_backends()
+    with pytest.raises(ValueError, match=r"Unnamed needs a name, a str other than 'auto'"):
+        zoo.register_backend(Unnamed())
+    floats = (torch.float32,)
+    with pytest.raises(TypeError, match=r"devices must be a tuple of str, got 'cpu'"):
+        zoo.Capabilities(devices="cpu", backward=(), dtypes=floats, patterns="any")
+    with pytest.raises(TypeError, match=r"dtypes must be a tuple of torch dtypes"):
+        zoo.Capabilities(devices=("cpu",), backward=(), dtypes=torch.float32, patterns="any")
+    with pytest.raises(ValueError, match=r"patterns must be 'any' .* or 'dense' .*'sparse'"):
+        zoo.Capabilities(devices=("cpu",), backward=(), dtypes=floats, patterns="sparse")

@@ -41,7 +41,21 @@ def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
     """Make a backend selectable by its ``name`` (``backend="name"``)."""
     if not isinstance(backend, Backend):
         raise TypeError(f"register_backend takes a zoo Backend, got {backend!r}")
-    return _BACKENDS.add(backend.name, backend, replace=replace)
+    # checked here: a backend without them would fail every later call that lists the backends
+    # able to run it (in its error message), not only calls that name this one
+    name = getattr(backend, "name", None)
+    if not isinstance(name, str) or name in ("", "auto"):
+        raise ValueError(
+            f"register_backend: {type(backend).__name__} needs a name, a str other than 'auto' "
+            f'(a class attribute, name = "my_backend"), got {name!r}'
+        )
+    capabilities = getattr(backend, "capabilities", None)
+    if not isinstance(capabilities, Capabilities):
+        raise TypeError(
+            f"register_backend: backend {name!r} needs capabilities, a zoo.Capabilities of what "
+            f"it runs (devices, backward, dtypes, patterns...), got {capabilities!r}"
+        )
+    return _BACKENDS.add(name, backend, replace=replace)
 
 
 def list_backends(available_only: bool = False) -> list[str]:

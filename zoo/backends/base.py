@@ -34,6 +34,24 @@ class Capabilities:
     # padded with zeros to it, the scale kept the call's, which changes neither scores nor output
     padded_heads: tuple[str, int] | None = None
 
+    def __post_init__(self) -> None:
+        # a str or a lone dtype would be read by `in` (substrings, or a TypeError at each call)
+        for field in ("devices", "backward", "scores"):
+            value = getattr(self, field)
+            if not (isinstance(value, tuple) and all(isinstance(v, str) for v in value)):
+                raise TypeError(f"Capabilities {field} must be a tuple of str, got {value!r}")
+        if not (
+            isinstance(self.dtypes, tuple) and all(isinstance(d, torch.dtype) for d in self.dtypes)
+        ):
+            raise TypeError(
+                f"Capabilities dtypes must be a tuple of torch dtypes, got {self.dtypes!r}"
+            )
+        if self.patterns not in ("any", "dense"):  # anything else would read as "any"
+            raise ValueError(
+                "Capabilities patterns must be 'any' (every pattern) or 'dense' (full and causal "
+                f"only), got {self.patterns!r}"
+            )
+
     def head_padding(self, device: torch.device, qk_size: int, v_size: int) -> int | None:
         """The head size q/k or v are padded to on ``device``, or None if neither is."""
         if self.padded_heads is None or device.type != self.padded_heads[0]:
