@@ -138,6 +138,16 @@ def test_a_taken_name_raises_and_registers_nothing(one_file):
     assert zoo.get_spec(NAME).description == "Keys within w of the query, and key 0."
 
 
+@pytest.mark.parametrize("name", ["my:band", "", 3])
+def test_a_family_name_that_no_lookup_could_find_is_refused(name):
+    """A name with a colon registered, but every lookup reads such a name as
+    package.module:factory ("cannot import module 'my'"); 3 registered as a family and failed
+    as a variant with "a pattern spec is a family name or a one-key mapping"."""
+    with pytest.raises(ValueError, match=r"a family name is a non-empty str without ':'"):
+        zoo.register_pattern(name)(lambda: zoo.patterns.Full())
+    assert name not in families._FAMILIES
+
+
 def test_derived_states_are_exact(one_file):
     """EMPTY where no pair is allowed, FULL where every pair of complete blocks is, PARTIAL
     otherwise: counted against the dense view, block by block, blocks of 7 over 45 positions

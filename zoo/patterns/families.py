@@ -74,6 +74,12 @@ def register_pattern(
     that defines only ``allowed`` runs on every backend (its block states are derived,
     ``zoo.patterns.derived``). A name already taken raises, unless ``replace=True``.
     """
+    if not isinstance(name, str) or not name or ":" in name:
+        # resolve_family reads a name with a colon as package.module:factory, never as a family
+        raise ValueError(
+            "register_pattern: a family name is a non-empty str without ':' (that form names "
+            f"package.module:factory), got {name!r}"
+        )
     if description is not None and not isinstance(description, str):
         raise TypeError(f"description must be a str, got {description!r}")
 
