@@ -252,6 +252,11 @@ def test_names_resolve_to_variants_families_and_factories(monkeypatch, tmp_path)
     assert zoo.check_pattern("good_patterns:band", w=4, lengths=[40]) == 4
     with pytest.raises(ValueError, match="did you mean 'local'"):
         zoo.check_pattern("loacl")
+    # a family is a name it takes: a misspelt one was matched among the variants alone
+    with pytest.raises(ValueError, match="family 'globl_blocks'; did you mean 'global_blocks'"):
+        zoo.check_pattern("globl_blocks")
+    with pytest.raises(ValueError, match="'performer' is a mechanism"):
+        zoo.check_pattern("performer")
     with pytest.raises(TypeError, match="apply to a variant name"):
         zoo.check_pattern(Band(3), w=4)
 

@@ -77,8 +77,9 @@ def block_pairs(block_sizes: Iterable[int | tuple[int, int]]) -> list[tuple[int,
 def resolve(pattern_or_name: str | Pattern, params: dict[str, object]) -> Pattern:
     """A Pattern as given, a registry variant by name, or a pattern family (a name registered
     with ``@zoo.register_pattern`` or ``package.module:factory``), with ``params``."""
+    from ..core.arguments import suggest
     from ..patterns.families import build_family, list_families
-    from ..registry import get_spec, list_variants
+    from ..registry import NAMESPACES, get_spec, list_variants, registry
 
     if isinstance(pattern_or_name, Pattern):
         if params:
@@ -92,9 +93,15 @@ def resolve(pattern_or_name: str | Pattern, params: dict[str, object]) -> Patter
             f"{type(pattern_or_name).__name__}"
         )
     name = pattern_or_name
-    if name in list_variants() or (":" not in name and name not in list_families()):
-        return get_spec(name).build(**params)  # an unknown name: the error lists the variants
-    return build_family(name, params)
+    if name not in list_variants() and (":" in name or name in list_families()):
+        return build_family(name, params)
+    if name in list_variants() or registry().entry(name, NAMESPACES[0]) is not None:
+        return get_spec(name).build(**params)  # a mechanism or a broken entry: its own error
+    # families are names this takes too: a misspelt one is matched among them
+    known = {*list_variants(), *list_families()}
+    listing = "zoo.list_variants() and zoo.list_pattern_families()"
+    message = suggest("variant or pattern family", name, known, listing)
+    raise ValueError(message + registry().skipped_note())
 
 
 def check_pattern(
