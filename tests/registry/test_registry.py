@@ -166,6 +166,23 @@ def test_zoo_imports_makes_a_one_file_pattern_a_variant_of_the_command_lines(tmp
     assert checked.stdout.strip() == "True", checked.stderr
 
 
+def test_zoo_imports_says_where_to_fix_a_module_that_does_not_import(tmp_path, monkeypatch):
+    """Every failure got "is it on sys.path (PYTHONPATH)?", also a module that was found and
+    raised (a taken pattern name, a dependency not installed), where sys.path is not the fix."""
+    (tmp_path / "raises_on_import.py").write_text("raise RuntimeError('boom')\n")
+    (tmp_path / "needs_a_package.py").write_text("import package_not_installed\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    found = "it was found: the error comes from its code"
+    for module, said in [
+        ("raises_on_import", rf"\(RuntimeError: boom\); {found}"),
+        ("needs_a_package", rf"'package_not_installed'\); {found}"),
+        ("no_such_module", r"'no_such_module'\); is it on sys.path \(PYTHONPATH\)\?"),
+    ]:
+        monkeypatch.setenv("ZOO_IMPORTS", module)
+        with pytest.warns(zoo.registry.RegistryWarning, match=rf"names '{module}', .*{said}"):
+            zoo.registry._import_user_modules()
+
+
 def test_user_pattern_family_by_decorator_and_by_module_path(fresh_registry, tmp_path, monkeypatch):
     module = tmp_path / "my_patterns.py"
     module.write_text(

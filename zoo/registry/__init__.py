@@ -428,9 +428,15 @@ def _import_user_modules() -> None:
         try:
             importlib.import_module(module.strip())
         except Exception as error:  # any error of the user's module: warn, do not break zoo
+            # sys.path is the fix only where the module itself was not found; an error raised
+            # by its code (a taken name, a missing dependency) is fixed there
+            missing = error.name if isinstance(error, ModuleNotFoundError) else None
+            not_found = missing is not None and f"{module.strip()}.".startswith(f"{missing}.")
+            found = "it was found: the error comes from its code"
+            fix = "is it on sys.path (PYTHONPATH)?" if not_found else found
             _warn_code(
                 f"ZOO_IMPORTS names {module!r}, which did not import "
-                f"({type(error).__name__}: {error}); is it on sys.path (PYTHONPATH)?"
+                f"({type(error).__name__}: {error}); {fix}"
             )
 
 
