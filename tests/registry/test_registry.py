@@ -286,6 +286,23 @@ def test_a_name_yaml_reads_as_no_string_leaves_the_listings_working(tmp_path):
     assert registry.variants == {}
 
 
+def test_the_same_file_loaded_again_defines_nothing_twice(tmp_path, monkeypatch):
+    """A file loaded twice (named in ZOO_REGISTRY and to load_registry, or a notebook cell run
+    again) raised "variant 'mine' is already defined in mine.yaml; give it another name", with a
+    RegistryWarning per entry where ZOO_REGISTRY named it twice. Its own unchanged entries are
+    no second definition; a changed entry still is."""
+    text = "variants:\n  mine: {pattern: local, params: {window_size: 3}, description: d}\n"
+    path = write(tmp_path, text)
+    registry = Registry()
+    assert registry.load(path) == ["mine"]
+    monkeypatch.chdir(tmp_path)
+    assert registry.load("mine.yaml") == ["mine"]  # the same file by another path
+    assert registry.variants["mine"].build() == zoo.patterns.Local(3)
+    write(tmp_path, text.replace("3", "4"))
+    with pytest.raises(ValueError, match=r"variant 'mine' is already defined in .*mine.yaml"):
+        registry.load(path)
+
+
 def test_a_name_defined_twice_across_files(tmp_path):
     registry = Registry()
     registry.load(zoo.registry.BUILTIN_REGISTRY)

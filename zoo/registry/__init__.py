@@ -59,7 +59,7 @@ import fnmatch
 import importlib
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -310,7 +310,7 @@ class Registry:
             for section in sections:
                 for name in list(parsed[section]):
                     earlier = self.entry(name, sections) or known.get(name)
-                    if earlier is not None:
+                    if earlier is not None and not _loaded_again(earlier, parsed[section][name]):
                         message = (
                             f"{source}: {SINGULAR[section]} {name!r} is already defined in "
                             f"{earlier.source}; give it another name"
@@ -378,6 +378,18 @@ class Registry:
             f"; note: {path}, named in ZOO_REGISTRY, did not load ({why})"
             for path, why in self.skipped.items()
         )
+
+
+def _loaded_again(
+    earlier: Spec | Unavailable | Invalid, entry: Spec | Unavailable | Invalid
+) -> bool:
+    """Whether ``entry`` is ``earlier`` read again from the same file (named both in ZOO_REGISTRY
+    and to load_registry, say, or by another spelling of its path): no second definition."""
+    try:
+        same_file = Path(earlier.source).resolve() == Path(entry.source).resolve()
+    except (OSError, ValueError):
+        return False
+    return same_file and replace(entry, source=earlier.source) == earlier
 
 
 def _warn(message: str) -> None:
