@@ -93,3 +93,46 @@ def test_register_backend_refuses_a_backend_without_name_or_capabilities():
         zoo.Capabilities(devices=("cpu",), backward=(), dtypes=torch.float32, patterns="any")
     with pytest.raises(ValueError, match=r"patterns must be 'any' .* or 'dense' .*'sparse'"):
         zoo.Capabilities(devices=("cpu",), backward=(), dtypes=floats, patterns="sparse")
+
+
+class HalfOnly(zoo.Backend):
+    """Runs what no built-in backend takes in this test: the built-ins refuse float16 here."""
+
+    name = "half_only_demo"
+    capabilities = zoo.Capabilities(
+        devices=("cpu",), backward=("cpu",), dtypes=(torch.float16,), patterns="any"
+    )
+
+    def forward(self, call):
+        ref = zoo.attention(*(t.float() for t in (call.q, call.k, call.v)), variant="local",
+                            window_size=4, backend="reference")  # fmt: skip
+        return ref.to(call.q.dtype), None
+
+
+def test_auto_runs_a_call_that_only_a_registered_backend_can(monkeypatch):
+    """auto's fallback orders end with every other registered backend: a call that none of the
+    built-in orders can run runs on a user's backend that declares it, where auto refused it
+    ("no backend can run this call") though a named backend's refusal listed that one as able."""
+    from zoo.backends import base
+
+    real = base.Capabilities.reason_against
+
+    def no_half(self, call):
+        if self is not HalfOnly.capabilities and call.q.dtype == torch.float16:
+            return "no float16 in this test"
+        return real(self, call)
+
+    monkeypatch.setattr(base.Capabilities, "reason_against", no_half)
+    q = torch.randn(1, 2, 16, 8, dtype=torch.float16)
+    with pytest.raises(ValueError, match="no backend can run this call"):
+        zoo.attention(q, q, q, variant="local", window_size=4)
+    zoo.register_backend(HalfOnly(), replace=True)
+    try:
+        out = zoo.attention(q, q, q, variant="local", window_size=4)
+        assert "auto -> half_only_demo" in zoo.explain(q, q, q, variant="local", window_size=4)
+    finally:
+        zoo.backends._BACKENDS.pop("half_only_demo", None)
+        zoo.backends.clear_caches()  # no plan keeps the backend taken out
+    ref = zoo.attention(q.float(), q.float(), q.float(), variant="local", window_size=4,
+                        backend="reference")  # fmt: skip
+    assert torch.allclose(out.float(), ref, atol=1e-3)

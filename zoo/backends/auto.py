@@ -19,6 +19,10 @@ dtype, variant, causality, pass and length, that backend leads the order. The fa
   all, ``by_key``) costs nearer a dense pair; it goes first under 70%. (Measured on a 2-core
   CPU: eval/results/design-notes-cpu.md#auto-cpu-thresholds.) Compiled flex is left out on
   CPU: it has no backward there and compiles for seconds on first use.
+
+After these, every other registered backend (flex on CPU, xformers, a user's
+``register_backend``), in the order they were registered: where none of the above can run a call (a device or dtype only a
+user's backend declares), auto runs it on one that can rather than refusing it.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ def fallback_order(call: AttentionCall, backends: dict[str, Backend]) -> list[st
     entry = None if call.return_weights else lookup(call)
     if entry is not None and entry["backend"] in backends:
         order = [entry["backend"], *(name for name in order if name != entry["backend"])]
-    return order
+    return order + [name for name in backends if name not in order]
 
 
 def _documented_order(call: AttentionCall, backends: dict[str, Backend]) -> list[str]:
