@@ -36,7 +36,7 @@ from .decoding.decode import (
     recording_device,
 )
 from .layout.block_layout import allowed_pairs, head_layout, specialized, with_heads
-from .mechanisms.dispatch import is_mechanism, mechanism_attention
+from .mechanisms.dispatch import explain_mechanism, is_mechanism, mechanism_attention
 from .parallel import context_parallel_attention, shard_stats
 from .patterns import Causal, Intersection, Pattern, RouteInputs, reads_graph
 
@@ -300,7 +300,8 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
     """Which backend ``attention(q, k, v, **kwargs)`` runs (``auto``'s choice, and why; or the
     named backend, or why it cannot), and what it computes; and whether the variant is plain full
     (or causal) attention at these lengths, which would make its curves coincide with those of
-    ``full`` (or ``causal``)."""
+    ``full`` (or ``causal``). For a mechanism: what it computes for this call, with its
+    parameters, or the reason ``attention`` refuses the call."""
     backend = kwargs.pop("backend", "auto")
     cp_group = kwargs.pop("cp_group", None)
     if cp_group is not None:
@@ -315,6 +316,8 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
         return explain_decode(
             backend, score, cache, q.shape[1], dropout_p, recording_device(cache, q, k, v)
         )
+    if is_mechanism(kwargs.get("variant")):
+        return _explain_mechanism(q, k, v, backend, **kwargs)
     call = prepare_call(q, k, v, **kwargs)
     params = {key: value for key, value in kwargs.items() if key not in CALL_OPTIONS}
     pattern = resolve_pattern(kwargs.get("variant"), kwargs.get("causal", False), params)
@@ -327,6 +330,19 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
             f"attention at this length, the same as variant {note!r}"
         )
     return explain_backend(call, backend) + (note or "")
+
+
+def _explain_mechanism(q: Tensor, k: Tensor, v: Tensor, backend: object, **kwargs: object) -> str:
+    """``explain`` for a mechanism: what it computes for this call, or why it refuses it."""
+    check_qkv(q, k, v)
+    taken = ("causal", "key_padding_mask", "dropout_p", "scale", "score", "return_weights")
+    options = {key: kwargs[key] for key in taken if key in kwargs}
+    params = {key: value for key, value in kwargs.items() if key not in CALL_OPTIONS}
+    encoding = attention_encoding(kwargs.get("pos"), q, k, kwargs.get("causal", False))
+    return explain_mechanism(
+        q, k, v, kwargs["variant"], **options, backend=backend, encoding=encoding,
+        params=concrete_params(params),
+    )  # fmt: skip
 
 
 def _explain_sharded(q: Tensor, k: Tensor, v: Tensor, group: object, **kwargs: object) -> str:

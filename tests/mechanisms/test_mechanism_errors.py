@@ -191,3 +191,20 @@ def test_a_users_mechanism_entry_runs_through_every_door(tmp_path, monkeypatch):
     module = zoo.create_attention("linear_c4", dim=32, num_heads=2)
     assert module.mechanism.chunk_size == 4 and module.mechanism.name == "linear_c4"
     assert "linear_c4" in zoo.list_mechanisms()
+
+
+def test_explain_says_what_a_mechanism_computes_or_why_the_call_is_refused():
+    """zoo.explain on a mechanism: what zoo.attention computes for the call (the mechanism, its
+    parameters, a rotary encoding), or the reason that attention refuses it, the same words;
+    explain raised for every mechanism ('has no pattern, mask or backend') though attention ran
+    it."""
+    q = torch.randn(1, 2, 32, 8)
+    said = zoo.explain(q, q, q, variant="performer", causal=True, pos="rope", num_features=16)
+    assert said.startswith("'performer' is a mechanism (FAVOR+") and "num_features=16" in said
+    assert "with no pattern, mask or backend; causal; q and k turned by 'rope' first" in said
+    zoo.attention(q, q, q, variant="performer", causal=True, pos="rope", num_features=16)
+    for kwargs in ({"variant": "linformer"}, {"variant": "linear", "pos": "alibi"},
+                   {"variant": "performer", "dropout_p": 0.1}):  # fmt: skip
+        with pytest.raises((TypeError, ValueError)) as refused:
+            zoo.attention(q, q, q, **kwargs)
+        assert zoo.explain(q, q, q, **kwargs).endswith(f"this call is refused: {refused.value}")

@@ -108,6 +108,62 @@ def mechanism_attention(
 ) -> Tensor:
     """``zoo.attention`` for a mechanism: q, k, v checked by the caller, ``encoding`` resolved
     (a rotate or bias kind, or None). Refuses, with the reason, what no mechanism does."""
+    mechanism, q, k, v, mask = _prepared(
+        q, k, v, variant, encoding=encoding, backend=backend, causal=causal,
+        key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale, score=score,
+        return_weights=return_weights, params=params,
+    )  # fmt: skip
+    return mechanism(
+        q, k, v, causal=causal, key_padding_mask=mask, scale=resolve_scale(scale, q.shape[-1])
+    )
+
+
+def explain_mechanism(
+    q: Tensor, k: Tensor, v: Tensor, variant: str | Mechanism, **options: object
+) -> str:
+    """``zoo.explain`` for a mechanism: what ``mechanism_attention`` computes for this call (the
+    same checks, nothing computed), or the reason it refuses the call."""
+    name = variant.name if isinstance(variant, Mechanism) else variant
+    what = f"{name!r} is a mechanism"
+    if not isinstance(variant, Mechanism):
+        spec = get_mechanism_spec(name)
+        what += f" ({spec.description.rstrip('.')}; {spec.complexity})" if spec.complexity else ""
+    try:
+        mechanism, *_ = _prepared(q, k, v, variant, **options)
+    except (TypeError, ValueError) as error:
+        return f"{what}: this call is refused: {error}"
+    shown = ", ".join(
+        f"{key}={value!r}"
+        for key, value in mechanism_params(variant, options.get("params", {})).items()
+    )
+    encoding = options.get("encoding")
+    turned = f"; q and k turned by {encoding.name!r} first" if encoding is not None else ""
+    return (
+        f"{what}: it computes attention itself ({type(mechanism).__name__}"
+        f"{f': {shown}' if shown else ''}), with no pattern, mask or backend"
+        f"{'; causal' if options.get('causal') else ''}{turned}"
+    )
+
+
+def _prepared(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    variant: str | Mechanism,
+    *,
+    encoding: PositionalEncoding | None = None,
+    backend: object = "auto",
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    score: object = None,
+    return_weights: bool = False,
+    params: dict[str, object] | None = None,
+) -> tuple[Mechanism, Tensor, Tensor, Tensor, Tensor | None]:
+    """The mechanism a call runs, q and k turned by a rotary encoding, k and v repeated per
+    query head, and the checked key padding mask; refusals raised with their reasons."""
+    params = params or {}
     name = variant.name if isinstance(variant, Mechanism) else variant
     what = f"mechanism {name!r}"
     if return_weights:
@@ -154,6 +210,4 @@ def mechanism_attention(
         q, k = encoding.rotate(q, k, q_pos, torch.arange(kv_len, device=k.device))
     groups = q.shape[1] // k.shape[1]
     k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # (B, H, Lk, ·)
-    return mechanism(
-        q, k, v, causal=causal, key_padding_mask=mask, scale=resolve_scale(scale, q.shape[-1])
-    )
+    return mechanism, q, k, v, mask
