@@ -148,6 +148,30 @@ def test_a_family_name_that_no_lookup_could_find_is_refused(name):
     assert name not in families._FAMILIES
 
 
+def test_a_variant_whose_family_needs_a_parameter_is_refused_with_the_fix():
+    """With a description the family is a variant built with its defaults: a field without a
+    default failed with the raw "__init__() missing 1 required positional argument: 'w'".
+    Without one it is a building block, which a registry entry gives its parameters."""
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class NeedsW(zoo.Pattern):
+        w: int
+
+        def allowed(self, q_pos, kv_pos):
+            return (q_pos - kv_pos).abs() <= self.w
+
+    with pytest.raises(TypeError, match=r"but w has no default; give it one, or register"):
+        zoo.register_pattern("needs_w", description="a band of w")(NeedsW)
+    assert "needs_w" not in zoo.list_families() and "needs_w" not in zoo.list_variants()
+    try:
+        zoo.register_pattern("needs_w")(NeedsW)
+        assert zoo.get_spec("local").build() is not None  # the registry still reads
+        assert zoo.patterns.families.build_family("needs_w", {"w": 2}) == NeedsW(2)
+    finally:
+        families._FAMILIES.pop("needs_w", None)
+
+
 def test_derived_states_are_exact(one_file):
     """EMPTY where no pair is allowed, FULL where every pair of complete blocks is, PARTIAL
     otherwise: counted against the dense view, block by block, blocks of 7 over 45 positions

@@ -84,6 +84,16 @@ def register_pattern(
         raise TypeError(f"description must be a str, got {description!r}")
 
     def decorate(factory: PatternFactory) -> PatternFactory:
+        if description is not None:  # a variant is built with the family's defaults alone
+            required = [key for key, default in _signature_defaults(factory)
+                        if default is inspect.Parameter.empty]  # fmt: skip
+            if required:
+                raise TypeError(
+                    f"register_pattern({name!r}, description=...): with a description the family "
+                    f"is also a variant, built with its defaults, but {', '.join(required)} has "
+                    "no default; give it one, or register the family without a description (a "
+                    "building block for registry entries)"
+                )
         before = _FAMILIES.get(name)
         _FAMILIES.add(name, factory, replace=replace)
         if before is not None and before is not factory:
