@@ -695,8 +695,17 @@ def overhead_line(folders: list[Path], problems: list[str]) -> str:
             continue
         ranges = []
         for backend in sorted({c["backend"] for c in cells}):
-            added = [c["added_us"] for c in cells if c["backend"] == backend]
-            ranges.append(f"{backend} {min(added):.3g}-{max(added):.3g} us over {len(added)} cells")
+            mine = [c for c in cells if c["backend"] == backend]
+            # A cell that raised is recorded with its status and reason and no times: it is
+            # counted as failed, not read as a time (it raised KeyError and no summary came).
+            added = [c["added_us"] for c in mine if c.get("added_us") is not None]
+            shown = (
+                f"{backend} {min(added):.3g}-{max(added):.3g} us over {len(added)} cells"
+                if added
+                else f"{backend} not measured"
+            )
+            failed = len(mine) - len(added)
+            ranges.append(shown + (f" ({failed} failed: see overhead.json)" if failed else ""))
         device = data.get("header", {}).get("device", "?")
         return f"- host time a call adds around its kernel ({device}): {'; '.join(ranges)}"
     return "- host time a call adds around its kernel: not measured"

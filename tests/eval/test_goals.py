@@ -286,3 +286,21 @@ def test_the_host_time_around_the_kernel_in_the_first_lines(tmp_path):
     line = f"- host time a call adds around its kernel ({H100}): flex 9.5-12.2 us over 2 cells; "
     assert line + "sdpa 7-7 us over 1 cells" in text.splitlines()
     assert data["overhead"].startswith("host time")
+
+
+def test_the_host_time_line_counts_a_cell_that_raised_as_failed(tmp_path):
+    """bench-overhead records a cell that raises with its status and reason and no times: the
+    line counts it as failed (the summary raised KeyError: 'added_us' and was not written)."""
+    cells = [
+        {"variant": "local", "backend": "flex", "n": 8192, "added_us": 9.5, "zoo_us": 10.5,
+         "stub_us": 1},
+        {"variant": "moba", "backend": "flex", "n": 8192, "status": "error", "reason": "boom"},
+        {"variant": "moba", "backend": "sdpa", "n": 8192, "status": "error", "reason": "boom"},
+    ]  # fmt: skip
+    (tmp_path / "overhead.json").write_text(
+        json.dumps({"header": {"device": H100}, "cells": cells})
+    )
+    assert goals.overhead_line([tmp_path], []) == (
+        f"- host time a call adds around its kernel ({H100}): flex 9.5-9.5 us over 1 cells "
+        "(1 failed: see overhead.json); sdpa not measured (1 failed: see overhead.json)"
+    )
