@@ -590,6 +590,12 @@ def tests_line(folders: list[Path], stages: list[dict[str, str]]) -> str:
         path = folder / "gpu-tests.txt"
         if not path.is_file():
             continue
+        # How this folder's tests stage ended, not another folder's: `gpu_session.sh tests`
+        # writes gpu-tests.txt and no stages.tsv, while `all` in another OUT records its tests
+        # stage "skipped: no time left", which was told beside the counts of tests that ran.
+        own = stages if len(folders) == 1 else read_stages([folder])
+        stage = next((s for s in own if s.get("stage") == "tests"), None)
+        how = f" (stage {stage['status']})" if stage else ""
         text = path.read_text(errors="replace")
         failed = _failed_names(text)
         for line in reversed(text.splitlines()):

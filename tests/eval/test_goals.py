@@ -304,3 +304,19 @@ def test_the_host_time_line_counts_a_cell_that_raised_as_failed(tmp_path):
         f"- host time a call adds around its kernel ({H100}): flex 9.5-9.5 us over 1 cells "
         "(1 failed: see overhead.json); sdpa not measured (1 failed: see overhead.json)"
     )
+
+
+def test_the_tests_line_tells_how_the_stage_of_its_own_folder_ended(tmp_path):
+    """`gpu_session.sh tests` in one OUT (gpu-tests.txt, no stages.tsv) and `all` in another
+    (its tests stage skipped), read together: the counts are not told as a skipped stage's."""
+    run, tests = tmp_path / "all", tmp_path / "tests"
+    run.mkdir(), tests.mkdir()
+    (run / "stages.tsv").write_text(
+        "stage\tlimit_s\twall_s\texit\tstatus\ntests\t0.000\t0.000\t-\tskipped: no time left\n"
+    )
+    (tests / "gpu-tests.txt").write_text("= 12 failed, 264 passed, 2 skipped in 398.1s =\n")
+    stages = goals.read_stages([run, tests])
+    assert goals.tests_line([run, tests], stages) == (
+        "- GPU tests: 12 failed, 264 passed, 2 skipped"
+    )
+    assert goals.tests_line([run], stages) == "- GPU tests: not run (stage skipped: no time left)"
