@@ -71,8 +71,9 @@ BANDWIDTH_TBS = (
     ("A100-SXM4-80GB", 2.039), ("A100 80GB PCIe", 1.935), ("A100", 1.555),
 )  # fmt: skip
 BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-STAGES = {"a": ("realization", "goals"), "b": ("moba",), "c": ("decode",), "d": ("compiles",),
-          "e": ("realization",)}  # fmt: skip
+# The stages whose files each goal reads (goal (c) judges decode's and decode_compiled's steps)
+STAGES = {"a": ("realization", "goals"), "b": ("moba",), "c": ("decode", "decode_compiled"),
+          "d": ("compiles",), "e": ("realization",)}  # fmt: skip
 TITLES = {
     "a": f"auto within {A_RATIO:g}x of flex_standard at every goal cell, 8K-128K",
     "b": f"MoBA within {B_FACTOR:g}x of a fixed pattern of the same density, 16K and 64K",

@@ -320,3 +320,16 @@ def test_the_tests_line_tells_how_the_stage_of_its_own_folder_ended(tmp_path):
         "- GPU tests: 12 failed, 264 passed, 2 skipped"
     )
     assert goals.tests_line([run], stages) == "- GPU tests: not run (stage skipped: no time left)"
+
+
+def test_goal_c_names_a_decode_compiled_stage_that_did_not_end_well(tmp_path):
+    """Goal (c) reads bench-decode-compiled.json too: its stage cut short is named on the goal's
+    line, as decode's is (it was left out)."""
+    decode_run(tmp_path, 3.5e-5)
+    (tmp_path / "stages.tsv").write_text(
+        "stage\tlimit_s\twall_s\texit\tstatus\ndecode\t46.2\t40.1\t0\tok\n"
+        "decode_compiled\t38.5\t42.2\t124\tstopped at its limit\n"
+    )
+    text, _ = goals.summarise([tmp_path])
+    line = next(line for line in text.splitlines() if line.startswith("- goal (c)"))
+    assert line.endswith("[stage decode_compiled stopped at its limit]"), line
