@@ -333,3 +333,18 @@ def test_goal_c_names_a_decode_compiled_stage_that_did_not_end_well(tmp_path):
     text, _ = goals.summarise([tmp_path])
     line = next(line for line in text.splitlines() if line.startswith("- goal (c)"))
     assert line.endswith("[stage decode_compiled stopped at its limit]"), line
+
+
+def test_goal_a_counts_a_twin_skipped_after_its_out_of_memory_as_failed(tmp_path):
+    """The sweep skips the longer lengths of a series after its out-of-memory ('skipped'): that
+    twin failed as the one that ran out of memory did, and auto's cell passes (it was not
+    measured, so goal (a) could not hold where flex_standard fails from some length on)."""
+    realization(tmp_path)
+    bench(tmp_path, "goals", [
+        cell("local", "auto", 8192, 1.0, params=W256),
+        cell("local", "flex_standard", 8192, None, params=W256, status="oom", reason="64 GiB"),
+        cell("local", "auto", 16384, 1.0, params=W256),
+        cell("local", "flex_standard", 16384, None, params=W256, status="skipped",
+             reason="skipped after out of memory at n=8192"),
+    ], lengths=[8192, 16384])  # fmt: skip
+    assert verdicts(tmp_path)["a"] == "held"
