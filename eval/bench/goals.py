@@ -465,7 +465,10 @@ def goal_c(folders: list[Path], bandwidth: float | None, problems: list[str]) ->
                 sdpa_ratio is not None and sdpa_ratio > 1
             )
             complete = floor_ratio is not None and sdpa_ratio is not None
-            if (variant, n) not in results or failed:
+            # A failure wins over what another folder measured; a step judged in full wins over
+            # one that could not be (no bandwidth known for its device), whichever came first.
+            before = results.get((variant, n))
+            if before is None or failed or not (before[3] or before[4]):
                 results[(variant, n)] = (floor_ratio, sdpa_ratio, note, failed, complete)
     if not expected:
         return Goal("c", "not measured", "no bench-decode.json (stage decode did not run)")

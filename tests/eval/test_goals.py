@@ -348,3 +348,18 @@ def test_goal_a_counts_a_twin_skipped_after_its_out_of_memory_as_failed(tmp_path
              reason="skipped after out of memory at n=8192"),
     ], lengths=[8192, 16384])  # fmt: skip
     assert verdicts(tmp_path)["a"] == "held"
+
+
+def test_goal_c_a_step_judged_in_one_folder_is_not_hidden_by_one_unjudged_in_another(tmp_path):
+    """Two OUTs: the first from a device of unknown bandwidth (its step cannot be judged), the
+    second from an H100 whose step holds. The second's step counts (it was dropped: the first
+    folder's unjudged step stayed, and the goal was not measured)."""
+    unknown, h100 = tmp_path / "unknown", tmp_path / "h100"
+    unknown.mkdir(), h100.mkdir()
+    decode_run(unknown, 3.5e-5, device="Some GPU")
+    decode_run(h100, 3.5e-5)
+    assert goals.goal_c([h100], None, []).verdict == "held"
+    assert goals.goal_c([unknown, h100], None, []).verdict == "held"
+    decode_run(h100, 5e-5)  # over 2x its floor: a failure wins in either order
+    assert goals.goal_c([unknown, h100], None, []).verdict == "not held"
+    assert goals.goal_c([h100, unknown], None, []).verdict == "not held"
