@@ -57,7 +57,7 @@ def run_kernel(
     if lse:
         kwargs.update(_lse_request())
     if q.device.type == "cuda" and kwargs.get("block_mask") is not None:
-        options = cuda_kernel_options(
+        options = _cuda_options_now(
             kwargs["block_mask"].BLOCK_SIZE[1], q, k, kwargs.get("kernel_options") or {}
         )
         kwargs["kernel_options"] = options or None
@@ -95,6 +95,22 @@ def forward_tile(block: int) -> int | None:
     return None if block % _WHOLE_LENGTH == 0 else min(block_tile(block), _DECODE_KEY_TILE)
 
 
+def _cuda_options_now(block: int, q: Tensor, k: Tensor, options: dict) -> dict:
+    """``cuda_kernel_options``, computed once per block, shapes and options: every call on a GPU
+    asks, and its Python took as long as the rest of a planned call's host work."""
+    try:  # the values' types in the key: True and 1 are equal keys
+        items = tuple((key, type(value), value) for key, value in options.items())
+        return dict(_cuda_options_of(block, q.shape, k.shape, items))
+    except TypeError:  # a value that is not hashable, or symbolic sizes: computed each time
+        return cuda_kernel_options(block, q, k, options)
+
+
+@lru_cache(maxsize=1024)
+def _cuda_options_of(block: int, q_shape: torch.Size, k_shape: torch.Size, items: tuple) -> tuple:
+    options = {key: value for key, _, value in items}
+    return tuple(_options_for(block, q_shape, k_shape, options).items())
+
+
 def cuda_kernel_options(block: int, q: Tensor, k: Tensor, options: dict) -> dict:
     """The kernel options of a call on CUDA with blocks of ``block`` tokens: the caller's, and
     where it set none of them,
@@ -114,11 +130,16 @@ def cuda_kernel_options(block: int, q: Tensor, k: Tensor, options: dict) -> dict
       one that divides the block, the same as the forward tile (Inductor reads whether the rows
       fill the tile from ``BLOCK_M`` and runs ``fwd_BLOCK_M``: two sizes would load and store
       past the rows), or the main kernel where the decoding kernel has no tile that fits."""
+    return _options_for(block, q.shape, k.shape, options)
+
+
+def _options_for(block: int, q_shape: torch.Size, k_shape: torch.Size, options: dict) -> dict:
+    """``cuda_kernel_options`` of q's and k's shapes."""
     out = dict(options)
-    q_len, kv_len = q.shape[-2], k.shape[-2]
+    q_len, kv_len = q_shape[-2], k_shape[-2]
     forward = forward_tile(block)
     if q_len < _WHOLE_LENGTH:
-        group = max(q.shape[1] // max(k.shape[1], 1), 1)
+        group = max(q_shape[1] // max(k_shape[1], 1), 1)
         rows = max(1 << max(q_len * group - 1, 0).bit_length(), _LEAST_TILE)
         query = rows if block % rows == 0 else min(block_tile(block), _DECODE_KEY_TILE)
         query = query if forward is None else min(query, forward)
