@@ -44,9 +44,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 import zoo
 from zoo.core.arguments import suggest
+from zoo.functional import resolve_pattern
+from zoo.patterns import RouteInputs
 
 from ..harness.config import ConfigError, config_arguments, load_config
 from ..harness.distributed import device_name, pick_device
@@ -170,10 +173,35 @@ def measure(config: DecodeConfig, variant: str, n: int, device, dtype) -> list[d
             cell["error"] = float((step().float() - ref.float()).abs().max())
         if config.profile:
             cell["profile"] = profile_calls(step, device, 0, config.profile)
+        if resolve_pattern(variant, True, dict(params)).routed:
+            cell["keys_read"] = routed_keys_read(variant, params, q, timed, kv_heads)
         cells.append(cell)
     for peer in config.peers:
         cells.append(_peer(peer, config, variant, params, n, device, dtype, gen, q))
     return cells
+
+
+def routed_keys_read(variant: str, params: dict, q: Tensor, cache, kv_heads: int) -> float:
+    """The keys the cache's last step read per key/value head (its query q at the last position
+    written, every timed step's query), for a pattern chosen by content (MoBA): the union of
+    what the query heads sharing a key/value head chose (each its own blocks), averaged over rows
+    and key/value heads. The goals' memory floor reads it (``eval.bench.goals.keys_read``): for a
+    fixed pattern the floor follows from the pattern alone, here from the choice. Slot j holds
+    position j."""
+    length = int(cache.lengths.max())
+    keys = cache.keys[:, :, :length]
+    positions = cache.lengths[:, None] - 1  # (B, 1): the last step's query
+    pattern = resolve_pattern(variant, True, dict(params)).bind(
+        RouteInputs(q, keys, None, causal=True, q_pos=positions)
+    )
+    b, heads = q.shape[0], q.shape[1]
+    allowed = pattern.allowed_at(
+        torch.arange(b, device=q.device)[:, None, None, None],
+        torch.arange(heads, device=q.device)[None, :, None, None],
+        positions[:, None, :, None], torch.arange(length, device=q.device)[None, None, None, :],
+    )  # fmt: skip
+    per_kv = allowed.expand(b, heads, 1, length).reshape(b, kv_heads, -1, length).any(2)
+    return float(per_kv.sum(-1).float().mean())
 
 
 def _peer(peer, config, variant, params, n, device, dtype, gen, q) -> dict:
@@ -191,7 +219,6 @@ def _peer(peer, config, variant, params, n, device, dtype, gen, q) -> dict:
         return {**cell, "ms": None, "status": "skipped: compiled flex decoding is CUDA-only here"}
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from zoo.functional import resolve_pattern
     from zoo.layout.block_layout import specialized
 
     pattern = specialized(resolve_pattern(variant, True, dict(params)), 1, n + 1, device)

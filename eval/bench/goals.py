@@ -25,7 +25,9 @@ that did not run, was cut short before the cell, or failed). The goals and what 
     (a table by device name, or ``bandwidth_tbs=``), and no longer than the sdpa_dense step over
     the whole cache. Keys read: the allowed keys of the query at the middle of the timed steps
     (per key/value head: the union over the query heads sharing it), from the zoo's pattern;
-    MoBA: its own block so far and top_k - 1 whole blocks, plus one mean key per block before it.
+    MoBA: the keys its step's choice read, the union over the query heads sharing a key/value
+    head (bench-decode's ``keys_read``; in a file without it, one head's: its own block so far and
+    top_k - 1 whole blocks), plus one mean key per block before it.
     The step judged is the fastest of the eager (``zoo:VARIANT``) and the compiled one
     (``zoo:VARIANT+compile``: under CUDA graphs with a static cache, as decoders are served), in
     any bench-decode*.json of the folder; the figures name it and give the other's time.
@@ -358,9 +360,13 @@ def bandwidth_tbs(device: str, override: float | None) -> float | None:
     return None
 
 
-def keys_read(variant: str, params: dict, position: int, heads: int, kv_heads: int) -> tuple:
+def keys_read(
+    variant: str, params: dict, position: int, heads: int, kv_heads: int,
+    measured: float | None = None,
+) -> tuple:  # fmt: skip
     """(keys and values read per key/value head, mean keys read besides) by one decoding step of
-    the query at ``position`` (keys 0..position), from the zoo's pattern."""
+    the query at ``position`` (keys 0..position), from the zoo's pattern; for a pattern chosen
+    by content, ``measured`` (bench-decode's ``keys_read``) where the file has it."""
     import torch
 
     import zoo
@@ -368,10 +374,12 @@ def keys_read(variant: str, params: dict, position: int, heads: int, kv_heads: i
     from zoo.layout.block_layout import specialized
 
     pattern = resolve_pattern(variant, True, dict(params))
-    if pattern.routed:  # MoBA: its own block so far, top_k - 1 whole earlier blocks, the means
+    if pattern.routed:  # MoBA: what its query heads chose (else one head's), and the means
         merged = {**zoo.get_spec(variant).params, **params}
         block, top_k = merged["block_size"], merged["top_k"]
         earlier = position // block
+        if measured is not None:
+            return measured, earlier
         return position % block + 1 + min(top_k - 1, earlier) * block, earlier
     length = position + 1
     pattern = specialized(pattern, length, length, torch.device("cpu")).for_heads(heads)
@@ -416,10 +424,10 @@ def goal_c(folders: list[Path], bandwidth: float | None, problems: list[str]) ->
                 if c["impl"] in kind:
                     mine = steps.setdefault(key, {})
                     if kind[c["impl"]] not in mine or ms < mine[kind[c["impl"]]][0]:
-                        mine[kind[c["impl"]]] = (ms, header, config)
+                        mine[kind[c["impl"]]] = (ms, header, config, c.get("keys_read"))
         for (variant, n), kinds in steps.items():
             best = min(kinds, key=lambda kind: kinds[kind][0])
-            step_ms, header, config = kinds[best]
+            step_ms, header, config, measured = kinds[best]
             sdpa = sdpa_ms.get((variant, n))
             bw = bandwidth_tbs(header.get("device", ""), bandwidth)
             launch_ms = header.get("one_kernel_ms")
@@ -436,7 +444,9 @@ def goal_c(folders: list[Path], bandwidth: float | None, problems: list[str]) ->
             if bw is not None:
                 params = (config.get("params") or {}).get(variant, {})
                 try:
-                    keys, means = keys_read(variant, params, n + position_after, heads, kv_heads)
+                    keys, means = keys_read(
+                        variant, params, n + position_after, heads, kv_heads, measured
+                    )
                 except Exception as error:  # a variant the zoo cannot resolve here
                     note = f"keys read unknown ({type(error).__name__}: {error})"
                 else:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from helpers import needs_cxx
 
+import zoo
 from eval.bench.decode import main
 
 TINY = ["variants=[causal,moba]", "lengths=[64]", "batch=2", "heads=4", "kv_heads=2",
@@ -37,6 +39,10 @@ def test_without_profile_a_step_is_timed_only(tmp_path):
     assert [c["impl"] for c in cells] == ["zoo:causal", "sdpa_dense"]
     assert "profile" not in cells[0] and cells[1]["ms"] > 0
     assert "Where a step's time goes" not in (tmp_path / "bench-decode.md").read_text()
+    assert "keys_read" not in cells[0]  # a fixed pattern's keys follow from the pattern
+    assert main([*TINY, "variants=[moba]", "peers=[]", f"out={tmp_path}"]) == 0
+    (moba,) = json.loads((tmp_path / "bench-decode.json").read_text())["cells"]
+    assert 17 <= moba["keys_read"] <= 64  # its own block so far and the chosen ones, of 16
 
 
 @needs_cxx
@@ -107,3 +113,30 @@ def test_config_errors_are_named(tmp_path):
             assert message in str(stop), (override, stop)
         else:
             raise AssertionError(f"{override} ran")
+
+
+def test_moba_keys_read_are_the_union_of_its_query_heads_choices():
+    """For MoBA the memory floor counts the keys the step's choice reads per key/value head: the
+    union of the blocks its query heads chose (the goals' formula counted one head's top_k - 1
+    blocks, a floor a grouped step cannot reach). Against moba_choice, block by block."""
+    from eval.bench.decode import _fill, routed_keys_read
+    from zoo.patterns.moba import moba_choice
+
+    torch.manual_seed(0)
+    block, top_k, kv_heads, heads, n = 16, 2, 2, 8, 150
+    cache = zoo.new_cache("moba", batch_size=2, max_len=160, num_kv_heads=kv_heads, head_dim=8,
+                          block_size=block, top_k=top_k)  # fmt: skip
+    _fill(cache, n, torch.Generator().manual_seed(1))
+    q = torch.randn(2, heads, 1, 8)
+    got = routed_keys_read("moba", {"block_size": block, "top_k": top_k}, q, cache, kv_heads)
+    picks = moba_choice(q, cache.keys[:, :, :n], block_size=block, top_k=top_k, causal=True,
+                        q_pos=torch.full((2, 1), n - 1))  # fmt: skip
+    own = (n - 1) // block
+    counts = []
+    for b in range(2):
+        for g in range(kv_heads):
+            chosen = set(picks[b, g * 4 : (g + 1) * 4, 0].flatten().tolist())
+            counts.append(sum((n - 1) % block + 1 if c == own else block for c in chosen))
+    assert got == sum(counts) / len(counts)
+    one_head = (n - 1) % block + 1 + (top_k - 1) * block
+    assert got > one_head  # four query heads per key/value head chose apart

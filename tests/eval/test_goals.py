@@ -188,6 +188,22 @@ def test_keys_read_by_a_decoding_step():
     assert goals.keys_read("causal", {}, 99, 2, 2) == (100.0, 0)
     # MoBA: its own block so far (2000 % 512 + 1), two whole earlier blocks, three block means.
     assert goals.keys_read("moba", MOBA, 2000, 2, 1) == (465 + 1024, 3)
+    # Where bench-decode measured what the query heads chose (their union), that is read.
+    assert goals.keys_read("moba", MOBA, 2000, 2, 1, measured=2500.0) == (2500.0, 3)
+
+
+def test_goal_c_reads_moba_s_measured_keys(tmp_path):
+    """MoBA's floor from the keys its step's choice read (bench-decode's keys_read, the union
+    over the query heads of a key/value head), not one head's top_k - 1 blocks."""
+    decode_run(tmp_path, 1.0)
+    data = json.loads((tmp_path / "bench-decode.json").read_text())
+    data["header"]["config"].update(variants=["moba"], params={"moba": MOBA})
+    for c in data["cells"]:
+        c["variant"], c["impl"] = "moba", c["impl"].replace("sliding_window", "moba")
+    data["cells"][0]["keys_read"] = 3000.0
+    (tmp_path / "bench-decode.json").write_text(json.dumps(data))
+    row = next(line for line in goals.goal_c([tmp_path], None, []).details if "| moba |" in line)
+    assert "3000 keys" in row
 
 
 @pytest.mark.parametrize(
