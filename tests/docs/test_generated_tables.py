@@ -46,6 +46,18 @@ def test_a_results_table_is_the_first_table_under_its_heading(tmp_path):
         generated_table("nonsense", tmp_path)
 
 
+def test_a_marker_naming_a_missing_result_file_is_a_value_error(tmp_path):
+    """``zoo readme`` on a page whose ``from PATH`` marker named no file ended in read_text's
+    FileNotFoundError traceback (exit 1) instead of a sentence naming the path (exit 2)."""
+    page = tmp_path / "page.md"
+    page.write_text('<!-- from nosuch.md "B":start -->\nold\n<!-- from nosuch.md "B":end -->\n')
+    with pytest.raises(ValueError, match=r"nosuch\.md is not a file"):
+        update_generated(page, tmp_path)
+    with pytest.raises(ValueError, match="is not a file"):
+        table_in_file(tmp_path)  # a folder
+    assert "old" in page.read_text()
+
+
 def test_quick_start_test_command_is_what_ci_runs():
     commands = re.search(r"## Quick start.*?```bash\n(.*?)```", README, re.S).group(1).splitlines()
     assert len(commands) == 2, "the quick start has exactly two commands"

@@ -121,6 +121,8 @@ _FROM_FILE = re.compile(r'from (?P<path>\S+) "(?P<heading>[^"]*)"')
 def table_in_file(path: Path, heading: str = "") -> str:
     """The first markdown table under ``heading`` (a heading line's text, any level) of a
     markdown file; with no heading, the file's first table. ValueError naming what is missing."""
+    if not path.is_file():  # a marker's misspelt PATH: a sentence, not read_text's traceback
+        raise ValueError(f"{path} is not a file (the result file a 'from PATH' marker copies)")
     lines = path.read_text().splitlines()
     start = 0
     if heading:
