@@ -43,6 +43,8 @@ def test_encoding_draws_a_learned_table_longer_than_its_default(tmp_path):
         (["attention-map", "local", "--seq-len", "32", "seed=abc"], "seed must be an int"),
         (["attention-map", "local", "--seq-len", "32", "backend=nosuch"], "unknown backend"),
         (["gallery", "--seq-len", "37"], "the gallery cannot draw 'axial_2d' at seq_len=37"),
+        # matplotlib's FileNotFoundError traceback (exit 1) before the path was checked:
+        (["encoding", "sinusoidal", "--out", "/no/such/folder/p.png"], "does not exist"),
         (["table", "--seq-len", "1"], "does not fit seq_len=1"),
     ],
 )

@@ -225,13 +225,17 @@ def run(args: argparse.Namespace) -> bool | None:
         from .functional import build_encoding
         from .positional import draw_encoding
         from .registry import get_encoding_spec
+        from .views.pictures import _check_path
 
+        spec = get_encoding_spec(args.name)
+        # Checked before drawing, as zoo show does: savefig's own error is a traceback.
+        out = _check_path(args.out or f"{args.name}.png")
         # A table of positions (learned) is built long enough to draw --length positions: the
         # command has no max_len of its own to raise.
-        held = get_encoding_spec(args.name).parameters().get("max_len")
+        held = spec.parameters().get("max_len")
         longer = {"max_len": args.length} if held is not None and args.length > held else {}
         enc = build_encoding(args.name, dim=args.dim, num_heads=1, **longer)
-        print(draw_encoding(enc, args.length, args.out or f"{args.name}.png"))
+        print(draw_encoding(enc, args.length, out))
     elif args.command == "readme":
         for path in args.paths or describe.pages_with_tables("."):
             changed = describe.update_generated(path, ".")
