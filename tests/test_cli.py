@@ -179,3 +179,21 @@ def test_zoo_readme_fills_a_stale_table_and_names_a_missing_page(tmp_path, monke
     assert "already up to date" in capsys.readouterr().out
     assert main(["readme", "missing.md"]) == 2
     assert "missing.md is not a file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "later,message", [("missing.md", "missing.md is not a file"), ("bad.md", "'nonsense'")]
+)
+def test_zoo_readme_changes_no_page_when_a_later_one_is_bad(
+    later, message, tmp_path, monkeypatch, capsys
+):
+    """``zoo readme page.md missing.md`` rewrote page.md and printed "page.md: updated" before
+    failing on missing.md: bad input must fail before any output, with no page changed."""
+    stale = "intro\n<!-- encodings:start -->\nstale\n<!-- encodings:end -->\n"
+    (tmp_path / "page.md").write_text(stale)
+    (tmp_path / "bad.md").write_text("<!-- nonsense:start -->\nx\n<!-- nonsense:end -->\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["readme", "page.md", later]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and message in err
+    assert (tmp_path / "page.md").read_text() == stale

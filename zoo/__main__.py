@@ -237,8 +237,8 @@ def run(args: argparse.Namespace) -> bool | None:
         enc = build_encoding(args.name, dim=args.dim, num_heads=1, **longer)
         print(draw_encoding(enc, args.length, out))
     elif args.command == "readme":
-        for path in args.paths or describe.pages_with_tables("."):
-            changed = describe.update_generated(path, ".")
+        paths = args.paths or describe.pages_with_tables(".")
+        for path, changed in zip(paths, describe.update_pages(paths, "."), strict=True):
             print(f"{path}: {'updated' if changed else 'already up to date'}")
     elif args.command == "check":
         with one_thread():

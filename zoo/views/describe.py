@@ -158,7 +158,21 @@ def generated_table(name: str, root: Path) -> str:
 def update_generated(path: str | Path, root: str | Path = ".") -> bool:
     """Rewrite each generated table between its markers in one file; True if anything changed.
     ValueError for a file with no markers (a wrong path) or a marker that names no table."""
-    path, root = Path(path), Path(root)
+    return update_pages([path], root)[0]
+
+
+def update_pages(paths: list[str | Path], root: str | Path = ".") -> list[bool]:
+    """``update_generated`` for several pages, each True if it changed. Every page is filled
+    before any is written, so that a bad page or marker fails with no page changed."""
+    filled = [_filled(Path(path), Path(root)) for path in paths]
+    for path, text, new in filled:
+        if new != text:
+            path.write_text(new)
+    return [new != text for _, text, new in filled]
+
+
+def _filled(path: Path, root: Path) -> tuple[Path, str, str]:
+    """(path, its text, its text with every generated table filled)."""
     if not path.is_file():
         raise ValueError(f"{path} is not a file (a README or a docs page to fill)")
     text = path.read_text()
@@ -169,10 +183,7 @@ def update_generated(path: str | Path, root: str | Path = ".") -> bool:
         name = match["name"]
         return f"<!-- {name}:start -->\n{generated_table(name, root)}\n<!-- {name}:end -->"
 
-    new = MARKED.sub(fill, text)
-    if new != text:
-        path.write_text(new)
-    return new != text
+    return path, text, MARKED.sub(fill, text)
 
 
 def pages_with_tables(root: str | Path = ".") -> list[Path]:
