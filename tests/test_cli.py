@@ -197,3 +197,12 @@ def test_zoo_readme_changes_no_page_when_a_later_one_is_bad(
     out, err = capsys.readouterr()
     assert out == "" and message in err
     assert (tmp_path / "page.md").read_text() == stale
+
+
+def test_zoo_readme_outside_the_repository_says_it_found_no_page(tmp_path, monkeypatch, capsys):
+    """``zoo readme`` run from a folder with no README.md or docs/ pages (not the repository's
+    root) filled nothing, printed nothing and exited 0, as if every page were up to date."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["readme"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "has a generated table" in err and "repository's root" in err

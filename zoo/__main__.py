@@ -238,6 +238,11 @@ def run(args: argparse.Namespace) -> bool | None:
         print(draw_encoding(enc, args.length, out))
     elif args.command == "readme":
         paths = args.paths or describe.pages_with_tables(".")
+        if not paths:  # run outside the repository's root: say so, not exit 0 with nothing done
+            raise ValueError(
+                f"no README.md or docs/*.md page under {os.getcwd()} has a generated table; "
+                "run zoo readme from the repository's root, or name the pages"
+            )
         for path, changed in zip(paths, describe.update_pages(paths, "."), strict=True):
             print(f"{path}: {'updated' if changed else 'already up to date'}")
     elif args.command == "check":
