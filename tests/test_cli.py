@@ -40,6 +40,12 @@ def test_encoding_draws_a_learned_table_longer_than_its_default(tmp_path):
         (["show", "local", "--out", "/no/such/folder/x.png"], "does not exist"),
         (["show", "local", "window=3"], "no parameter 'window'"),
         (["show", "local", "causal=true"], "causal is zoo show's --causal flag"),
+        # A word naming an argument the command passes itself gave Python's "draw_pattern() got
+        # multiple values for argument 'seq_len'", which names no option:
+        (["show", "local", "seq_len=3"], "seq_len is zoo show's --seq-len option"),
+        (["show", "local", "path=x.png"], "path is zoo show's --out option"),
+        (["attention-map", "local", "seq_len=3"], "seq_len is zoo attention-map's --seq-len"),
+        (["check", "local", "lengths=3"], "lengths is zoo check's --lengths option"),
         (["attention-map", "local", "--seq-len", "32", "seed=abc"], "seed must be an int"),
         (["attention-map", "local", "--seq-len", "32", "backend=nosuch"], "unknown backend"),
         (["gallery", "--seq-len", "37"], "the gallery cannot draw 'axial_2d' at seq_len=37"),

@@ -87,6 +87,26 @@ def positive_ints(text: str) -> list[int]:
 
 WITH_PARAMS = ("show", "attention-map", "check")  # commands that take key=value words
 
+# The Python arguments that each command passes itself: a key=value word of the same name gave
+# "draw_pattern() got multiple values for argument 'seq_len'", naming no option to use.
+_DRAWN = {"name": "NAME argument", "seq_len": "--seq-len option", "path": "--out option"}
+OWN_ARGUMENTS = {
+    "show": {**_DRAWN, "causal": "--causal flag"},
+    "attention-map": _DRAWN,
+    "check": {"pattern_or_name": "NAME argument", "lengths": "--lengths option"},
+}
+
+
+def command_params(args: argparse.Namespace) -> dict[str, object]:
+    """The command's key=value words as parameters; ValueError for a word that names one of the
+    command's own arguments, saying which option sets it."""
+    params = parse_params(args.params)
+    own = OWN_ARGUMENTS[args.command]
+    for key in params:
+        if key in own:
+            raise ValueError(f"{key} is zoo {args.command}'s {own[key]}, not a key=value parameter")
+    return params
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zoo", description="The attention zoo's registry.")
@@ -204,9 +224,7 @@ def run(args: argparse.Namespace) -> bool | None:
         from .views.pictures import draw_pattern
 
         out = args.out or f"{args.name}.png"
-        params = parse_params(args.params)
-        if "causal" in params:
-            raise ValueError("causal is zoo show's --causal flag, not a key=value parameter")
+        params = command_params(args)
         print(draw_pattern(args.name, args.seq_len, out, causal=args.causal, **params))
     elif args.command == "table":
         from .views.comparison import comparison_table
@@ -218,9 +236,7 @@ def run(args: argparse.Namespace) -> bool | None:
         from .views.pictures import attention_map_of_random_model
 
         out = args.out or f"{args.name}-attention.png"
-        print(
-            attention_map_of_random_model(args.name, args.seq_len, out, **parse_params(args.params))
-        )
+        print(attention_map_of_random_model(args.name, args.seq_len, out, **command_params(args)))
     elif args.command == "encoding":
         from .functional import build_encoding
         from .positional import draw_encoding
@@ -268,7 +284,7 @@ def check(args: argparse.Namespace) -> bool:
     if args.all and args.params:
         raise ValueError("--all checks the variants with their defaults; key=value needs a NAME")
     lengths = LENGTHS if args.lengths is None else args.lengths
-    params = parse_params(args.params)
+    params = command_params(args)
     failed = False
     for name in list_variants() if args.all else [args.name]:
         try:
