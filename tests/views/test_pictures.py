@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import zoo
+from zoo.views.graph_pictures import draw_graph
 from zoo.views.pictures import (
     PIXELS,
     attention_map_of_random_model,
@@ -164,3 +165,12 @@ def test_the_gallery_draws_every_variant_but_the_graph(tmp_path):
     assert drawn == [name for name in zoo.list_variants() if name != "graph"]
     with pytest.raises(ValueError, match="seq_len"):
         pictures.draw_gallery(tmp_path / "bad.png", seq_len=0)
+
+
+@pytest.mark.parametrize("reorder", [True, False])
+def test_the_graph_picture_says_which_order_the_call_runs_in(reorder):
+    """``zoo show graph reorder=false`` titled its right panel "RCM order", the order the module
+    docstring says the call runs in, though with reorder=False the call runs in the caller's."""
+    figure = draw_graph(64, (6.0, 6.0), reorder=reorder)
+    title = figure.axes[1].get_title()
+    assert title.startswith("RCM order") and ("not run: reorder=False" in title) is not reorder

@@ -1,5 +1,6 @@
 """``zoo show graph``: a graph's adjacency as a matrix, in the caller's node order and in the
-reverse Cuthill-McKee order that the call runs in (``zoo.patterns.node_order``), side by side.
+reverse Cuthill-McKee order that the call runs in (``zoo.patterns.node_order``), side by side;
+with ``reorder=False`` the call runs in the caller's order, and the RCM panel's title says so.
 
 Without a graph of the caller's, it draws an example: a random geometric graph (points in the
 unit square joined within a radius that gives about 8 neighbours each) whose nodes are numbered
@@ -58,7 +59,9 @@ def draw_graph(
     layout = pattern.specialize(seq_len, seq_len).bind(RouteInputs(x, x, edge_index=edges))
     ordered, _ = in_node_order(layout)
     figure = Figure(figsize=figure_size)
-    for i, (shown, name) in enumerate(((layout, "caller's order"), (ordered, "RCM order"))):
+    # With reorder=False the call runs in the caller's order: the RCM panel is only a comparison.
+    rcm = "RCM order" if pattern.reorder else "RCM order (not run: reorder=False)"
+    for i, (shown, name) in enumerate(((layout, "caller's order"), (ordered, rcm))):
         axes = figure.add_subplot(1, 2, i + 1)
         _, q, k = shown.slot_pairs()
         density = block_density(q, k, seq_len, BLOCK)
