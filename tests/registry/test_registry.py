@@ -312,3 +312,16 @@ def test_a_name_defined_twice_across_files(tmp_path):
         match=r"variant 'local' is already defined in .*registry.yaml; give it another name",
     ):
         registry.load(path)
+
+
+def test_a_module_named_where_a_pattern_is_wanted_is_named_a_module():
+    """zoo list shows nsa among the variants; zoo.attention, zoo show and zoo.dense_mask called
+    it an unknown variant and listed the names without it."""
+    q = torch.randn(1, 2, 64, 16)
+    for call in (lambda: zoo.attention(q, q, q, variant="nsa"), lambda: zoo.get_spec("nsa"),
+                 lambda: zoo.dense_mask("nsa", 16)):  # fmt: skip
+        with pytest.raises(ValueError, match=r"'nsa' is an attention module .*create_attention"):
+            call()
+    assert type(zoo.create_attention("nsa", dim=64, num_heads=4)).__name__ == (
+        "NativeSparseAttention"
+    )

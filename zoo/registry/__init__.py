@@ -515,6 +515,12 @@ def get_spec(name: str) -> VariantSpec:
             f"{name!r} is a mechanism (zoo.list_mechanisms()), computed differently rather than "
             "masked: it has no pattern, mask or backend; zoo.get_mechanism_spec gives its entry"
         )
+    if name in registry().modules:  # zoo list shows it among the variants
+        raise ValueError(
+            f"{name!r} is an attention module (zoo.list_modules()) with branches of its own, "
+            f"built by zoo.create_attention({name!r}, dim=..., num_heads=...): it has no single "
+            "pattern, mask or backend; zoo.get_module_spec gives its entry"
+        )
     if name not in variants:
         known = [*variants, *registry().mechanisms]  # a misspelt mechanism gets its suggestion
         message = suggest("variant", name, known, "zoo.list_attention()")
