@@ -338,7 +338,10 @@ def _explain_mechanism(q: Tensor, k: Tensor, v: Tensor, backend: object, **kwarg
     taken = ("causal", "key_padding_mask", "dropout_p", "scale", "score", "return_weights")
     options = {key: kwargs[key] for key in taken if key in kwargs}
     params = {key: value for key, value in kwargs.items() if key not in CALL_OPTIONS}
-    encoding = attention_encoding(kwargs.get("pos"), q, k, kwargs.get("causal", False))
+    try:
+        encoding = attention_encoding(kwargs.get("pos"), q, k, kwargs.get("causal", False))
+    except (TypeError, ValueError) as error:  # as explain_mechanism tells a refusal
+        return f"{kwargs['variant']!r} is a mechanism: this call is refused: {error}"
     return explain_mechanism(
         q, k, v, kwargs["variant"], **options, backend=backend, encoding=encoding,
         params=concrete_params(params),

@@ -173,24 +173,27 @@ def measure(config: DecodeConfig, variant: str, n: int, device, dtype) -> list[d
             cell["error"] = float((step().float() - ref.float()).abs().max())
         if config.profile:
             cell["profile"] = profile_calls(step, device, 0, config.profile)
-        if resolve_pattern(variant, True, dict(params)).routed:
-            cell["keys_read"] = routed_keys_read(variant, params, q, timed, kv_heads)
+        if resolve_pattern(variant, True, dict(params)).routed:  # at goals' middle timed step
+            middle = n + 1 + config.warmup + config.repeats // 2
+            cell["keys_read"] = routed_keys_read(variant, params, q, timed, kv_heads, middle)
         cells.append(cell)
     for peer in config.peers:
         cells.append(_peer(peer, config, variant, params, n, device, dtype, gen, q))
     return cells
 
 
-def routed_keys_read(variant: str, params: dict, q: Tensor, cache, kv_heads: int) -> float:
-    """The keys the cache's last step read per key/value head (its query q at the last position
-    written, every timed step's query), for a pattern chosen by content (MoBA): the union of
-    what the query heads sharing a key/value head chose (each its own blocks), averaged over rows
-    and key/value heads. The goals' memory floor reads it (``eval.bench.goals.keys_read``): for a
-    fixed pattern the floor follows from the pattern alone, here from the choice. Slot j holds
-    position j."""
-    length = int(cache.lengths.max())
+def routed_keys_read(
+    variant: str, params: dict, q: Tensor, cache, kv_heads: int, position: int
+) -> float:
+    """The keys the step at ``position`` read per key/value head (its query q, every timed
+    step's, against keys 0 .. position, which the cache holds), for a pattern chosen by content
+    (MoBA): the union of what the query heads sharing a key/value head chose (each its own
+    blocks), averaged over rows and key/value heads. The goals' memory floor reads it
+    (``eval.bench.goals.keys_read``, at the middle timed step): for a fixed pattern the floor
+    follows from the pattern alone, here from the choice. Slot j holds position j."""
+    length = position + 1
     keys = cache.keys[:, :, :length]
-    positions = cache.lengths[:, None] - 1  # (B, 1): the last step's query
+    positions = torch.full((q.shape[0], 1), position, device=q.device)  # (B, 1)
     pattern = resolve_pattern(variant, True, dict(params)).bind(
         RouteInputs(q, keys, None, causal=True, q_pos=positions)
     )

@@ -204,3 +204,30 @@ def test_the_backward_tiles_are_read_from_inductor_on_a_gpu(monkeypatch):
     assert tiles and max(max(t) for t in tiles) == 128
     assert "multiple of 128" in cuda_block_reason(64, 64, torch.bfloat16, backward=True)
     assert cuda_block_reason(128, 64, torch.bfloat16, backward=True) is None
+
+
+def test_the_options_are_computed_once_per_shape_and_traced_without_the_cache():
+    """A call on a GPU asks for its options every time: they are kept per block, shapes and
+    options (the same as computed afresh, True and 1 apart), and a traced call computes them
+    without the cache (dynamo warns at an lru_cache-wrapped function)."""
+    import warnings
+
+    from zoo.backends import flex_kernel
+
+    q, k = torch.randn(1, 4, 384, 16), torch.randn(1, 2, 384, 16)
+    for block, options in ((256, {}), (128, {"IS_DIVISIBLE": True}), (128, {"IS_DIVISIBLE": 1})):
+        kept = flex_kernel._cuda_options_now(block, q, k, options)
+        assert kept == cuda_kernel_options(block, q, k, options)
+        assert [type(v) for v in kept.values()] == [
+            type(v) for v in cuda_kernel_options(block, q, k, options).values()
+        ]
+    assert flex_kernel._cuda_options_of.cache_info().currsize >= 3
+    torch._dynamo.reset()
+    traced = torch.compile(
+        lambda x, y: (x, flex_kernel._cuda_options_now(256, x, y, {})), backend="eager",
+        fullgraph=True,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert traced(q, k)[1] == {"IS_DIVISIBLE": False}
+    torch._dynamo.reset()

@@ -301,8 +301,9 @@ def test_a_second_generation_compiles_nothing_with_the_steps_fused_as_on_a_gpu(
     variant, monkeypatch
 ):
     """The GPU test above on a CPU, with ``zoo.core.fused``'s graphs compiled as on a GPU: after
-    one generation, a second of the same steps (strided packs its keys from its fifth step)
-    makes no graph, and its outputs are the first's."""
+    one generation, a second of the same steps makes no graph, and its outputs are the first's.
+    The count can tell: strided's first generation makes a graph in the watched steps (it packs
+    its keys from its fifth step); bigbird's and moba's make theirs before."""
     from zoo.core import fused
 
     torch._dynamo.reset()
@@ -315,9 +316,10 @@ def test_a_second_generation_compiles_nothing_with_the_steps_fused_as_on_a_gpu(
                                 causal=True, backend="sdpa", **small(variant)).eval()  # fmt: skip
     x = torch.randn(2, 24, 64)
     made: list[int] = []
-    first = _generation(attn, "cpu", x, True, contextlib.nullcontext)
+    first = _generation(attn, "cpu", x, True, lambda: _graphs_made(made))
     second = _generation(attn, "cpu", x, True, lambda: _graphs_made(made))
     assert torch.allclose(first, second, atol=1e-5)
     assert all(f.failed is None for f in FUSED_ON_A_STEP)
-    assert made == [0], f"{made[0]} graphs compiled in the second generation"
+    assert made[1] == 0, f"{made[1]} graphs compiled in the second generation"
+    assert made[0] >= (1 if variant == "strided" else 0), made
     torch._dynamo.reset()

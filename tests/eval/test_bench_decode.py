@@ -128,7 +128,8 @@ def test_moba_keys_read_are_the_union_of_its_query_heads_choices():
                           block_size=block, top_k=top_k)  # fmt: skip
     _fill(cache, n, torch.Generator().manual_seed(1))
     q = torch.randn(2, heads, 1, 8)
-    got = routed_keys_read("moba", {"block_size": block, "top_k": top_k}, q, cache, kv_heads)
+    got = routed_keys_read("moba", {"block_size": block, "top_k": top_k}, q, cache, kv_heads,
+                           n - 1)  # fmt: skip
     picks = moba_choice(q, cache.keys[:, :, :n], block_size=block, top_k=top_k, causal=True,
                         q_pos=torch.full((2, 1), n - 1))  # fmt: skip
     own = (n - 1) // block

@@ -9,20 +9,21 @@ dtype, variant, causality, pass and length, that backend leads the order. The fa
 - sparse patterns on GPU: flex (compiled, block-sparse), blocked, sdpa, reference. Measured on
   an H100 (eval/results/bench-gpu-h100, bfloat16, forward+backward, 16K and 64K tokens): flex was
   the fastest zoo backend at every point, xformers 1.43-3.84x and blocked 2.36-18.3x slower; those
-  points are the table's CUDA rows. xformers is in no fallback order: only a measured entry where
-  it was fastest would put it first;
+  points are the table's CUDA rows. xformers is in none of these orders: a measured entry where
+  it was fastest puts it first, and otherwise it comes after them (below);
 - sparse patterns on CPU: blocked where it scores few enough pairs to win, else sdpa with a dense
   mask; then reference. Per scored pair the blocked backend costs more than a dense SDPA pair
   (more so forward and backward), plus a fixed cost that dominates below ~1K tokens; so it goes
   first from 1024 keys when it scores under 40% of the pairs. A layout the same for every
   sequence and head that runs key block by key block (one graph for the batch: runs shared by
   all, ``by_key``) costs nearer a dense pair; it goes first under 70%. (Measured on a 2-core
-  CPU: eval/results/design-notes-cpu.md#auto-cpu-thresholds.) Compiled flex is left out on
-  CPU: it has no backward there and compiles for seconds on first use.
+  CPU: eval/results/design-notes-cpu.md#auto-cpu-thresholds.) Compiled flex is not in this
+  order on CPU: it has no backward there and compiles for seconds on first use.
 
 After these, every other registered backend (flex on CPU, xformers, a user's
-``register_backend``), in the order they were registered: where none of the above can run a call (a device or dtype only a
-user's backend declares), auto runs it on one that can rather than refusing it.
+``register_backend``), in the order they were registered: where none of the above can run a
+call (a device or dtype only a user's backend declares), auto runs it on one that can rather
+than refusing it.
 """
 
 from __future__ import annotations

@@ -98,6 +98,8 @@ def forward_tile(block: int) -> int | None:
 def _cuda_options_now(block: int, q: Tensor, k: Tensor, options: dict) -> dict:
     """``cuda_kernel_options``, computed once per block, shapes and options: every call on a GPU
     asks, and its Python took as long as the rest of a planned call's host work."""
+    if torch.compiler.is_compiling():  # traced once per graph; dynamo warns at an lru_cache
+        return cuda_kernel_options(block, q, k, options)
     try:  # the values' types in the key: True and 1 are equal keys
         items = tuple((key, type(value), value) for key, value in options.items())
         return dict(_cuda_options_of(block, q.shape, k.shape, items))

@@ -122,7 +122,7 @@ def explain_mechanism(
     q: Tensor, k: Tensor, v: Tensor, variant: str | Mechanism, **options: object
 ) -> str:
     """``zoo.explain`` for a mechanism: what ``mechanism_attention`` computes for this call (the
-    same checks, nothing computed), or the reason it refuses the call."""
+    same checks and preparation, not the mechanism itself), or the reason it refuses the call."""
     name = variant.name if isinstance(variant, Mechanism) else variant
     what = f"{name!r} is a mechanism"
     if not isinstance(variant, Mechanism):

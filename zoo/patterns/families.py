@@ -70,7 +70,8 @@ def register_pattern(
 
     With a ``description``, the family is also a variant of the same name, with the family's
     defaults as its parameters, for ``zoo.attention(variant=name)``, ``create_attention``,
-    ``zoo list`` and the tests generated from the registry, with no YAML entry. A pattern class
+    ``zoo list`` and the tests generated from the registry, with no YAML entry: every parameter
+    then needs a default (one without is refused, naming it). A pattern class
     that defines only ``allowed`` runs on every backend (its block states are derived,
     ``zoo.patterns.derived``). A name already taken raises, unless ``replace=True``.
     """
@@ -85,7 +86,7 @@ def register_pattern(
 
     def decorate(factory: PatternFactory) -> PatternFactory:
         if description is not None:  # a variant is built with the family's defaults alone
-            required = [key for key, default in _signature_defaults(factory)
+            required = [key for key, default in family_parameters(factory).items()
                         if default is inspect.Parameter.empty]  # fmt: skip
             if required:
                 raise TypeError(
