@@ -130,9 +130,12 @@ class Fused:
 
 
 def call_kind(args: tuple) -> tuple:
-    """What a compiled graph's code depends on beyond tensors' shapes and numbers: the class of
-    each other argument, a composed pattern's members' classes with it (``children``, or a
-    difference's ``include`` and ``exclude``). Calls of one kind trace the same operations."""
+    """The kind of a call, as far as failures go: the class of each argument that is neither a
+    tensor nor a number, a composed pattern's members' classes with it (``children``, or a
+    difference's ``include`` and ``exclude``): a pattern's code is what a graph most often fails
+    on. Calls that trace differently for other reasons (another dtype, an int for a tensor)
+    share a kind, and a failure sends them eager together, as before kinds; a failure of every
+    kind (a compiler that cannot run at all) warns once per kind."""
     return tuple(_kind(a) for a in args if not isinstance(a, (Tensor, int, float, bool)))
 
 
