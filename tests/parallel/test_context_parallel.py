@@ -16,6 +16,7 @@ import os
 import re
 import socket
 import time
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -322,6 +323,16 @@ def _check_wide(rank: int, world: int, group) -> list[str]:
     return failures
 
 
+@dataclass(frozen=True)
+class _BrokenOnRankZero(zoo.patterns.Local):
+    """A window whose specialisation fails on rank 0 alone."""
+
+    def specialize(self, q_len, kv_len, device=None):
+        if dist.get_rank() == 0:
+            raise RuntimeError("broken on rank 0")
+        return super().specialize(q_len, kv_len, device)
+
+
 def _check_errors(rank: int, world: int, group) -> list[str]:
     """Bad calls: each must raise on EVERY rank (none left waiting), naming what to fix (a
     plan_block below 1 was once read as 1); a good call afterwards still matches (no message of
@@ -370,6 +381,15 @@ def _check_errors(rank: int, world: int, group) -> list[str]:
                 failures.append(f"rank {rank}: {name}: {words!r} not in: {error}")
         else:
             failures.append(f"rank {rank}: {name}: no error raised")
+    # An error of another kind on one rank alone (a pattern of the user's that fails there):
+    # raised there before the agreement, it left the other ranks waiting.
+    try:
+        zoo.attention(*mine, cp_group=group, variant=_BrokenOnRankZero(7))
+    except Exception as error:
+        if "broken on rank 0" not in str(error):
+            failures.append(f"rank {rank}: fails on one rank: {error}")
+    else:
+        failures.append(f"rank {rank}: fails on one rank: no error raised")
     try:
         shard_stats(*mine, group=group, variant="local", window_size=7, plan_block=-4)
     except ValueError as error:

@@ -135,7 +135,7 @@ def context_parallel_attention(
         if overlap is not None:
             check_bool("overlap", overlap)
         setup = _setup(q, k, v, variant, causal, key_padding_mask, pos, order, params, world)
-    except (TypeError, ValueError) as error:
+    except Exception as error:  # any error: raised on one rank alone, the others would wait
         problem = error
     fingerprint = _fingerprint(q, k, v, key_padding_mask, variant, causal, pos, order, params)
     options = (("plan_block", plan_block), ("backend", str(backend)))
