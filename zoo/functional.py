@@ -35,7 +35,13 @@ from .decoding.decode import (
     explain_decode,
     recording_device,
 )
-from .layout.block_layout import allowed_pairs, head_layout, specialized, with_heads
+from .layout.block_layout import (
+    allowed_pairs,
+    allowed_pairs_bounds,
+    head_layout,
+    specialized,
+    with_heads,
+)
 from .mechanisms.dispatch import explain_mechanism, is_mechanism, mechanism_attention
 from .parallel import context_parallel_attention, shard_stats
 from .patterns import Causal, Intersection, Pattern, RouteInputs, reads_graph
@@ -390,13 +396,22 @@ def dense_at_length(pattern: Pattern, q_len: int, kv_len: int, heads: int = 1) -
         return None
     if pattern.per_head:
         drawn = with_heads(specialized(pattern, q_len, kv_len, torch.device("cpu")), heads)
-        found = {dense_at_length(head_layout(drawn, h), q_len, kv_len) for h in range(heads)}
-        return found.pop() if len(found) == 1 else None
+        found = set()
+        for h in range(heads):  # the first head that is not dense, or differs, decides
+            found.add(dense_at_length(head_layout(drawn, h), q_len, kv_len))
+            if None in found or len(found) > 1:
+                return None
+        return found.pop()
+    causal = Causal()
+    causal_pairs = allowed_pairs(causal, q_len, kv_len)
+    # The block states bound the count first: a sparse pattern at a long length (BigBird at
+    # 128K tokens, mostly partial blocks) is told apart without evaluating its pairs.
+    low, high = allowed_pairs_bounds(pattern, q_len, kv_len)
+    if not (low <= q_len * kv_len <= high or low <= causal_pairs <= high):
+        return None
     pairs = allowed_pairs(pattern, q_len, kv_len)
     if pairs == q_len * kv_len:
         return "full"
-    causal = Causal()
-    causal_pairs = allowed_pairs(causal, q_len, kv_len)
     # Equal counts, and the causal part all there: the pattern is the causal set, not just as big.
     if pairs == causal_pairs == allowed_pairs(Intersection((pattern, causal)), q_len, kv_len):
         return "causal"

@@ -210,3 +210,54 @@ def test_allowed_pairs_counts_exactly():
             truth = int(zoo.dense_mask(variant, q_len, kv_len, **params).sum())
             pattern = resolve_pattern(variant, False, params)
             assert zoo.allowed_pairs(pattern, q_len, kv_len, block=32) == truth, variant
+
+
+def test_the_bounds_from_block_states_hold_the_exact_count():
+    """``allowed_pairs_bounds`` brackets the count for every variant, and is the count where a
+    pattern's blocks align with the counting blocks (no partial block)."""
+    from zoo.layout.block_layout import allowed_pairs_bounds
+
+    for variant in FIXED_VARIANTS:
+        params = small_params(variant)
+        for q_len, kv_len in [(100, 100), (70, 100), (300, 300)]:
+            pattern = resolve_pattern(variant, False, params)
+            low, high = allowed_pairs_bounds(pattern, q_len, kv_len, 32)
+            assert low <= zoo.allowed_pairs(pattern, q_len, kv_len, block=32) <= high, variant
+    aligned = BlockLocal(block_size=32)  # each query block its own key block
+    assert allowed_pairs_bounds(aligned, 256, 256, 32) == (256 * 32, 256 * 32)
+    assert allowed_pairs_bounds(aligned, 256, 256, 64) == (0, 4 * 64 * 64)  # all partial
+
+
+@pytest.mark.parametrize(
+    "variant, causal, params, n",
+    [
+        ("local", False, dict(window_size=200), 150),  # wider than the sequence: full
+        ("local", True, dict(window_size=200), 150),  # causal
+        ("local", True, dict(window_size=100), 150),  # neither
+        ("longformer", False, dict(window_size=2), 300),
+        ("bigbird", False, dict(block_size=16), 40),  # every block reached at 40 tokens: full
+        ("bigbird", True, dict(block_size=16), 40),  # causal, drawn per head
+        ("bigbird", False, dict(block_size=16), 400),
+        ("full", True, {}, 77),
+    ],
+)
+def test_explain_says_dense_exactly_where_the_mask_is_full_or_causal(variant, causal, params, n):
+    """``explain``'s note that a sparse pattern allows every pair (or every causal pair) at this
+    length, against the dense masks of every head: the block states' bounds never decide it
+    wrongly."""
+    from zoo.functional import dense_at_length
+    from zoo.layout.block_layout import head_layout, with_heads
+
+    pattern, heads = resolve_pattern(variant, causal, params), 3
+    drawn = specialized(pattern, n, n, CPU)
+    if pattern.per_head:
+        drawn = with_heads(drawn, heads)
+        masks = [head_layout(drawn, h).dense(n, n) for h in range(heads)]
+    else:
+        masks = [drawn.dense(n, n)]
+    tril = torch.ones(n, n, dtype=torch.bool).tril()
+    full = all(m.all() for m in masks)
+    want = "full" if full else "causal" if all((m == tril).all() for m in masks) else None
+    if pattern.kind != "sparse":
+        want = None  # full and causal themselves are not sparse patterns
+    assert dense_at_length(pattern, n, n, heads) == want

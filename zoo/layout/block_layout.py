@@ -134,12 +134,32 @@ def allowed_pairs(pattern: Pattern, q_len: int, kv_len: int, block: int = 128) -
 
 
 @per_shape(maxsize=256)
-def _allowed_pairs(pattern: Pattern, q_len: int, kv_len: int, block: int) -> int:
+def allowed_pairs_bounds(
+    pattern: Pattern, q_len: int, kv_len: int, block: int = 128
+) -> tuple[int, int]:
+    """Bounds on ``allowed_pairs`` from the block states alone, no pair evaluated: the pairs of
+    the full blocks at least, those of the full and partial blocks at most. Cheap where the exact
+    count is not (a pattern of many partial blocks at 128K tokens), and enough to tell that a
+    count differs from another. Counted on the CPU once per shape, as ``allowed_pairs``."""
+    low = high = 0
+    for _, _, state in _part_states(pattern, q_len, kv_len, block):
+        full, partial = int((state == FULL).sum()), int((state == PARTIAL).sum())
+        low, high = low + full * block * block, high + (full + partial) * block * block
+    return low, min(high, q_len * kv_len)
+
+
+def _part_states(pattern: Pattern, q_len: int, kv_len: int, block: int):
+    """Each disjoint part of the pattern with its frame and block states, on the CPU."""
     device = torch.device("cpu")
-    total = 0
     for part in specialized(pattern, q_len, kv_len, device).parts():
         frame = build_frame(part.stride, q_len, kv_len, block, block, device)
-        state = build_layout(part, frame).state
+        yield part, frame, build_layout(part, frame).state
+
+
+@per_shape(maxsize=256)
+def _allowed_pairs(pattern: Pattern, q_len: int, kv_len: int, block: int) -> int:
+    total = 0
+    for part, frame, state in _part_states(pattern, q_len, kv_len, block):
         total += int((state == FULL).sum()) * block * block
         q_pos, q_ok = frame.q.position.view(-1, block), frame.q.valid.view(-1, block)
         k_pos, k_ok = frame.k.position.view(-1, block), frame.k.valid.view(-1, block)
