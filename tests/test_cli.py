@@ -38,6 +38,9 @@ def test_encoding_draws_a_learned_table_longer_than_its_default(tmp_path):
     [
         (["show", "bigbrid"], "did you mean 'bigbird'"),
         (["show", "local", "--out", "/no/such/folder/x.png"], "does not exist"),
+        # A PNG was written under the name x.jpg, which image viewers then failed to open:
+        (["show", "local", "--out", "x.jpg"], "'x.jpg' does not end in .png"),
+        (["gallery", "--out", "variants"], "pass a name such as 'variants.png'"),
         (["show", "local", "window=3"], "no parameter 'window'"),
         (["show", "local", "causal=true"], "causal is zoo show's --causal flag"),
         # A word naming an argument the command passes itself gave Python's "draw_pattern() got

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from ..functional import dense_mask
 from ..layout.block_layout import allowed_pairs
+from ..patterns import reads_graph
 from ..registry import get_spec, list_variants
 from .paths import max_path_length, min_receptive_fraction
 from .tables import markdown_table
@@ -41,9 +42,11 @@ def comparison_row(name: str, seq_len: int, layers: int) -> list[str]:
     """One variant's row, with its registry defaults (see ``comparison_rows`` for the columns)."""
     spec = get_spec(name)  # an unknown name fails here, with close names suggested
     n = seq_len
-    if spec.build().routed:  # no fixed mask: its pairs depend on the input
-        by_content = "chosen by content"
-        return [f"`{name}`", by_content, spec.complexity or "-", "O(1)", "by content", by_content]
+    if spec.build().routed:  # no fixed mask: its pairs come with each call
+        # a graph's pairs are its edges, given with the call (edge_index), not chosen from q, k
+        by = "by the graph" if reads_graph(spec.build()) else "by content"
+        given = f"given {by}" if by == "by the graph" else f"chosen {by}"
+        return [f"`{name}`", given, spec.complexity or "-", "O(1)", by, given]
     try:
         pairs = allowed_pairs(spec.build(), n, n)
         mask = dense_mask(name, n)
@@ -73,8 +76,8 @@ def comparison_rows(
     layer is one parallel step); the maximum path length in layers (``zoo.views.paths``; "never"
     where some required pair is never connected); and the receptive field after ``layers`` layers:
     the smallest share, over queries, of the keys it must reach (all, or j <= i when causal) that it
-    has heard from. A variant whose pairs are chosen by content (``moba``) says so in the columns
-    that a fixed mask would fill.
+    has heard from. A variant whose pairs are chosen by content (``moba``) or given by a graph
+    with each call (``graph``) says so in the columns that a fixed mask would fill.
     """
     _check_positive("seq_len", seq_len)
     _check_positive("layers", layers)

@@ -53,6 +53,11 @@ def _check_path(path: str | os.PathLike) -> Path:
     folder = path.parent
     if path.is_dir():
         raise ValueError(f"path {str(path)!r} is a directory; pass a file name such as x.png")
+    if path.suffix.lower() != ".png":  # a PNG named x.jpg would fail to open as a JPEG
+        raise ValueError(
+            f"path {str(path)!r} does not end in .png; pictures are PNG files: pass a name such "
+            f"as {str(path.with_suffix('.png'))!r}"
+        )
     if not folder.is_dir():
         problem = "is a file, not a directory" if folder.exists() else "does not exist"
         raise ValueError(
