@@ -20,6 +20,28 @@ else:
     torch.set_num_threads(min(torch.get_num_threads(), 2))
 
 
+@pytest.fixture
+def scalar_cpu_code():
+    """Inductor writes scalar C++ for the CPU within the test, not vectorized code. For tests
+    whose graphs a GPU runs (``zoo.core.fused``'s, forced on a CPU) or whose subject is what a
+    graph computes, not the CPU's code: both forms compute alike, and vectorized kernels took
+    1.7x as long to compile cold (111 s against 65 s for the fused MoBA bookkeeping test). Not
+    for a test that compiles FlexAttention for the CPU: inductor's CPU flex template needs
+    vector code (it fails an assertion without), and a CPU user's compiled flex is what such a
+    test holds to the reference."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor import cpu_vec_isa
+
+    # inductor caches the list of usable vector ISAs as the setting found it, for the process:
+    # forgotten on the way in and out, so that later tests on this worker vectorize again
+    forget = getattr(getattr(cpu_vec_isa, "valid_vec_isa_list", None), "cache_clear", None)
+    forget = forget or (lambda: None)
+    with inductor_config.patch({"cpp.vec_isa_ok": False}):
+        forget()
+        yield
+    forget()
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``slow`` run the whole of a matrix of which CI runs a sample; they run with
     ZOO_SLOW=1 (``ZOO_SLOW=1 pytest -m slow``)."""

@@ -23,6 +23,8 @@ from zoo.layout.frames import build_frame
 from zoo.patterns.local import Local
 from zoo.patterns.moba import Moba
 
+pytestmark = pytest.mark.usefixtures("scalar_cpu_code")  # the graphs a GPU runs (conftest)
+
 # (q_len, kv_len, MoBA's block, the kernel's block): lengths no block divides; a MoBA block the
 # kernel's divides, and one it does not (24 keys straddle kernel blocks of 16)
 SHAPES = [(300, 300, 32, 16), (150, 300, 24, 16), (201, 201, 16, 16)]

@@ -26,6 +26,8 @@ from zoo.layout.block_layout import specialized, with_heads
 from zoo.patterns import moba
 from zoo.testing.fake_cuda import fake_cuda
 
+pytestmark = pytest.mark.usefixtures("scalar_cpu_code")  # the graphs a GPU runs (conftest)
+
 VARIANTS = [v for v in FIXED_VARIANTS if v not in GRAPH_VARIANTS] + ["moba"]
 EAGER_FLEX = FlexBackend(block_size=16, compile=False)  # flex's eager path, as on fake tensors
 BACKENDS = {"sdpa": "sdpa", "reference": "reference", "flex": EAGER_FLEX}

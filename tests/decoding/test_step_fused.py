@@ -19,6 +19,8 @@ import zoo
 from zoo.backends import base, sdpa
 from zoo.core import fused
 
+pytestmark = pytest.mark.usefixtures("scalar_cpu_code")  # the graphs a GPU runs (conftest)
+
 VARIANTS = [v for v in FIXED_VARIANTS if v not in GRAPH_VARIANTS] + ["moba"]
 # tables (bigbird) and chosen blocks (moba), whose keys this short cache does not pack; a strided
 # pattern and a 2-D one, whose keys it packs (one mask for every head)

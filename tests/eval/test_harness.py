@@ -95,6 +95,7 @@ def test_routed_variants_train_and_the_report_tables_gaps(tmp_path):
     assert gap_row.count("|") == 4 + len(buckets) + 1
 
 
+@pytest.mark.usefixtures("scalar_cpu_code")
 def test_a_compiled_model_trains_to_the_eager_loss(tmp_path):
     """train.compile=true compiles the model with fullgraph=True (a graph break would fail the
     cell) and trains to the loss of eager mode."""

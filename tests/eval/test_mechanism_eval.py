@@ -62,6 +62,7 @@ def test_bad_exclude_and_mechanism_names_are_config_errors(tmp_path, override, m
         check_cells(cells(config), "sweep.yaml")
 
 
+@pytest.mark.usefixtures("scalar_cpu_code")
 def test_the_benchmark_times_mechanisms_on_auto_and_says_why_elsewhere(tmp_path):
     config = {
         "variants": ["lin*", "nystrom"],  # a glob matches mechanisms too

@@ -308,6 +308,7 @@ def test_the_choice_made_in_chunks_of_queries_is_the_choice(causal, monkeypatch)
 
 @pytest.mark.parametrize("cached", [False, True], ids=["padded", "against_a_cache"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.usefixtures("scalar_cpu_code")
 def test_the_choice_compiled_as_on_a_gpu_is_the_choice(causal, cached, monkeypatch):
     """What a GPU runs (``zoo.core.fused``: the block sums and the choice compiled), forced on a
     CPU: the eager choice at four lengths no block divides, whole and in chunks; each function
