@@ -299,3 +299,23 @@ def test_the_first_zoo_call_may_be_inside_a_compiled_function():
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert float(result.stdout.strip()) == 32.0
+
+
+def test_a_refused_backend_names_itself_inside_a_full_graph():
+    """A backend that cannot run the call, named inside ``torch.compile(fullgraph=True)``: the
+    error carries the zoo's sentence (why, and which backends can). Dynamo could not trace the
+    sentence's making (a sort of (name, backend) pairs, xformers' import) and raised its own
+    "sort with non-constant keys" instead."""
+    q = torch.randn(1, 2, 40, 16, requires_grad=True)
+
+    def call(q):
+        return zoo.attention(q, q, q, variant="local", window_size=4, backend="flex")
+
+    compiled = torch.compile(call, backend="eager", fullgraph=True)
+    with pytest.raises(Exception) as raised:
+        compiled(q)
+    chain, error = [], raised.value
+    while error is not None:
+        chain.append(str(error))
+        error = error.__cause__
+    assert any("backend 'flex' cannot run this call" in s and "that can: " in s for s in chain)

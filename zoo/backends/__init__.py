@@ -70,7 +70,9 @@ def get_backend(name: str) -> Backend:
 
 
 def able_backends(call: AttentionCall) -> list[str]:
-    return [n for n, b in sorted(_BACKENDS.items()) if b.reason_against(call) is None]
+    # sorted by name alone: dynamo cannot sort (name, backend) pairs, and a refusal inside
+    # torch.compile(fullgraph=True) raised its "sort with non-constant keys" instead of ours
+    return [n for n in sorted(_BACKENDS) if _BACKENDS[n].reason_against(call) is None]
 
 
 def backend_named(backend: object) -> Backend | None:

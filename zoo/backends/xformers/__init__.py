@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from ...core.call import AttentionCall
+from ...core.shape_cache import outside_graph
 from ...layout.block_layout import allowed_pairs
 from ..base import Backend, Capabilities
 from ..lse_merge import lse_for_backward, merge_rows
@@ -40,6 +41,7 @@ from .plan import Mask, Piece, plan_pieces
 
 
 @lru_cache(maxsize=1)
+@outside_graph  # a host fact (its imports): a constant where a compiled call asks
 def _unavailable() -> str | None:
     try:
         import xformers
