@@ -146,7 +146,7 @@ def _default_interrupt() -> None:
 
 def test_ctrl_c_cancels_the_tasks_and_leaves_whole_records(tmp_path):
     out = tmp_path / "interrupted"
-    slow = ["train={steps: 400, batch_size: 8, eval_samples: 16, eval_batch_size: 8}",
+    slow = ["train={steps: 100, batch_size: 8, eval_samples: 16, eval_batch_size: 8}",
             "seeds=[0, 1, 2, 3]"]  # fmt: skip
     process = subprocess.Popen(
         [sys.executable, "-m", "eval", "run", QUICK, *TINY, *slow, f"out={out}",
