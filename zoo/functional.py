@@ -406,7 +406,7 @@ def dense_at_length(pattern: Pattern, q_len: int, kv_len: int, heads: int = 1) -
     causal_pairs = allowed_pairs(causal, q_len, kv_len)
     # The block states bound the count first: a sparse pattern at a long length (BigBird at
     # 128K tokens, mostly partial blocks) is told apart without evaluating its pairs.
-    low, high = allowed_pairs_bounds(pattern, q_len, kv_len)
+    low, high = allowed_pairs_bounds(pattern, q_len, kv_len, 128)
     if not (low <= q_len * kv_len <= high or low <= causal_pairs <= high):
         return None
     pairs = allowed_pairs(pattern, q_len, kv_len)

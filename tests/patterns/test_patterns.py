@@ -219,9 +219,9 @@ def test_the_bounds_from_block_states_hold_the_exact_count():
 
     for variant in FIXED_VARIANTS:
         params = small_params(variant)
-        for q_len, kv_len in [(100, 100), (70, 100), (300, 300)]:
+        for q_len, kv_len in [(100, 100), (70, 100), (100, 70), (300, 300)]:
             pattern = resolve_pattern(variant, False, params)
-            low, high = allowed_pairs_bounds(pattern, q_len, kv_len, 32)
+            low, high = allowed_pairs_bounds(pattern, q_len, kv_len, block=32)
             assert low <= zoo.allowed_pairs(pattern, q_len, kv_len, block=32) <= high, variant
     aligned = BlockLocal(block_size=32)  # each query block its own key block
     assert allowed_pairs_bounds(aligned, 256, 256, 32) == (256 * 32, 256 * 32)
@@ -261,3 +261,21 @@ def test_explain_says_dense_exactly_where_the_mask_is_full_or_causal(variant, ca
     if pattern.kind != "sparse":
         want = None  # full and causal themselves are not sparse patterns
     assert dense_at_length(pattern, n, n, heads) == want
+
+
+def test_explain_tells_a_long_sparse_pattern_from_dense_without_counting_its_pairs(monkeypatch):
+    """At 64K tokens a window of 4 is told apart from full and causal attention by its block
+    states alone: no pair of its partial blocks is evaluated (that took minutes for BigBird at
+    128K tokens, per head)."""
+    from zoo.functional import dense_at_length
+    from zoo.layout import block_layout
+
+    counted = []
+    exact = block_layout._allowed_pairs
+    monkeypatch.setattr(
+        block_layout, "_allowed_pairs", lambda p, *a: counted.append(p) or exact(p, *a)
+    )
+    for causal in (False, True):
+        pattern = resolve_pattern("local", causal, dict(window_size=4))
+        assert dense_at_length(pattern, 65536, 65536) is None
+    assert all(isinstance(p, Causal) for p in counted), counted  # the causal count alone

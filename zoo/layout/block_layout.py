@@ -133,7 +133,6 @@ def allowed_pairs(pattern: Pattern, q_len: int, kv_len: int, block: int = 128) -
     return _allowed_pairs(pattern, q_len, kv_len, block)
 
 
-@per_shape(maxsize=256)
 def allowed_pairs_bounds(
     pattern: Pattern, q_len: int, kv_len: int, block: int = 128
 ) -> tuple[int, int]:
@@ -141,6 +140,15 @@ def allowed_pairs_bounds(
     the full blocks at least, those of the full and partial blocks at most. Cheap where the exact
     count is not (a pattern of many partial blocks at 128K tokens), and enough to tell that a
     count differs from another. Counted on the CPU once per shape, as ``allowed_pairs``."""
+    if not isinstance(pattern, Pattern):
+        raise TypeError(
+            f"allowed_pairs_bounds takes a zoo Pattern, got {pattern!r} ({type(pattern).__name__})"
+        )
+    return _allowed_pairs_bounds(pattern, q_len, kv_len, block)
+
+
+@per_shape(maxsize=256)
+def _allowed_pairs_bounds(pattern: Pattern, q_len: int, kv_len: int, block: int) -> tuple[int, int]:
     low = high = 0
     for _, _, state in _part_states(pattern, q_len, kv_len, block):
         full, partial = int((state == FULL).sum()), int((state == PARTIAL).sum())
