@@ -230,7 +230,7 @@ def _release_free_memory() -> None:
 
 def outside_graph(fn: F) -> F:
     """``torch.compiler.assume_constant_result(fn)``: under ``torch.compile``, ``fn`` runs as
-    plain Python at trace time and its result (an int, str or bool) enters the graph as a
+    plain Python at trace time and its result (an int, str, bool or None) enters the graph as a
     constant. Set here without importing ``torch._dynamo``, which would double the time of
     ``import zoo``; the attribute is what that function sets (a test holds the two equal)."""
     fn._dynamo_marked_constant = True  # type: ignore[attr-defined]

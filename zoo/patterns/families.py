@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from ..core.arguments import check_parameters, import_object
 from ..core.named import Named
+from ..core.shape_cache import outside_graph
 from .base import Pattern
 
 PatternFactory = Callable[..., Pattern]
@@ -136,10 +137,15 @@ def resolve_family(name: str) -> PatternFactory:
 
 def family_parameters(factory: PatternFactory) -> dict[str, object]:
     """The family's parameters and their defaults (``inspect.Parameter.empty`` if required)."""
+    return dict(_defaults_outside_graph(factory))
+
+
+@outside_graph
+def _defaults_outside_graph(factory: PatternFactory) -> tuple[tuple[str, object], ...]:
     try:
-        return dict(_signature_defaults(factory))
+        return _signature_defaults(factory)
     except TypeError:  # an unhashable callable object as a factory: read it every time
-        return dict(_signature_defaults.__wrapped__(factory))
+        return _signature_defaults.__wrapped__(factory)
 
 
 @functools.lru_cache(maxsize=256)

@@ -40,9 +40,14 @@ from ..lse_merge import lse_for_backward, merge_rows
 from .plan import Mask, Piece, plan_pieces
 
 
-@lru_cache(maxsize=1)
-@outside_graph  # a host fact (its imports): a constant where a compiled call asks
+@outside_graph  # a host fact (its imports, a probe): a constant where a compiled call asks
 def _unavailable() -> str | None:
+    # the marker on a plain function: dynamo calls an lru_cache's inner function, uncached
+    return _probe()
+
+
+@lru_cache(maxsize=1)
+def _probe() -> str | None:
     try:
         import xformers
     except ImportError as error:
