@@ -54,6 +54,7 @@ def test_encoding_draws_a_learned_table_longer_than_its_default(tmp_path):
         (["gallery", "--seq-len", "37"], "the gallery cannot draw 'axial_2d' at seq_len=37"),
         # matplotlib's FileNotFoundError traceback (exit 1) before the path was checked:
         (["encoding", "sinusoidal", "--out", "/no/such/folder/p.png"], "does not exist"),
+        (["encoding", "sinusoidal", "--out", "p.svg"], "'p.svg' does not end in .png"),
         (["table", "--seq-len", "1"], "does not fit seq_len=1"),
     ],
 )

@@ -238,14 +238,14 @@ def run(args: argparse.Namespace) -> bool | None:
         out = args.out or f"{args.name}-attention.png"
         print(attention_map_of_random_model(args.name, args.seq_len, out, **command_params(args)))
     elif args.command == "encoding":
+        from .core.arguments import check_png_path
         from .functional import build_encoding
         from .positional import draw_encoding
         from .registry import get_encoding_spec
-        from .views.pictures import _check_path
 
         spec = get_encoding_spec(args.name)
         # Checked before drawing, as zoo show does: savefig's own error is a traceback.
-        out = _check_path(args.out or f"{args.name}.png")
+        out = check_png_path(args.out or f"{args.name}.png")
         # A table of positions (learned) is built long enough to draw --length positions: the
         # command has no max_len of its own to raise.
         held = spec.parameters().get("max_len")

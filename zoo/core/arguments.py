@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
 from collections.abc import Iterable
+from pathlib import Path
 
 
 def typed(value: object) -> object:
@@ -147,3 +149,26 @@ def check_probability(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
         raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
     return float(value)
+
+
+def check_png_path(path: str | os.PathLike) -> Path:
+    """A picture's output path, checked before any drawing so that a bad path fails fast: a PNG
+    file's name in a folder that exists and can be written."""
+    path = Path(path)
+    folder = path.parent
+    if path.is_dir():
+        raise ValueError(f"path {str(path)!r} is a directory; pass a file name such as x.png")
+    if path.suffix.lower() != ".png":  # a PNG named x.jpg would fail to open as a JPEG
+        raise ValueError(
+            f"path {str(path)!r} does not end in .png; pictures are PNG files: pass a name such "
+            f"as {str(path.with_suffix('.png'))!r}"
+        )
+    if not folder.is_dir():
+        problem = "is a file, not a directory" if folder.exists() else "does not exist"
+        raise ValueError(
+            f"cannot write {str(path)!r}: its directory {str(folder)!r} {problem}; "
+            "create the directory first or pick another path"
+        )
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"cannot write {str(path)!r}: directory {str(folder)!r} is not writable")
+    return path

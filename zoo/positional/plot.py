@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..core.arguments import check_int
+from ..core.arguments import check_int, check_png_path
 from .base import PositionalEncoding
 
 
@@ -34,6 +34,7 @@ def draw_encoding(
             f"'sinusoidal' or 'learned' encoding"
         )
     check_int("length", length)
+    path = check_png_path(path)  # a missing folder, or a name not ending in .png, fails here
     if columns is None:
         columns = range(6, 10) if enc.dim >= 10 else range(min(4, enc.dim))
     columns = list(columns)
@@ -62,6 +63,5 @@ def draw_encoding(
         lines.plot(range(length), table[:, c], label=f"Col {c}")
     lines.set(xlabel="Row (position)", title=f"columns of P ({enc.name}, dim={enc.dim})")
     lines.legend(loc="upper right", fontsize="small")
-    path = Path(path)
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format="png")
     return path

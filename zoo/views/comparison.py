@@ -44,9 +44,10 @@ def comparison_row(name: str, seq_len: int, layers: int) -> list[str]:
     n = seq_len
     if spec.build().routed:  # no fixed mask: its pairs come with each call
         # a graph's pairs are its edges, given with the call (edge_index), not chosen from q, k
-        by = "by the graph" if reads_graph(spec.build()) else "by content"
-        given = f"given {by}" if by == "by the graph" else f"chosen {by}"
-        return [f"`{name}`", given, spec.complexity or "-", "O(1)", by, given]
+        by, pairs = ("by the graph", "given by the graph")
+        if not reads_graph(spec.build()):
+            by, pairs = ("by content", "chosen by content")
+        return [f"`{name}`", pairs, spec.complexity or "-", "O(1)", by, pairs]
     try:
         pairs = allowed_pairs(spec.build(), n, n)
         mask = dense_mask(name, n)

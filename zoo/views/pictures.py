@@ -17,7 +17,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from torch import Tensor
 
-from ..core.arguments import check_seed
+from ..core.arguments import check_png_path, check_seed
 from ..functional import dense_mask, prepare_call
 from ..modules.multi_head import create_attention
 from ..patterns import reads_graph
@@ -47,28 +47,6 @@ def _check_length(seq_len: object) -> int:
     return seq_len
 
 
-def _check_path(path: str | os.PathLike) -> Path:
-    """The output path, checked before any drawing so a bad path fails fast."""
-    path = Path(path)
-    folder = path.parent
-    if path.is_dir():
-        raise ValueError(f"path {str(path)!r} is a directory; pass a file name such as x.png")
-    if path.suffix.lower() != ".png":  # a PNG named x.jpg would fail to open as a JPEG
-        raise ValueError(
-            f"path {str(path)!r} does not end in .png; pictures are PNG files: pass a name such "
-            f"as {str(path.with_suffix('.png'))!r}"
-        )
-    if not folder.is_dir():
-        problem = "is a file, not a directory" if folder.exists() else "does not exist"
-        raise ValueError(
-            f"cannot write {str(path)!r}: its directory {str(folder)!r} {problem}; "
-            "create the directory first or pick another path"
-        )
-    if not os.access(folder, os.W_OK):
-        raise ValueError(f"cannot write {str(path)!r}: directory {str(folder)!r} is not writable")
-    return path
-
-
 def _save(figure: Figure, path: Path) -> Path:
     # No bbox_inches="tight": it would crop and make the pixel size depend on the content.
     FigureCanvasAgg(figure)
@@ -93,7 +71,7 @@ def draw_pattern(
     """
     spec = get_spec(name)  # an unknown name fails here, with close names suggested
     _check_length(seq_len)
-    path = _check_path(path)
+    path = check_png_path(path)
     if reads_graph(spec.build(**{k: v for k, v in params.items() if k != "edge_index"})):
         # A graph: its adjacency before and after reordering (zoo.views.graph_pictures).
         figure = draw_graph(seq_len, FIGSIZE, causal=causal, **{**spec.parameters(), **params})
@@ -156,7 +134,7 @@ def draw_gallery(path: str | os.PathLike, seq_len: int = 256, columns: int = 4) 
     says them; the rest are the registry's defaults), at length ``seq_len``. ``graph`` is left
     out: its pairs come with each call's edges (``zoo show graph`` draws an example graph)."""
     _check_length(seq_len)
-    path = _check_path(path)
+    path = check_png_path(path)
     names = [name for name in list_variants() if name != "graph"]
     rows = -(-len(names) // columns)
     figure = Figure(figsize=(3.2 * columns, 3.4 * rows))
@@ -229,7 +207,7 @@ def draw_attention(
     ):
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < size:
             raise ValueError(f"{label} must be an int in [0, {size - 1}], got {index!r}")
-    path = _check_path(path)
+    path = check_png_path(path)
     grid = weights[batch, head].detach().to("cpu", torch.float32).numpy()
 
     figure = Figure(figsize=FIGSIZE)
@@ -262,7 +240,7 @@ def attention_map_of_random_model(
     get_spec(name)
     _check_length(seq_len)
     seed = check_seed("seed", seed)
-    path = _check_path(path)
+    path = check_png_path(path)
     with torch.random.fork_rng(devices=[]):  # do not disturb the caller's random stream
         torch.manual_seed(seed)
         module = create_attention(name, dim=dim, num_heads=num_heads, **params).eval()
