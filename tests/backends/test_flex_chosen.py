@@ -113,7 +113,8 @@ def test_the_bookkeeping_compiled_as_on_a_gpu_gives_the_reference(gathered, monk
     reference's output and gradients at lengths no block divides, causal (a fixed member cuts
     the own block), padded, one sequence wholly (rows without a key: zeros, no NaN); each
     function compiles at most twice over three lengths (a static graph, then one of symbolic
-    lengths). Without a fixed member the rows compile as in the test above."""
+    lengths). Without a fixed member the rows are traced in
+    ``test_the_rows_compiled_equal_the_eager_rows_in_two_graphs_for_every_length``."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     from zoo.backends.flex_chosen import _merge_pairs, _row_layout
@@ -359,9 +360,10 @@ def test_the_rows_compiled_equal_the_eager_rows_in_two_graphs_for_every_length()
     rows and block lists as the eager function, at lengths no block divides, causal (a fixed
     member cuts the own block) or not, padded or not; and each of the two layouts compiles at
     most twice (a static graph, then one of symbolic lengths) over four lengths. Dynamo's graphs
-    and AOTAutograd's as ``Fused.compiled`` makes them, run without Inductor (``aot_eager``):
-    the graph count and the traced values are this test's subject, and Inductor's lowering of
-    the rows, a fixed member's included, is the test above's (Inductor took 45-60 s more here)."""
+    run without Inductor (``aot_eager``): the graph count and the traced values are this test's
+    subject. Inductor lowers the rows with a fixed member on a CPU in
+    ``test_the_bookkeeping_compiled_as_on_a_gpu_gives_the_reference``, and those without one on
+    a GPU only (the GPU tests); lowering them here cost CI 30-45 s."""
     from torch._dynamo.utils import counters
 
     from zoo.backends.flex_chosen import _row_layout, chosen_parts, kept_keys

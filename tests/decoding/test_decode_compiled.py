@@ -13,9 +13,6 @@ from torch._dynamo.testing import CompileCounter
 import zoo
 from zoo.backends import FlexBackend
 
-# what compiled steps compute and how often they compile, not the CPU's code (conftest)
-pytestmark = pytest.mark.usefixtures("scalar_cpu_code")
-
 VARIANTS = {
     "causal": {},
     "sliding_window": {"window_size": 8},

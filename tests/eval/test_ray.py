@@ -147,7 +147,7 @@ def _default_interrupt() -> None:
 def test_ctrl_c_cancels_the_tasks_and_leaves_whole_records(tmp_path):
     out = tmp_path / "interrupted"
     slow = ["train={steps: 100, batch_size: 8, eval_samples: 16, eval_batch_size: 8}",
-            "seeds=[0, 1, 2, 3]"]  # fmt: skip
+            "seeds=[0, 1, 2, 3, 4, 5, 6, 7]"]  # fmt: skip  # more cells than most machines' cores
     process = subprocess.Popen(
         [sys.executable, "-m", "eval", "run", QUICK, *TINY, *slow, f"out={out}",
          "launcher=ray", "--no-progress", "--no-report"],
@@ -163,7 +163,7 @@ def test_ctrl_c_cancels_the_tasks_and_leaves_whole_records(tmp_path):
     assert process.returncode == 130, stderr[-3000:]
     assert "cells cancelled" in stderr
     kept = [json.loads(line) for line in results.read_text().splitlines()]  # every line whole
-    assert 1 <= len(kept) < 12
+    assert 1 <= len(kept) < 24
 
 
 def test_a_bad_address_fails_within_seconds_and_names_it(tmp_path):
