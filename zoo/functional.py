@@ -273,9 +273,7 @@ def _cached_attention(q, k, v, cache: KVCache, *, variant, backend, causal, key_
     new_call()
     score = call_score(score, scale, q)
     dropout_p = check_dropout(dropout_p)
-    chosen = decode_backend(
-        backend, score, dropout_p, cache, q.shape[1], recording_device(cache, q, k, v)
-    )
+    chosen = decode_backend(backend, score, dropout_p, cache, recording_device(cache, q, k, v))
     return cache_attention(
         q, k, v, cache, counts=counts, encoding=attention_encoding(pos, q, k, causal),
         score=score, dropout_p=dropout_p, backend=chosen, full=key_padding_mask is None,
@@ -319,9 +317,7 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
                            params)  # fmt: skip
         score = call_score(kwargs.get("score"), kwargs.get("scale"), q)
         dropout_p = check_dropout(kwargs.get("dropout_p", 0.0))
-        return explain_decode(
-            backend, score, cache, q.shape[1], dropout_p, recording_device(cache, q, k, v)
-        )
+        return explain_decode(backend, score, cache, dropout_p, recording_device(cache, q, k, v))
     if is_mechanism(kwargs.get("variant")):
         return _explain_mechanism(q, k, v, backend, **kwargs)
     call = prepare_call(q, k, v, **kwargs)

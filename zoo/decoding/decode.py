@@ -33,18 +33,21 @@ filled), the most keys a query may attend, and whether it attends every slot in 
 - ``reference`` (``zoo.backends.reference.reference_decode``): dense float32 scores and an
   explicit softmax; additive scores, and the oracle.
 
-``auto`` takes sdpa, but flex for a static cache on CUDA (``static_on_cuda``). For one query the
-work is reading the kept keys, which the gather does without a compiled kernel; on CPU compiled
-flex pads the query row to a whole block and compiles for seconds per shape. A static cache's
-step reads every slot, masked: sdpa runs that on CUDA's memory-efficient kernel, one thread block
-per row and key/value head over all slots (a compiled causal step at 16K took 0.87 ms on an H200
-where the eager step over the filled slots took 0.37), where flex's decoding kernel splits the
-keys and skips empty blocks. Elsewhere on CUDA flex would be the choice where the decode
-benchmark (``eval/configs/bench_decode.yaml``, impl ``zoo:VARIANT:flex`` beside the sdpa gather)
-measures it faster: long caches whose allowed keys are sparse in whole blocks (strided, bigbird,
-moba). That measurement has not run yet, so auto stays on sdpa there; the blocked and xformers
-backends have no decoding path (a cached call named for them runs on auto's choice, and
-``explain`` says so).
+``auto`` takes sdpa. For one query the work is reading the kept keys, which the gather does
+without a compiled kernel; on CPU compiled flex pads the query row to a whole block and compiles
+for seconds per shape. A static cache's step reads every slot, masked: sdpa runs that on CUDA's
+memory-efficient kernel, one thread block per row and key/value head over all slots (a compiled
+causal step at 16K took 0.87 ms on an H200 where the eager step over the filled slots took 0.37),
+where flex's decoding kernel would split the keys and skip empty blocks. auto does not take flex
+for it: on an H200 with torch 2.11 a step compiled whole on flex failed in Inductor's code for
+the mask (``XBLOCK is not defined``), for causal, sliding-window and Longformer caches alike, so
+flex there is a backend one names, not a default, until a GPU run shows it compiles and is
+faster. Elsewhere on CUDA flex would be the choice where the decode benchmark
+(``eval/configs/bench_decode.yaml``, impl ``zoo:VARIANT:flex`` beside the sdpa gather) measures
+it faster: long caches whose allowed keys are sparse in whole blocks (strided, bigbird, moba).
+That measurement has not run yet, so auto stays on sdpa there; the blocked and xformers backends
+have no decoding path (a cached call named for them runs on auto's choice, and ``explain`` says
+so).
 """
 
 from __future__ import annotations
@@ -70,17 +73,14 @@ def decode_backend(
     score: DotProduct | AdditiveScore,
     dropout_p: float,
     cache: KVCache,
-    query_heads: int,
     backward_on: str | None = None,
 ) -> Backend:
     """The backend that runs a cached call's steps (``Backend.decode_step``): the one named, where
     it declares decoding (``Capabilities.decode``); under ``auto`` or a backend without a decoding
-    path (``explain`` says so) the reference for additive scores, flex for a static cache on
-    CUDA where flex can decode the call and Inductor's decoding kernel runs its steps
-    (``static_on_cuda``), else sdpa. A backend that decodes but not these settings
-    (``backward_on``: the device type where the call records gradients, ``recording_device``)
-    raises, naming the reason and the backends that can: before the call writes anything into
-    the cache."""
+    path (``explain`` says so) the reference for additive scores, else sdpa (see above for flex).
+    A backend that decodes but not these settings (``backward_on``: the device type where the
+    call records gradients, ``recording_device``) raises, naming the reason and the backends that
+    can: before the call writes anything into the cache."""
     chosen = backend_named(backend)
     settings = (score.kind, dropout_p, cache.keys.dtype, backward_on)
     if chosen is not None and chosen.capabilities.decode:
@@ -95,28 +95,7 @@ def decode_backend(
         return chosen
     if score.kind != "dot":
         return get_backend("reference")
-    if static_on_cuda(cache, query_heads):
-        flex = get_backend("flex")
-        if flex.decode_reason_against(*settings) is None:
-            return flex
     return get_backend("sdpa")
-
-
-def static_on_cuda(cache: KVCache, query_heads: int) -> bool:
-    """Whether ``auto`` decodes this cache on flex: a static cache on CUDA whose one-token steps
-    run on Inductor's decoding kernel. A static cache's steps read every slot (one shape for all
-    steps, for CUDA graphs), so on sdpa each step is a masked call over all of them, which CUDA
-    runs on its memory-efficient kernel without splitting the keys across the GPU (one thread
-    block per row and key/value head); the decoding kernel splits them and skips the blocks the
-    step's mask leaves empty (a causal cache's unfilled slots). Inductor runs its main kernel,
-    which does not split them either, where the query heads per key/value head are not a power
-    of two, or where they share a key/value head and the mask differs per head (a pattern per
-    head, or chosen by content): those stay on sdpa."""
-    if not cache.static or cache.keys.device.type != "cuda":
-        return False
-    groups = max(query_heads // cache.keys.shape[1], 1)
-    per_head = cache.pattern.per_head or cache.pattern.routed
-    return groups & (groups - 1) == 0 and not (per_head and groups > 1)
 
 
 def recording_device(cache: KVCache, *tensors: Tensor) -> str | None:
@@ -137,13 +116,12 @@ def explain_decode(
     backend: object,
     score: DotProduct | AdditiveScore,
     cache: KVCache,
-    query_heads: int,
     dropout_p: float = 0.0,
     backward_on: str | None = None,
 ) -> str:
     """What ``explain`` says for a call with a cache (``backward_on``: ``recording_device``)."""
     try:
-        chosen = decode_backend(backend, score, dropout_p, cache, query_heads, backward_on)
+        chosen = decode_backend(backend, score, dropout_p, cache, backward_on)
     except ValueError as refused:  # what the call would raise, said
         return str(refused)
     shown = f"flex ({chosen!r})" if chosen.name == "flex" else chosen.name
@@ -154,11 +132,6 @@ def explain_decode(
         if asked in (*decoders(), "auto") or chosen is backend
         else f" (backend {asked!r} has no decoding path; a cached call runs on {chosen.name})"
     )
-    if asked not in decoders() and chosen.name == "flex" and chosen is not backend:  # auto's
-        note += (
-            " (a static cache on CUDA: flex's decoding kernel splits the slots, sdpa's masked "
-            "one does not)"
-        )
     return (
         f"decoding with a cache on {shown}{note}: {plan.slots} slots "
         f"({plan.pinned.numel()} pinned, a ring of {plan.ring} for a window of {plan.window}) "

@@ -223,7 +223,7 @@ def module_step(
         encoding=module.pos if module.pos.kind in ("rotate", "bias") else None,
         score=score,
         dropout_p=dropout,
-        backend=decode_backend(module.backend, score, dropout, cache, q.shape[1], grad_on),
+        backend=decode_backend(module.backend, score, dropout, cache, grad_on),
         full=valid_lens is None,
     )
     out = module.out_proj(rearrange(out, "b h l d -> b l (h d)"))  # (B, t, dim)
