@@ -121,6 +121,32 @@ def test_gpu_static_cache_steps_under_cuda_graphs_equal_eager(variant, backend):
     torch._dynamo.reset()
 
 
+def test_a_one_token_steps_positions_trace_without_an_arange():
+    """A one-token step's positions (``KVCache.next_positions(1)``) are its rows' lengths, traced
+    with no arange: in a step compiled whole for CUDA, Inductor copied lengths + arange(1) into
+    FlexAttention's mask, where the arange's one element at a constant index became
+    ``tl.full([XBLOCK], 0)``, which the flex template cannot compile (every compiled static step
+    on flex failed so on an H200; the same code was lowered here for a stand-in sm90 device, with
+    and without this change). A longer call's keep their arange (indexed by the query)."""
+    cache = zoo.new_cache("causal", batch_size=2, max_len=8, num_kv_heads=1, head_dim=4)
+    cache.lengths = torch.tensor([3, 5])
+    graphs = []
+
+    def keep(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    for t in (1, 2):
+        got = torch.compile(lambda t=t: cache.next_positions(t), backend=keep, fullgraph=True)()
+        assert torch.equal(got, torch.tensor([[3], [5]]) + torch.arange(t))
+    made = [[n.target for n in gm.graph.nodes if n.op == "call_function"] for gm in graphs]
+    assert torch.arange not in made[0] and torch.arange in made[1], made
+    one = cache.next_positions(1)
+    one += 1  # a tensor of its own: the cache's lengths are not changed through it
+    assert torch.equal(cache.lengths, torch.tensor([3, 5]))
+    torch._dynamo.reset()
+
+
 def test_a_static_cache_marks_its_stores_static_addresses():
     """What a step writes in place (keys, values, slot positions, lengths, MoBA's block sums) is
     marked for torch.compile as a static address, again after reset: cudagraph trees skip a

@@ -286,7 +286,13 @@ class KVCache:
 
     def next_positions(self, t: int) -> Tensor:
         """(B, t) the absolute positions of a call's t new tokens in each row: the row's length
-        onwards (no copy of the lengths)."""
+        onwards, a tensor of their own. One token's is the length itself, copied, not plus
+        ``steps(1)``: in a step compiled whole, Inductor copies that sum into FlexAttention's
+        mask, where the arange's one element, read at a constant index, becomes
+        ``tl.full([XBLOCK], 0)``, a name the flex template lacks (the kernel failed to compile
+        on an H200, torch 2.11; torch 2.13 fails an assertion on the same code)."""
+        if t == 1:
+            return self._lengths[:, None].clone()
         return self._lengths[:, None] + self.steps(t)
 
     def host_lengths(self) -> tuple[int, bool]:

@@ -40,9 +40,10 @@ memory-efficient kernel, one thread block per row and key/value head over all sl
 causal step at 16K took 0.87 ms on an H200 where the eager step over the filled slots took 0.37),
 where flex's decoding kernel would split the keys and skip empty blocks. auto does not take flex
 for it: on an H200 with torch 2.11 a step compiled whole on flex failed in Inductor's code for
-the mask (``XBLOCK is not defined``), for causal, sliding-window and Longformer caches alike, so
-flex there is a backend one names, not a default, until a GPU run shows it compiles and is
-faster. Elsewhere on CUDA flex would be the choice where the decode benchmark
+the mask (``XBLOCK is not defined``), for causal, sliding-window and Longformer caches alike.
+Its cause (``KVCache.next_positions``) is removed, checked by lowering the step for a stand-in
+sm90 device on a CPU; until a GPU run shows the compiled steps right and faster, flex there is a
+backend one names, not a default. Elsewhere on CUDA flex would be the choice where the decode benchmark
 (``eval/configs/bench_decode.yaml``, impl ``zoo:VARIANT:flex`` beside the sdpa gather) measures
 it faster: long caches whose allowed keys are sparse in whole blocks (strided, bigbird, moba).
 That measurement has not run yet, so auto stays on sdpa there; the blocked and xformers backends
