@@ -45,21 +45,21 @@
 # command (ARGS_goals='lengths=[65536,131072]' measures the longer cells in another session;
 # `python -m eval goals OUT1 OUT2` reads both). ZOO_GPU_SESSION_BUNDLE=1 packs every file of $OUT
 # but summary.md and stages.tsv into $OUT/campaign.tar.gz at the end (the device tool brings back
-# at most 8 files). The GPU tests alone took 398 s at 12 workers on an H200 (2026-11-28; they
-# did not finish in 175 s at 8 workers nor in 270 s at 14 on an H100), so a session of 15
-# minutes of device time runs two commands, one right after the other on the warm machine, each
-# carrying .whl and .gpu-cache (the compile cache, below; bring back its parts after the second):
-#   ZOO_GPU_SESSION_CACHE=.gpu-cache LIMIT=560 bash eval/gpu_session.sh tests   # timeout_s 590
+# at most 8 files). The GPU tests alone took 398 s at 12 workers on an H200 (2026-11-28, at
+# a2b6674) and 269 s at 0cfc45f (15 of them failed early), so a session of 15 minutes of device
+# time runs two commands, one right after the other on the warm machine (it goes back after 30 s
+# idle), each carrying .whl and .gpu-cache (the compile cache, below; bring back its parts):
+#   ZOO_GPU_SESSION_CACHE=.gpu-cache LIMIT=400 bash eval/gpu_session.sh tests   # timeout_s 430
 #   ZOO_GPU_SESSION_CACHE=.gpu-cache ZOO_GPU_SESSION_BUNDLE=1 \
-#     ZOO_GPU_SESSION_SHARES="env:4 moba:16 profile_moba:8 decode:12 decode_compiled:14 \
-#     goals:22 divisible:6 realization:6 overhead:3" \
-#     ARGS_goals='lengths=[16384,65536]' bash eval/gpu_session.sh all 385  # timeout_s 415
-# (the second run of 2026-11-28 had 385 s left after the tests' 428, and every stage of its
-# second command stopped at its limit, most of it compiling). These shares go to what no run has
-# measured since the code changed: MoBA with its bookkeeping compiled (1 of its 8 cells measured,
-# before that), decoding with the fused step mask and a static cache on flex, the 16K and 64K
-# goal cells; goal (d) held on the H200 (compiles) and the goal cells' profile ran at 8K, so
-# neither stage has a share. Stages run in their fixed order (below), whatever the shares' order.
+#     ZOO_GPU_SESSION_SHARES="env:4 decode_compiled:18 goals:30 moba:18 decode:10 compiles:10" \
+#     ARGS_goals='lengths=[65536]' bash eval/gpu_session.sh all LEFT   # timeout_s LEFT + 30
+# where LEFT is the device tool's budget_left_s after the first, less 45 s (the third run of
+# 2026-11-28 had 480 s after the tests' 297, and every stage but two stopped at its limit, most
+# of it compiling). These shares go to what no run has measured since the code changed: the
+# compiled static steps on flex (every one failed at 0cfc45f; the cause is removed) beside auto's
+# on sdpa, the 64K goal cells (none measured on this code; 16K twice), MoBA's other 7 cells, the
+# compile count (goal d: not run since the first H200 run). Stages run in their fixed order
+# (below), whatever the shares' order.
 # Tests of this script:
 # STAGE_CMD_<stage>='...' replaces a stage's command (run by bash, with $OUT set), and
 # ZOO_GPU_SESSION_FAKE=1 makes every other stage a no-op (tests/eval/test_gpu_session.py).
