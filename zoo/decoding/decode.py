@@ -43,12 +43,14 @@ for it: on an H200 with torch 2.11 a step compiled whole on flex failed in Induc
 the mask (``XBLOCK is not defined``), for causal, sliding-window and Longformer caches alike.
 Its cause (``KVCache.next_positions``) is removed, checked by lowering the step for a stand-in
 sm90 device on a CPU; until a GPU run shows the compiled steps right and faster, flex there is a
-backend one names, not a default. Elsewhere on CUDA flex would be the choice where the decode benchmark
-(``eval/configs/bench_decode.yaml``, impl ``zoo:VARIANT:flex`` beside the sdpa gather) measures
-it faster: long caches whose allowed keys are sparse in whole blocks (strided, bigbird, moba).
-That measurement has not run yet, so auto stays on sdpa there; the blocked and xformers backends
-have no decoding path (a cached call named for them runs on auto's choice, and ``explain`` says
-so).
+backend one names, not a default (and Inductor runs its decoding kernel only for a power of two
+of query heads per key/value head, with one block mask where they share one; else its main
+kernel, which does not split the keys either). Elsewhere on CUDA flex would be the choice where
+the decode benchmark (``eval/configs/bench_decode.yaml``, impl ``zoo:VARIANT:flex`` beside the
+sdpa gather) measures it faster: long caches whose allowed keys are sparse in whole blocks
+(strided, bigbird, moba). That measurement has not run yet, so auto stays on sdpa there; the
+blocked and xformers backends have no decoding path (a cached call named for them runs on auto's
+choice, and ``explain`` says so).
 """
 
 from __future__ import annotations
