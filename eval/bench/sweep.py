@@ -163,7 +163,9 @@ class Runner:
 
 def run_cells(sweep: Sweep, save: Callable[[list[dict]], None]) -> list[dict[str, Any]]:
     """Every cell of the sweep in order, a line printed as each finishes; ``save`` after each
-    point, so an interrupted sweep keeps what it measured."""
+    cell, so an interrupted sweep keeps what it measured (a GPU session's stage cut at its limit
+    in the middle of a point had lost that point's measured cells: MoBA's forward+backward at 16K
+    on the H200, printed but not saved)."""
     config = sweep.config
     impls = sweep.implementations()
     runner = Runner(Settings(config.warmup, config.repeats, 1e3 * config.min_time_s))
@@ -182,8 +184,8 @@ def run_cells(sweep: Sweep, save: Callable[[list[dict]], None]) -> list[dict[str
                     report.realize(cell, dense)
                     cells.append(cell)
                     print(progress(len(cells), total, cell), flush=True)
+                    save(cells)
                 del point
                 free_memory(sweep.device)
-                save(cells)
             del base
     return cells

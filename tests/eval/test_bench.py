@@ -84,6 +84,31 @@ def test_main_writes_json_markdown_and_plots_with_checked_cells(tmp_path, capsys
     assert capsys.readouterr().out.count("[10/10]") == 1  # one progress line per cell
 
 
+def test_a_sweep_stopped_within_a_point_keeps_its_measured_cells(tmp_path, monkeypatch):
+    """bench.json is rewritten after every cell: a GPU session's stage stopped at its limit (a
+    signal, here the KeyboardInterrupt SIGINT raises) within a point keeps the cells it measured
+    there, not only those of whole points."""
+    import eval.bench.sweep as sweep
+
+    path = write_config(tmp_path, variants=["local"], lengths=[64])
+    run = sweep.Runner.run
+    calls = []
+
+    def stop_at_the_third(self, impl, point):
+        calls.append(impl.name)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return run(self, impl, point)
+
+    monkeypatch.setattr(sweep.Runner, "run", stop_at_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main([path])
+    data = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert data["complete"] is False
+    assert [c["backend"] for c in data["cells"]] == calls[:2]  # one point: 3 cells, 2 measured
+    assert all(c["status"] == "ok" for c in data["cells"])
+
+
 def test_a_backend_that_cannot_run_a_call_is_recorded_and_the_sweep_goes_on(tmp_path):
     path = write_config(
         tmp_path, variants=["local"], backends=["flex", "blocked"], passes=["fwd+bwd"],
