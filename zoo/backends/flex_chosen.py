@@ -274,9 +274,14 @@ def _block_lists(
         ``_transpose_ordered``, a stable descending argsort of the 0/1 grid): per kernel key
         block, how many kernel query blocks attend it, and those first in ascending order, then
         the others (without a sort: ``used_first_unsorted``)."""
-        dense = torch.zeros(*state.shape[:3], kv_blocks + 1, dtype=torch.int32, device=keep.device)
-        dense.scatter_(-1, torch.where(state == kind, candidate, kv_blocks), 1)  # one past: dropped
-        hit = dense[..., :kv_blocks].transpose(-1, -2)  # (B, H, kv blocks, Qb)
+        # Scattered in key-block order, not read transposed afterwards: Inductor's Triton code
+        # for that transposed read failed on CUDA (torch 2.11; get_block_shape: 'list indices
+        # must be integers or slices, not NoneType'), and the rows' graph went eager
+        q_blocks = state.shape[2]
+        dense = torch.zeros(B, H, kv_blocks + 1, q_blocks, dtype=torch.int32, device=keep.device)
+        hits = torch.where(state == kind, candidate, kv_blocks).transpose(-1, -2)
+        dense.scatter_(-2, hits, 1)  # one past the last key block: dropped
+        hit = dense[..., :kv_blocks, :]  # (B, H, kv blocks, Qb)
         order = used_first_unsorted(hit)
         return hit.sum(-1).to(torch.int32), order.to(torch.int32).contiguous()
 
