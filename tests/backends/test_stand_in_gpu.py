@@ -1,0 +1,86 @@
+"""Inductor's CUDA code for graphs of the zoo, written on a CPU for a stand-in sm90 device
+(``zoo.testing.stand_in_gpu``): each lowers, and its templates' code holds no name they lack.
+Both faults here reached an H200 first (gpu-campaign-h200-2026-11-28-c): the decoding step's
+flex mask and MoBA's transposed block lists. Needs triton (``pip install triton``); skipped
+without it, and on a machine with a GPU, whose GPU tests compile these graphs for real. Each
+case runs in a process of its own (the stand-in's patches are for the rest of a process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import skip_without_fake_cuda
+
+from zoo.testing.stand_in_gpu import run_stand_in, template_kernels
+
+PRELUDE = """
+import torch, zoo
+from zoo.testing.fake_cuda import fake_cuda
+from zoo.testing.stand_in_gpu import lowered, stand_in_sm90
+zoo.create_attention("causal", dim=32, num_heads=4)  # the registry read on the CPU first
+
+def call(compiled, *args, **kwargs):
+    try:
+        compiled(*args, **kwargs)
+        print("RAN")
+    except Exception as error:
+        print("LOWERED" if lowered(error) else "FAULT " + repr(error)[:3000])
+"""
+
+
+@pytest.fixture
+def stand_in():
+    pytest.importorskip("triton", reason="the stand-in writes Triton code: pip install triton")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the GPU tests compile these graphs for real")
+    skip_without_fake_cuda()
+
+
+@pytest.mark.usefixtures("stand_in")
+@pytest.mark.parametrize("variant", ["causal", "sliding_window"])
+def test_a_static_caches_step_on_flex_lowers_without_xblock(variant, tmp_path):
+    """A one-token step over a static cache, compiled whole on flex: its mask read a one-token
+    arange at a constant index, which Inductor wrote as ``tl.full([XBLOCK], 0)`` inside the flex
+    template (no XBLOCK there: every such step failed to compile on the H200)."""
+    params = {"sliding_window": {"window_size": 8}}.get(variant, {})
+    script = (
+        PRELUDE
+        + f"""
+with fake_cuda(), torch.device("cuda"), torch.no_grad():
+    attn = zoo.create_attention({variant!r}, dim=32, num_heads=4, num_kv_heads=2, causal=True,
+                                backend="flex", **{params!r}).eval()
+    cache = attn.new_cache(2, 64, static=True)
+    x = torch.randn(2, 1, 32)
+    compiled = torch.compile(attn, dynamic=False, fullgraph=True)
+    stand_in_sm90()
+    call(compiled, x, cache=cache)
+"""
+    )
+    out = run_stand_in(script, tmp_path / "inductor")
+    assert "LOWERED" in out, out
+    kernels = template_kernels(tmp_path / "inductor")
+    assert kernels, "no template kernel written"
+    assert not [name for name, code in kernels.items() if "tl.full([XBLOCK]" in code], kernels
+
+
+@pytest.mark.usefixtures("stand_in")
+def test_moba_rows_with_their_transposed_lists_lower(tmp_path):
+    """MoBA's rows (``flex_chosen._row_layout``) where a backward will read the transposed block
+    lists, at the H200 benchmark's shapes (B=1, 16 heads, 16K, blocks of 512, top 3): their
+    transposed read failed Inductor's tiling there ('list indices must be integers or slices,
+    not NoneType'), and the rows ran eagerly. With torch 2.11 (the GPU machine's) the old read
+    fails here; torch 2.13 lowers it."""
+    script = (
+        PRELUDE
+        + """
+from zoo.backends.flex_chosen import _row_layout
+with fake_cuda(), torch.device("cuda"):
+    picks = torch.zeros(1, 16, 16384, 3, dtype=torch.int32)
+    keep = torch.ones(1, 16384, dtype=torch.bool)
+    compiled = torch.compile(_row_layout.fn)
+    stand_in_sm90()
+    call(compiled, picks, keep, None, 32, 512, 16384, 0, 128, True)
+"""
+    )
+    out = run_stand_in(script, tmp_path / "inductor")
+    assert "LOWERED" in out, out
