@@ -97,7 +97,12 @@ def _plain(value: Any) -> Any:
 
 
 def write_json(path: Path, header: dict[str, Any], cells: list[dict], **extra: Any) -> None:
-    path.write_text(json.dumps(_plain({"header": header, "cells": cells, **extra}), indent=1))
+    """bench.json written whole or not at all (a temporary file renamed over it): rewritten after
+    every cell, it must survive a signal that stops the sweep in the middle of a write."""
+    text = json.dumps(_plain({"header": header, "cells": cells, **extra}), indent=1)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
 
 
 def run_bench(

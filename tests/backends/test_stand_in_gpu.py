@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import skip_without_fake_cuda
 
-from zoo.testing.stand_in_gpu import run_stand_in, template_kernels
+from zoo.testing.stand_in_gpu import run_stand_in, written_kernels
 
 PRELUDE = """
 import torch, zoo
@@ -58,7 +58,7 @@ with fake_cuda(), torch.device("cuda"), torch.no_grad():
     )
     out = run_stand_in(script, tmp_path / "inductor")
     assert "LOWERED" in out, out
-    kernels = template_kernels(tmp_path / "inductor")
+    kernels = written_kernels(tmp_path / "inductor", templates=True)
     assert kernels, "no template kernel written"
     assert not [name for name, code in kernels.items() if "tl.full([XBLOCK]" in code], kernels
 
@@ -84,3 +84,4 @@ with fake_cuda(), torch.device("cuda"):
     )
     out = run_stand_in(script, tmp_path / "inductor")
     assert "LOWERED" in out, out
+    assert written_kernels(tmp_path / "inductor"), "no kernel written"

@@ -14,7 +14,7 @@ as fake CUDA tensors (``zoo.testing.fake_cuda``: the patches would make those co
 the device), before the first compiled call. A compiled call then lowers and writes its kernels,
 and fails where Triton would load them ('libcuda.so cannot found', or a launcher's error):
 ``lowered`` tells that end from a fault; the kernels' sources are in ``TORCHINDUCTOR_CACHE_DIR``
-(``template_kernels``).
+(``written_kernels``).
 
 Needs triton (``pip install triton``), which a CPU-only torch does not bring; the tests that use
 this skip without it. Inductor compiles in the process (``TORCHINDUCTOR_COMPILE_THREADS=1``:
@@ -42,7 +42,7 @@ H200 = _Properties("NVIDIA H200", 9, 0, 132, 140 * 2**30, 32, 2048, 65536, 23244
                    1024, 50 * 2**20, "", "0", 1980000, 3201000, 5120)  # fmt: skip
 
 # How a compiled call ends once its kernels are written: Triton loading them needs a driver.
-_LOADING = ("libcuda", "active GPU backend", "compiled without support for the specified device")
+_LOADING = ("libcuda", "active GPU backend")
 
 
 def stand_in_sm90() -> None:
@@ -117,13 +117,14 @@ def lowered(error: BaseException) -> bool:
     return any(mark in str(error) for mark in _LOADING)
 
 
-def template_kernels(cache_dir: str | Path) -> dict[str, str]:
-    """The Triton template kernels Inductor wrote into ``cache_dir`` (FlexAttention's and the
-    like), by name: each one's source up to the next kernel's."""
+def written_kernels(cache_dir: str | Path, templates: bool = False) -> dict[str, str]:
+    """The Triton kernels Inductor wrote into ``cache_dir``, by name: each one's source up to the
+    next kernel's; only the templates (FlexAttention's and the like) where ``templates``."""
     kernels = {}
+    name = r"triton_(?:tem|flex)_?\w*" if templates else r"triton_\w+"
     for path in Path(cache_dir).glob("*/*.py"):
         text = path.read_text()
-        for match in re.finditer(r"^def (triton_(?:tem|flex)_?\w*)\(", text, re.M):
+        for match in re.finditer(rf"^def ({name})\(", text, re.M):
             rest = text[match.end() :]
             end = re.search(r"^def triton_|^''', device_str", rest, re.M)
             kernels[match.group(1)] = rest[: end.start()] if end else rest
