@@ -12,7 +12,7 @@ constant folding's evaluation: the folded values are computed on the CPU). Nothi
 call it in a process of its own (``run_stand_in`` runs a script so), after the inputs are made
 as fake CUDA tensors (``zoo.testing.fake_cuda``: the patches would make those constructors try
 the device), before the first compiled call. A compiled call then lowers and writes its kernels,
-and fails where Triton would load them ('libcuda.so cannot found', or a launcher's error):
+and fails where Triton would load them ('libcuda.so cannot found', or no active GPU backend):
 ``lowered`` tells that end from a fault; the kernels' sources are in ``TORCHINDUCTOR_CACHE_DIR``
 (``written_kernels``).
 
