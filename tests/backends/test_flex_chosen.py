@@ -30,6 +30,16 @@ pytestmark = pytest.mark.usefixtures("scalar_cpu_code")  # the graphs a GPU runs
 SHAPES = [(300, 300, 32, 16), (150, 300, 24, 16), (201, 201, 16, 16)]
 
 
+def _row_layout_args(call, block):
+    """``_row_layout``'s arguments for ``call`` at kernel blocks of ``block``, the transposed
+    lists included, as ``gathered_rows_of`` passes them."""
+    from zoo.backends.flex_chosen import chosen_parts, kept_keys
+
+    chosen, fixed = chosen_parts(call.pattern)
+    return (chosen.picks, kept_keys(call, block), fixed, chosen.blocks, chosen.block_size,
+            call.kv_len, int(chosen.offset), block, True)  # fmt: skip
+
+
 def _inputs(q_len, kv_len, padded, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(2, 4, q_len, 16, generator=g)
@@ -332,7 +342,7 @@ def test_gpu_rows_compile_for_both_kinds_in_one_process(monkeypatch):
     2.11) the causal kind failed in Inductor with a bare AssertionError after the other kind had
     compiled (``[causal-bf16]`` after ``[bidirectional-*]`` of the test above, on one worker);
     alone (``[causal-fp32]``, another worker) it passed, and on a CPU the same calls lower."""
-    from zoo.backends.flex_chosen import _row_layout, chosen_parts, kept_keys
+    from zoo.backends.flex_chosen import _row_layout
 
     torch._dynamo.reset()
     _row_layout.__dict__.pop("compiled", None)
@@ -345,9 +355,7 @@ def test_gpu_rows_compile_for_both_kinds_in_one_process(monkeypatch):
             )
             call = prepare_call(q, k, v, variant="moba", block_size=128, top_k=3, causal=causal,
                                 key_padding_mask=padding)  # fmt: skip
-            chosen, fixed = chosen_parts(call.pattern)
-            args = (chosen.picks, kept_keys(call, 128), fixed, chosen.blocks, chosen.block_size,
-                    call.kv_len, int(chosen.offset), 128, True)  # fmt: skip
+            args = _row_layout_args(call, 128)
             got, want = _row_layout(*args), _row_layout.fn(*args)
             assert _row_layout.failed is None, (causal, q_len, _row_layout.failed)
             assert all(torch.equal(a, b) for a, b in zip(flat(got), flat(want), strict=True))
@@ -396,7 +404,7 @@ def test_the_rows_compiled_equal_the_eager_rows_in_two_graphs_for_every_length()
     a GPU only (the GPU tests); lowering them here cost CI 30-45 s."""
     from torch._dynamo.utils import counters
 
-    from zoo.backends.flex_chosen import _row_layout, chosen_parts, kept_keys
+    from zoo.backends.flex_chosen import _row_layout
 
     torch._dynamo.reset()
     compiled = torch.compile(_row_layout.fn, dynamic=None, backend="aot_eager")
@@ -407,9 +415,7 @@ def test_the_rows_compiled_equal_the_eager_rows_in_two_graphs_for_every_length()
             q, k, v, padding = _inputs(n, n, padded, seed=n)
             call = prepare_call(q, k, v, variant="moba", block_size=64, top_k=3, causal=causal,
                                 key_padding_mask=padding)  # fmt: skip
-            chosen, fixed = chosen_parts(call.pattern)
-            args = (chosen.picks, kept_keys(call, 16), fixed, chosen.blocks, chosen.block_size,
-                    call.kv_len, int(chosen.offset), 16, True)  # fmt: skip
+            args = _row_layout_args(call, 16)
             want, got = _row_layout.fn(*args), compiled(*args)
             flat = torch.utils._pytree.tree_leaves
             assert all(torch.equal(a, b) for a, b in zip(flat(want), flat(got), strict=True))

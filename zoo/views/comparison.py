@@ -42,14 +42,15 @@ def comparison_row(name: str, seq_len: int, layers: int) -> list[str]:
     """One variant's row, with its registry defaults (see ``comparison_rows`` for the columns)."""
     spec = get_spec(name)  # an unknown name fails here, with close names suggested
     n = seq_len
-    if spec.build().routed:  # no fixed mask: its pairs come with each call
+    pattern = spec.build()
+    if pattern.routed:  # no fixed mask: its pairs come with each call
         # a graph's pairs are its edges, given with the call (edge_index), not chosen from q, k
         by, pairs = ("by the graph", "given by the graph")
-        if not reads_graph(spec.build()):
+        if not reads_graph(pattern):
             by, pairs = ("by content", "chosen by content")
         return [f"`{name}`", pairs, spec.complexity or "-", "O(1)", by, pairs]
     try:
-        pairs = allowed_pairs(spec.build(), n, n)
+        pairs = allowed_pairs(pattern, n, n)
         mask = dense_mask(name, n)
     except ValueError as error:  # e.g. global blocks that do not fit in n positions
         raise ValueError(
