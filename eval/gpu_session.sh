@@ -401,12 +401,14 @@ all)
     # The same steps compiled over a static cache in reduce-overhead mode (one CUDA graph per
     # step shape, replayed: no host work per kernel; the eager steps took 0.4-1.5 ms on the H200,
     # SDPA over the whole cache 0.06-0.34 ms), each profiled: its kernels by name (a compiled
-    # causal step on sdpa's masked kernel took 0.87 ms at 16K). Goal (c) judges the faster of
-    # the two on auto (sdpa); flex, which splits the slots, beside it (its compiled steps failed
+    # causal step on sdpa's masked kernel took 0.87 ms at 16K, one thread block per row and
+    # key/value head over all slots). Goal (c) judges the faster of the two on auto (sdpa, its
+    # masked slots split into chunks: zoo/backends/split_keys.py); sdpa_whole, the same without
+    # the split, and flex, which splits the slots too, beside it (flex's compiled steps failed
     # in Inductor on the H200 at 0cfc45f, XBLOCK, when auto took flex for a static cache).
     run_stage decode_compiled "$(share_of decode_compiled)" "$OUT/decode-compiled.log" \
         "$PY" -m eval bench-decode eval/configs/bench_decode.yaml "out=$WORK/decode-compiled" \
-        'backends=[auto,flex]' 'peers=[sdpa_dense]' 'compile=[true]' static_cache=true \
+        'backends=[auto,sdpa_whole,flex]' 'peers=[sdpa_dense]' 'compile=[true]' static_cache=true \
         compile_mode=reduce-overhead 'variants=[causal,sliding_window,longformer,bigbird]' \
         'lengths=[16384,65536]' warmup=5 repeats=20 profile=2
     collect

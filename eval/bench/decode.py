@@ -6,9 +6,11 @@ write them, without computing its attention) and times one step of one new token
 ``zoo.attention(..., cache=cache)`` (the median of ``repeats`` steps after ``warmup``, each a
 token further on). Memory is the cache's ``nbytes``: what the variant keeps at that length.
 
-Zoo decoding backends (``backends``): ``auto`` (sdpa, the impl ``zoo:VARIANT``) and ``flex``
+Zoo decoding backends (``backends``): ``auto`` (sdpa, the impl ``zoo:VARIANT``), ``flex``
 (``zoo:VARIANT:flex``, ``zoo.backends.flex_decode``: compiled FlexAttention with a block mask over
-the cache's slots, made at each step), on CUDA only, for the reason ``flex_sliced`` is.
+the cache's slots, made at each step), on CUDA only, for the reason ``flex_sliced`` is, and
+``sdpa_whole`` (``zoo:VARIANT:sdpa_whole``: sdpa without its split of many masked slots into
+chunks, ``zoo.backends.split_keys``; the same as auto where the step does not split).
 
 Peers, one query against all n cached keys and values of full attention:
 - ``sdpa_dense``: ``scaled_dot_product_attention`` without a mask (what a dense decoder runs);
@@ -47,6 +49,7 @@ import torch
 from torch import Tensor
 
 import zoo
+from zoo.backends import SdpaBackend
 from zoo.core.arguments import suggest
 from zoo.functional import resolve_pattern
 from zoo.patterns import RouteInputs
@@ -57,12 +60,15 @@ from .measure import failed_cell
 from .profile import profile_calls
 
 PEERS = ("sdpa_dense", "flex_sliced")
+# The decoding backends a cell may name: the registry's, and sdpa without its split of the keys
+BACKENDS = {"auto": "auto", "flex": "flex", "sdpa_whole": SdpaBackend(split_keys=False)}
 
 
 @dataclass
 class DecodeConfig:
     variants: list[str] = field(default_factory=lambda: ["causal", "sliding_window", "longformer"])
-    backends: list[str] = field(default_factory=lambda: ["auto"])  # zoo decoding: auto, flex
+    # zoo decoding: auto, flex, sdpa_whole (BACKENDS)
+    backends: list[str] = field(default_factory=lambda: ["auto"])
     peers: list[str] = field(default_factory=lambda: ["sdpa_dense"])
     lengths: list[int] = field(default_factory=lambda: [1024 * 2**i for i in range(7)])
     batch: int = 1
@@ -151,7 +157,7 @@ def measure(config: DecodeConfig, variant: str, n: int, device, dtype) -> list[d
             continue
         if backend != "auto":  # its own check against the reference, on another copy
             twin = cache.clone()
-            got = zoo.attention(q, k, v, cache=cache.clone(), backend=backend, **kw)
+            got = zoo.attention(q, k, v, cache=cache.clone(), backend=BACKENDS[backend], **kw)
             ref = zoo.attention(q, k, v, cache=twin, backend="reference", **kw)
             cell["error"] = float((got.float() - ref.float()).abs().max())
         else:
@@ -159,7 +165,7 @@ def measure(config: DecodeConfig, variant: str, n: int, device, dtype) -> list[d
         several = len(config.backends) * len(config.compile) > 1
         timed = cache.clone() if several else cache  # each its own steps
 
-        def step(backend=backend, timed=timed):
+        def step(backend=BACKENDS[backend], timed=timed):
             return zoo.attention(q, k, v, cache=timed, backend=backend, **kw)
 
         if compiled:  # the warm-up steps compile (twice: then the lengths are dynamic; once
@@ -309,9 +315,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{path}: compile_mode: {config.compile_mode!r} is not one of "
                          f"torch.compile's modes: {', '.join(modes)}")  # fmt: skip
     for backend in config.backends:
-        if backend not in ("auto", "flex"):
+        if backend not in BACKENDS:
             raise SystemExit(f"{path}: backends: unknown decoding backend {backend!r}; known: "
-                             "auto, flex")  # fmt: skip
+                             f"{', '.join(BACKENDS)}")  # fmt: skip
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if config.dtype not in ("auto", *dtypes):
         raise SystemExit(f"{path}: dtype must be auto or one of {', '.join(dtypes)}, got "

@@ -7,6 +7,8 @@ case runs in a process of its own (the stand-in's patches are for the rest of a 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from helpers import skip_without_fake_cuda
@@ -85,3 +87,32 @@ with fake_cuda(), torch.device("cuda"):
     out = run_stand_in(script, tmp_path / "inductor")
     assert "LOWERED" in out, out
     assert written_kernels(tmp_path / "inductor"), "no kernel written"
+
+
+@pytest.mark.usefixtures("stand_in")
+def test_a_static_caches_step_with_its_keys_split_lowers(tmp_path):
+    """A one-token step over a static cache of 4096 slots on auto (sdpa), compiled whole, lowers
+    with its masked keys split (``zoo.backends.split_keys``): 2 rows x 2 key/value heads read as
+    4 chunks of 1024 slots in one call of the memory-efficient kernel, views of the cache's store
+    (Inductor's code reinterprets the graph's input, copies nothing). The lse kernel's wrapping
+    read the mask's storage offset, which dynamo cannot trace: the step did not compile whole."""
+    script = (
+        PRELUDE
+        + """
+with fake_cuda(), torch.no_grad():
+    with torch.device("cuda"):  # (traced outside it: a model moved to the GPU, as users do)
+        torch.set_default_dtype(torch.bfloat16)  # (a fake module's .to() cannot swap weights)
+        attn = zoo.create_attention("causal", dim=64, num_heads=4, num_kv_heads=2, causal=True)
+        cache = attn.eval().new_cache(2, 4096, static=True)
+        x = torch.randn(2, 1, 64)
+    compiled = torch.compile(attn, dynamic=False, fullgraph=True)
+    stand_in_sm90()
+    call(compiled, x, cache=cache)
+"""
+    )
+    out = run_stand_in(script, tmp_path / "inductor")
+    assert "LOWERED" in out, out
+    code = "".join(path.read_text() for path in (tmp_path / "inductor").glob("*/*.py"))
+    calls = re.findall(r"_scaled_dot_product_efficient_attention\.default\((.*)\)", code)
+    chunked = r"reinterpret_tensor\(arg\d+_1, \(4, 4, 1024, 16\)"
+    assert len(calls) == 1 and len(re.findall(chunked, calls[0])) == 2, calls

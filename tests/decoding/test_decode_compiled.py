@@ -11,7 +11,7 @@ from helpers import gpu
 from torch._dynamo.testing import CompileCounter
 
 import zoo
-from zoo.backends import FlexBackend
+from zoo.backends import FlexBackend, SdpaBackend
 
 VARIANTS = {
     "causal": {},
@@ -91,17 +91,25 @@ def test_a_static_cache_steps_in_one_graph_of_fixed_shapes(variant, backend):
     torch._dynamo.reset()
 
 
+# Static caches of 4096 slots on sdpa: its masked slots split into 4 chunks
+# (zoo.backends.split_keys), or read in one piece
+MANY_SLOTS = [("causal", SdpaBackend(split_keys=split), 4096) for split in (True, False)]
+
+
 @gpu
 @pytest.mark.parametrize(
-    "variant,backend",
-    [(v, "auto") for v in ("causal", "sliding_window", "moba")]
-    + [(v, "flex") for v in FLEX_STATIC],
+    "variant,backend,max_len",
+    [(v, "auto", 64) for v in ("causal", "sliding_window", "moba")]
+    + [(v, "flex", 64) for v in FLEX_STATIC]
+    + MANY_SLOTS,
+    ids=lambda x: repr(x) if isinstance(x, SdpaBackend) else None,
 )
-def test_gpu_static_cache_steps_under_cuda_graphs_equal_eager(variant, backend):
+def test_gpu_static_cache_steps_under_cuda_graphs_equal_eager(variant, backend, max_len):
     """The static cache's steps compiled with mode="reduce-overhead" run as CUDA graphs (no
     graph skipped: the cache's stores, written in place, are static addresses) and equal eager
     steps on a cache that is not static. On flex too (named: on torch 2.11 Inductor's code for
-    its mask failed, ``XBLOCK is not defined``, when auto took flex for a static cache)."""
+    its mask failed, ``XBLOCK is not defined``, when auto took flex for a static cache); and
+    over many slots on sdpa, split or not."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     attn, eager = (m.cuda() for m in _pair(variant, backend))
@@ -111,7 +119,7 @@ def test_gpu_static_cache_steps_under_cuda_graphs_equal_eager(variant, backend):
 
     counters.clear()
     with torch.no_grad():
-        mine, theirs = attn.new_cache(2, 64, static=True), eager.new_cache(2, 64)
+        mine, theirs = attn.new_cache(2, max_len, static=True), eager.new_cache(2, max_len)
         attn(x[:, :10], cache=mine)
         eager(x[:, :10], cache=theirs)
         for i in range(10, 30):

@@ -1,8 +1,8 @@
-"""A static cache on CUDA: ``auto`` decodes it with sdpa, as every other cache on CUDA. Flex's
-decoding kernel would split the slots that sdpa's masked kernel reads in one thread block per row
-and key/value head (a compiled causal step at 16K took 0.87 ms on an H200 against 0.37 ms for the
-eager step over the filled slots), but a step compiled whole on flex failed in Inductor on the
-H200 (torch 2.11), so flex is the backend one names for it (``zoo.decoding.decode``). Named, on
+"""A static cache on CUDA: ``auto`` decodes it with sdpa, as every other cache on CUDA (which
+splits its many masked slots into chunks, tests/backends/test_split_keys.py). Flex's decoding
+kernel splits the slots too and skips empty blocks, but a step compiled whole on flex failed in
+Inductor on an H200 (torch 2.11), so flex is the backend one names for it
+(``zoo.decoding.decode``). Named, on
 CUDA flex's decoding step passes the cache's own keys, never a padded copy (checked on fake CUDA
 tensors); its values at widths that are not whole blocks are checked against the reference on a
 CPU by test_decode_backends."""

@@ -108,6 +108,8 @@ def _bias(mask: Tensor | None, q: Tensor, k: Tensor) -> Tensor | None:
     B, H, M = q.shape[:3]
     N = k.shape[2]
     mask = mask.to(q.dtype)
+    if torch.compiler.is_compiling():  # Inductor aligns an SDPA kernel's inputs itself (its
+        return mask.expand(B, H, M, N)  # sdpa_constraint); dynamo cannot read a storage offset
     aligned = mask.storage_offset() % MASK_ROW_MULTIPLE == 0 and all(
         stride % MASK_ROW_MULTIPLE == 0 for stride in mask.stride()[:-1]
     )

@@ -28,6 +28,7 @@ from .blocked.index_rows import index_rows
 from .causal_prefix import causal_after_prefix
 from .grouped_heads import fold_groups, unfold_groups
 from .reference import attention_mask, score_bias
+from .split_keys import key_chunks, split_keys_attention
 
 
 class SdpaBackend(Backend):
@@ -44,8 +45,16 @@ class SdpaBackend(Backend):
         decode=True,
     )
 
+    def __init__(self, split_keys: bool = True) -> None:
+        if not isinstance(split_keys, bool):
+            raise TypeError(f"split_keys must be True or False, got {split_keys!r}")
+        self.split_keys = split_keys
+
+    def __repr__(self) -> str:
+        return "SdpaBackend()" if self.split_keys else "SdpaBackend(split_keys=False)"
+
     def decode_step(self, step: DecodeStep) -> Tensor:
-        return sdpa_decode(step)
+        return sdpa_decode(step, self.split_keys)
 
     def scored_pairs(self, call: AttentionCall) -> int:
         unmasked = call.key_padding_mask is None and call.bias is None and call.q_len <= call.kv_len
@@ -98,14 +107,16 @@ def _causal_lower_right(call: AttentionCall) -> Tensor:
     )  # fmt: skip
 
 
-def sdpa_decode(step: DecodeStep) -> Tensor:
+def sdpa_decode(step: DecodeStep, split_keys: bool = True) -> Tensor:
     """One step on SDPA over the slots in use (``used_prefix``): with one query per row and fewer
     than half of them allowed, the allowed keys gathered first (``gather_allowed``) to the width
     the host knows bounds them (``step.most_allowed``, ``zoo.backends.base.DecodeStep``);
     otherwise the slots as they are, without a mask where the host knows every query attends
     every slot in use (``every_allowed``). With a mask, grouped query heads go in as extra query
-    rows of their key/value head (``grouped_heads``). No device value is read on the host (each
-    would be a synchronisation on a GPU)."""
+    rows of their key/value head (``grouped_heads``), and on CUDA many slots (a static cache's)
+    are split into chunks that run side by side (``split_keys``; ``split_keys=False`` runs them
+    in one piece). No device value is read on the host (each would be a synchronisation on a
+    GPU)."""
     bias, scale, dropout_p = step.bias, step.score.scale, step.dropout_p
     q, q_pos = step.q, step.q_pos
     keys, values, key_pos = used_prefix(step.slots_in_use, step.keys, step.values, step.key_pos)
@@ -135,6 +146,9 @@ def sdpa_decode(step: DecodeStep) -> Tensor:
             .to(q.dtype)
             .masked_fill(~attn_mask, float("-inf"))
         )
+    chunks = key_chunks(q, keys, values, dropout_p) if split_keys else 1
+    if chunks > 1:
+        return split_keys_attention(q, keys, values, attn_mask, scale, chunks) * has_key
     with without_cudnn(q):
         out = masked_sdpa(q, keys, values, attn_mask, dropout_p, scale)
     return out * has_key

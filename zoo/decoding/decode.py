@@ -35,12 +35,14 @@ filled), the most keys a query may attend, and whether it attends every slot in 
 
 ``auto`` takes sdpa. For one query the work is reading the kept keys, which the gather does
 without a compiled kernel; on CPU compiled flex pads the query row to a whole block and compiles
-for seconds per shape. A static cache's step reads every slot, masked: sdpa runs that on CUDA's
-memory-efficient kernel, one thread block per row and key/value head over all slots (a compiled
-causal step at 16K took 0.87 ms on an H200 where the eager step over the filled slots took 0.37),
-where flex's decoding kernel would split the keys and skip empty blocks. auto does not take flex
-for it: on an H200 with torch 2.11 a step compiled whole on flex failed in Inductor's code for
-the mask (``XBLOCK is not defined``), for causal, sliding-window and Longformer caches alike.
+for seconds per shape. A static cache's step reads every slot, masked, and CUDA's memory-efficient
+kernel (SDPA's one kernel that takes a mask) gives each row and key/value head one thread block
+over all of them (a compiled causal step at 16K took 0.87 ms on an H200 where the eager step over
+the filled slots took 0.37): so sdpa splits many masked slots into chunks run side by side and
+merged by log-sum-exp (``zoo.backends.split_keys``, not yet timed on a GPU). Flex's decoding
+kernel splits the keys too, and skips empty blocks. auto does not take flex for it: on an H200
+with torch 2.11 a step compiled whole on flex failed in Inductor's code for the mask (``XBLOCK
+is not defined``), for causal, sliding-window and Longformer caches alike.
 Its cause (``KVCache.next_positions``) is removed, checked by lowering the step for a stand-in
 sm90 device on a CPU; until a GPU run shows the compiled steps right and faster, flex there is a
 backend one names, not a default (and Inductor runs its decoding kernel only for a power of two
@@ -140,6 +142,11 @@ def explain_decode(
         f"({plan.pinned.numel()} pinned, a ring of {plan.ring} for a window of {plan.window}) "
         f"of max_len={cache.max_len}; one query attends the slots its pattern allows"
         + (", gathered when fewer than half of them" if chosen.name == "sdpa" else "")
+        + (
+            ", many masked slots on CUDA split into chunks merged by log-sum-exp"
+            if chosen.name == "sdpa" and chosen.split_keys
+            else ""
+        )
         + (", a block mask on their absolute positions" if chosen.name == "flex" else "")
         + (", blocks chosen by content from every kept key" if cache.pattern.routed else "")
     )

@@ -1,0 +1,171 @@
+"""sdpa's masked decoding step with its keys split into chunks run side by side
+(``zoo.backends.split_keys``): the merge of the chunks equals one masked SDPA over all keys, for
+shared and per-head masks, boolean and additive, grouped heads, chunks whose keys a query may not
+read and a last chunk shorter than the others; on CUDA a static cache's steps take it (CUDA tensors
+that hold CPU values, the memory-efficient kernel stood in for by its emulation, which raises where
+the kernel would refuse) and equal the same steps on a CPU, and the chunks are views of the cache,
+never a copy. Where it does not split: a CPU, dropout, gradients, a symbolic length. A GPU test
+times nothing, but runs the compiled static steps split (tests/decoding/test_decode_compiled.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from efficient_attention_emulation import EmulatedEfficientOps
+from helpers import skip_without_fake_cuda
+from torch.multiprocessing.reductions import StorageWeakRef
+
+import zoo
+from zoo.backends import lse_kernel, split_keys
+from zoo.backends.sdpa import SdpaBackend
+from zoo.backends.split_keys import key_chunks, split_keys_attention
+from zoo.testing.fake_cuda import FakeCudaUnavailable, fake_cuda, tagged_cuda
+
+
+def _whole(q, keys, values, mask):
+    """One masked SDPA over all keys, grouped heads repeated: what the split must equal."""
+    groups = q.shape[1] // keys.shape[1]
+    keys, values = (x.repeat_interleave(groups, dim=1) for x in (keys, values))
+    return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3, 7])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 1)])
+@pytest.mark.parametrize("mask_kind", ["shared", "per_head", "additive"])
+def test_the_chunks_merged_equal_one_masked_call(chunks, heads, kv_heads, mask_kind):
+    """203 slots of a larger store (a view, as a cache's slots in use are): chunks of whole
+    16-slot multiples and a shorter last one; slots 50-119 allowed to no query, so some chunks
+    have no key for it."""
+    g = torch.Generator().manual_seed(chunks * 10 + heads)
+    B, S, D = 3, 203, 16
+    q = torch.randn(B, heads, 1, D, generator=g)
+    keys, values = (torch.randn(B, kv_heads, S + 29, D, generator=g)[:, :, :S] for _ in "kv")
+    mask = torch.rand(B, 1 if mask_kind == "shared" else heads, 1, S, generator=g) < 0.3
+    mask[..., 50:120] = False
+    mask[..., 7] = True  # every query some key
+    if mask_kind == "additive":  # a positional bias where allowed
+        mask = torch.randn(mask.shape, generator=g).masked_fill(~mask, -math.inf)
+    got = split_keys_attention(q, keys, values, mask, None, chunks)
+    assert got.shape == (B, heads, 1, D) and got.dtype == q.dtype
+    torch.testing.assert_close(got, _whole(q, keys, values, mask), atol=2e-6, rtol=1e-5)
+
+
+@pytest.fixture
+def tagged(monkeypatch):
+    """CUDA tensors with CPU values, the memory-efficient kernel emulated (it counts its calls),
+    and small enough chunks that a cache of a few hundred slots splits."""
+    ops = EmulatedEfficientOps()
+    monkeypatch.setitem(lse_kernel.KERNELS, "cuda", lse_kernel.cuda_kernel(ops))
+    monkeypatch.setattr(split_keys, "MIN_CHUNK", 32)
+    try:
+        with tagged_cuda() as tag:
+            yield tag, ops
+    except FakeCudaUnavailable as error:
+        pytest.skip(str(error))
+
+
+def _static_steps(device: str, variant: str, params: dict, head_dim: int, v_dim: int,
+                  made=None) -> list[torch.Tensor]:  # fmt: skip
+    """A static cache of 300 slots (4 query heads on 2 key/value heads, batch 2, rows of 150 and
+    137 tokens), then 3 one-token steps: their outputs."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 154, head_dim, generator=g)
+    k = torch.randn(2, 2, 154, head_dim, generator=g)
+    v = torch.randn(2, 2, 154, v_dim, generator=g)
+    made = made or (lambda x: x.to(device))
+    kw = dict(variant=variant, causal=True, **params)
+    cache = zoo.new_cache(variant, batch_size=2, max_len=300, num_kv_heads=2, head_dim=head_dim,
+                          value_dim=v_dim, device=device, static=True, **params)  # fmt: skip
+    padding = torch.zeros(2, 150, dtype=torch.bool)
+    padding[1, 137:] = True
+    with torch.no_grad():
+        zoo.attention(*(made(x[:, :, :150]) for x in (q, k, v)), cache=cache,
+                      key_padding_mask=made(padding), **kw)  # fmt: skip
+        return [
+            zoo.attention(*(made(x[:, :, i : i + 1]) for x in (q, k, v)), cache=cache, **kw)
+            for i in range(150, 153)
+        ]
+
+
+@pytest.mark.parametrize("head_dim,v_dim", [(16, 16), (16, 8)])
+def test_a_static_cache_on_cuda_splits_its_keys_and_equals_the_cpu(
+    head_dim, v_dim, tagged, monkeypatch
+):
+    """Causal attention: a static cache reads all its slots, masked, where a growing one reads
+    the filled slots unmasked."""
+    tag, ops = tagged
+    variant, params = "causal", {}
+    taken = []
+
+    def spy(*args):
+        taken.append(key_chunks(*args))
+        return taken[-1]
+
+    monkeypatch.setattr(zoo.backends.sdpa, "key_chunks", spy)
+    got = _static_steps("cuda", variant, params, head_dim, v_dim, made=tag)
+    # the prefill in one piece; each step: 2 rows x 2 key/value heads, 256 / 4 = 64 chunks
+    # wanted, 300 // 32 = 9 allowed, so chunks of 34 slots rounded up to 48: 6 and a last run
+    # of 12, two kernel calls
+    assert taken == [1, 9, 9, 9] and ops.calls["forward"] == 2 * 3
+    want = _static_steps("cpu", variant, params, head_dim, v_dim)
+    for a, b in zip(got, want, strict=True):
+        assert a.device.type == "cuda"
+        torch.testing.assert_close(a.values, b, atol=1e-5, rtol=1e-5)
+
+
+def test_the_chunks_are_views_of_the_cache():
+    """On fake CUDA tensors (shapes and strides, the real kernel's meta): each chunk's keys and
+    values passed to the kernel share the cache's storage, and the output has the step's shape."""
+    skip_without_fake_cuda()
+    seen = []
+    forward = lse_kernel.KERNELS["cuda"].forward
+
+    def spy(q, k, v, mask, scale):
+        seen.append((k, v))
+        return forward(q, k, v, mask, scale)
+
+    kernel = lse_kernel.KERNELS["cuda"]
+    with pytest.MonkeyPatch.context() as patch, fake_cuda(), torch.device("cuda"):
+        patch.setitem(lse_kernel.KERNELS, "cuda", lse_kernel.LseKernel(
+            "cuda", kernel.head_multiple, spy, kernel.backward))  # fmt: skip
+        cache = zoo.new_cache("causal", batch_size=8, max_len=16384, num_kv_heads=4, head_dim=128,
+                              dtype=torch.bfloat16, device="cuda", static=True)  # fmt: skip
+        q = torch.randn(8, 16, 1, 128, dtype=torch.bfloat16)
+        k = torch.randn(8, 4, 1, 128, dtype=torch.bfloat16)
+        with torch.no_grad():
+            out = zoo.attention(q, k, k, cache=cache, variant="causal", causal=True)
+    assert out.shape == (8, 16, 1, 128)
+    # 8 rows x 4 key/value heads: 256 / 32 = 8 chunks of 2048 slots, no slot left over
+    assert [tuple(k.shape) for k, _ in seen] == [(32, 8, 2048, 128)]
+    for k, v in seen:
+        assert StorageWeakRef(k.untyped_storage()) == StorageWeakRef(cache.keys.untyped_storage())
+        assert StorageWeakRef(v.untyped_storage()) == StorageWeakRef(cache.values.untyped_storage())
+
+
+def test_where_a_step_does_not_split():
+    """One chunk: on a CPU; on CUDA with dropout, with gradients, with keys that are no view of
+    a (rows x heads, slots) store, or too few slots."""
+    skip_without_fake_cuda()
+    q = torch.randn(8, 16, 1, 128)
+    keys = torch.randn(8, 4, 16384, 128)
+    assert key_chunks(q, keys, keys, 0.0) == 1  # a CPU
+    with fake_cuda(), torch.device("cuda"):
+        q = torch.randn(8, 16, 1, 128, dtype=torch.bfloat16)
+        keys = torch.randn(8, 4, 16384, 128, dtype=torch.bfloat16)
+        assert key_chunks(q, keys, keys, 0.0) == 8
+        assert key_chunks(q, keys[:1], keys[:1], 0.0) == 16  # 4 blocks: 64 wanted, 16 fit
+        assert key_chunks(q, keys, keys, 0.1) == 1
+        assert key_chunks(q.requires_grad_(), keys, keys, 0.0) == 1
+        with torch.no_grad():
+            assert key_chunks(q, keys, keys, 0.0) == 8
+            assert key_chunks(q, keys.transpose(0, 1), keys, 0.0) == 1
+            assert key_chunks(q, keys[:, :, :1500], keys[:, :, :1500], 0.0) == 1
+
+
+def test_sdpa_split_keys_is_an_option():
+    assert repr(SdpaBackend()) == "SdpaBackend()"
+    assert repr(SdpaBackend(split_keys=False)) == "SdpaBackend(split_keys=False)"
+    with pytest.raises(TypeError, match="split_keys must be True or False, got 'no'"):
+        SdpaBackend(split_keys="no")
