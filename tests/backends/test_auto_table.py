@@ -107,6 +107,18 @@ def test_auto_follows_the_table_and_says_so(monkeypatch):
     assert zoo.explain(q, q, q, variant="local", window_size=4).startswith("auto -> blocked")
 
 
+def test_an_entry_of_one_timed_backend_is_not_called_the_fastest(monkeypatch):
+    """A point where one backend was timed (the GPU goal cells time auto's choice alone) says
+    so, with no runner-up of NaN ms."""
+    entry = {"n": 16384, "backend": "flex", "time_ms": 0.6, "runner_up": "-",
+             "runner_up_ms": float("nan"), "source": "bench-goals.json"}  # fmt: skip
+    monkeypatch.setattr(auto, "lookup", lambda call: entry)
+    q = torch.randn(1, 2, 64, 8)
+    text = zoo.explain(q, q, q, variant="local", window_size=4)
+    assert "measured at n=16384: flex 0.6 ms, the only backend timed there" in text, text
+    assert "nan" not in text and "fastest" not in text
+
+
 def test_the_shipped_table_names_real_backends():
     for entry in load_table():
         assert entry["backend"] in zoo.list_backends()

@@ -100,6 +100,11 @@ def explain_choice(call: AttentionCall, backends: dict[str, Backend]) -> str:
     entry = None if call.return_weights else lookup(call)
     if entry is None:
         source = "no measured entry"
+    elif entry["runner_up"] == "-":  # one backend timed at that point: nothing it beat
+        source = (
+            f"measured at n={entry['n']}: {entry['backend']} {entry['time_ms']:.3g} ms, the only "
+            f"backend timed there ({entry['source']})"
+        )
     else:
         source = (
             f"measured fastest at n={entry['n']}: {entry['backend']} {entry['time_ms']:.3g} ms"
