@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 from efficient_attention_emulation import EmulatedEfficientOps
-from helpers import skip_without_fake_cuda
+from helpers import assert_within_convention, gpu, skip_without_fake_cuda
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import zoo
@@ -162,6 +162,28 @@ def test_where_a_step_does_not_split():
             assert key_chunks(q, keys, keys, 0.0) == 8
             assert key_chunks(q, keys.transpose(0, 1), keys, 0.0) == 1
             assert key_chunks(q, keys[:, :, :1500], keys[:, :, :1500], 0.0) == 1
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_the_chunks_on_the_kernel_equal_one_masked_call(dtype):
+    """The memory-efficient kernel itself: 8 chunks asked of 5240 slots, so 7 of 656 and a last
+    run of 648, a shared mask with slots no query reads, within twice masked SDPA's own error in
+    the dtype (both against float64)."""
+    g = torch.Generator().manual_seed(3)
+    B, H, kv_heads, S, D = 2, 8, 2, 5240, 64
+    q = torch.randn(B, H, 1, D, generator=g)
+    keys, values = (torch.randn(B, kv_heads, S, D, generator=g) for _ in "kv")
+    mask = torch.rand(B, 1, 1, S, generator=g) < 0.5
+    mask[..., 1000:2500] = False
+    want = _whole(*(x.double() for x in (q, keys, values)), mask)
+    q, keys, values, mask = (x.to("cuda", dtype if x.is_floating_point() else x.dtype)
+                             for x in (q, keys, values, mask))  # fmt: skip
+    with torch.no_grad():
+        assert key_chunks(q, keys, values, 0.0) == 5  # 4 rows: 64 wanted, 5240 // 1024 allowed
+        got = split_keys_attention(q, keys, values, mask, None, 8)
+        base = _whole(q, keys, values, mask)
+    assert_within_convention([got.cpu()], [base.cpu()], [want], names=("out",))
 
 
 def test_sdpa_split_keys_is_an_option():
