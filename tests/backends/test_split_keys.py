@@ -15,12 +15,14 @@ import pytest
 import torch
 from efficient_attention_emulation import EmulatedEfficientOps
 from helpers import assert_within_convention, gpu, skip_without_fake_cuda
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import zoo
 from zoo.backends import lse_kernel, split_keys
 from zoo.backends.sdpa import SdpaBackend
 from zoo.backends.split_keys import key_chunks, split_keys_attention
+from zoo.core import fused
 from zoo.testing.fake_cuda import FakeCudaUnavailable, fake_cuda, tagged_cuda
 
 
@@ -50,6 +52,30 @@ def test_the_chunks_merged_equal_one_masked_call(chunks, heads, kv_heads, mask_k
     got = split_keys_attention(q, keys, values, mask, None, chunks)
     assert got.shape == (B, heads, 1, D) and got.dtype == q.dtype
     torch.testing.assert_close(got, _whole(q, keys, values, mask), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.usefixtures("scalar_cpu_code")  # the graph a GPU runs (conftest)
+def test_the_split_compiled_as_on_a_gpu_equals_the_eager_split(monkeypatch):
+    """``split_keys_attention`` is one compiled graph on a GPU (``zoo.core.fused``), forced to
+    compile here: at slot counts that grow as a cache's do, with a last run and without, its
+    output equals the eager one, from two graphs (a static one, then one of symbolic sizes)."""
+    torch._dynamo.reset()
+    split_keys_attention.__dict__.pop("compiled", None)
+    monkeypatch.setattr(split_keys_attention, "failures", {})
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 1, 16, generator=g)
+    store = torch.randn(2, 2, 700, 16, generator=g)
+    for slots in (515, 516, 600, 681):
+        keys, values = store[:, :, :slots], store.flip(2)[:, :, :slots]
+        mask = torch.rand(2, 1, 1, slots, generator=g) < 0.4
+        mask[..., 0] = True
+        eager = split_keys_attention(q, keys, values, mask, None, 3)
+        with monkeypatch.context() as m:
+            m.setattr(fused, "fuses", lambda t: not torch.compiler.is_compiling())
+            compiled = split_keys_attention(q, keys, values, mask, None, 3)
+        torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-5)
+    assert split_keys_attention.failed is None
+    assert len(_debug_get_cache_entry_list(split_keys_attention.fn.__code__)) == 2
 
 
 @pytest.fixture

@@ -116,3 +116,31 @@ with fake_cuda(), torch.no_grad():
     calls = re.findall(r"_scaled_dot_product_efficient_attention\.default\((.*)\)", code)
     chunked = r"reinterpret_tensor\(arg\d+_1, \(4, 4, 1024, 16\)"
     assert len(calls) == 1 and len(re.findall(chunked, calls[0])) == 2, calls
+
+
+@pytest.mark.usefixtures("stand_in")
+def test_the_split_of_a_growing_cache_lowers_at_symbolic_lengths(tmp_path):
+    """``split_keys_attention`` alone, as ``zoo.core.fused`` compiles it for an eager step of a
+    cache whose slots grow (the slot count symbolic after a second length): it lowers, its
+    chunks still views of the store."""
+    script = (
+        PRELUDE
+        + """
+from zoo.backends.split_keys import split_keys_attention
+with fake_cuda():
+    q = torch.randn(8, 16, 1, 128, device="cuda", dtype=torch.bfloat16)
+    keys = torch.randn(8, 4, 20000, 128, device="cuda", dtype=torch.bfloat16)[:, :, :16411]
+    mask = torch.ones(8, 1, 1, 16411, device="cuda", dtype=torch.bool)
+    torch._dynamo.mark_dynamic(keys, 2)
+    torch._dynamo.mark_dynamic(mask, 3)
+    compiled = torch.compile(split_keys_attention.fn)
+    stand_in_sm90()
+    call(compiled, q, keys, keys, mask, None, 8)
+"""
+    )
+    out = run_stand_in(script, tmp_path / "inductor")
+    assert "LOWERED" in out, out
+    code = "".join(path.read_text() for path in (tmp_path / "inductor").glob("*/*.py"))
+    calls = re.findall(r"_scaled_dot_product_efficient_attention\.default\((.*)\)", code)
+    assert len(calls) == 2, calls  # the chunks and the last run
+    assert all(call.count("reinterpret_tensor(arg") >= 2 for call in calls), calls

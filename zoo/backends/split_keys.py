@@ -28,6 +28,7 @@ import math
 import torch
 from torch import Tensor
 
+from ..core.fused import fused
 from .lse_kernel import kernel_for, runs_on
 from .lse_merge import merge_along
 
@@ -61,13 +62,15 @@ def _rows_view(*stores: Tensor) -> bool:
     )
 
 
+@fused  # eagerly some 40 launches around the kernel, each host time a step
 def split_keys_attention(
     q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float | None, chunks: int
 ) -> Tensor:
     """q (B, H, 1, D), keys and values (B, H_kv, S, D / Dv), ``mask`` (B, 1 or H, 1, S), bool
     (True: may attend) or additive (-inf: may not), every row allowing some key -> (B, H, 1, Dv)
     in q's dtype: attention over the keys in ``chunks`` runs of consecutive slots and a last
-    shorter one where they leave slots over, merged by log-sum-exp."""
+    shorter one where they leave slots over, merged by log-sum-exp. On a GPU one compiled graph
+    (``zoo.core.fused``: the kernel and a few fused kernels around it)."""
     B, H, _, D = q.shape
     kv_heads, slots, dv = keys.shape[1], keys.shape[2], values.shape[3]
     groups, rows = H // kv_heads, B * kv_heads
