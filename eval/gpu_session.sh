@@ -56,8 +56,9 @@
 # where LEFT is the device tool's budget_left_s after the first, less 45 s (the third run of
 # 2026-11-28 had 480 s after the tests' 297, and every stage but two stopped at its limit, most
 # of it compiling). These shares go to what no run has measured since the code changed: the
-# compiled static steps on flex (every one failed at 0cfc45f; the cause is removed) beside auto's
-# on sdpa, the 64K goal cells (none measured on this code; 16K twice), MoBA's other 7 cells, the
+# compiled static steps on auto (sdpa, its masked slots now split into chunks) beside sdpa_whole
+# (without the split) and flex (every one failed at 0cfc45f; the cause is removed), the 64K goal
+# cells (none measured on this code; 16K twice), MoBA's other 7 cells, the
 # compile count (goal d: not run since the first H200 run). Stages run in their fixed order
 # (below), whatever the shares' order.
 # Tests of this script:

@@ -46,6 +46,18 @@ def test_without_profile_a_step_is_timed_only(tmp_path):
 
 
 @needs_cxx
+def test_sdpa_without_its_split_is_a_cell_of_its_own(tmp_path):
+    """``sdpa_whole``: sdpa with split_keys=False (zoo.backends.split_keys), checked against the
+    reference on its own copy of the cache, beside auto; an unknown backend is named."""
+    args = [*TINY, "variants=[causal]", "peers=[]", "backends=[auto,sdpa_whole]"]
+    assert main([*args, f"out={tmp_path}"]) == 0
+    cells = json.loads((tmp_path / "bench-decode.json").read_text())["cells"]
+    assert [c["impl"] for c in cells] == ["zoo:causal", "zoo:causal:sdpa_whole"]
+    assert all(c["ms"] > 0 and c["error"] < 1e-5 for c in cells)
+    with pytest.raises(SystemExit, match="known: auto, flex, sdpa_whole"):
+        main([*TINY, "backends=[sdpa_split]", f"out={tmp_path}"])
+
+
 def test_compiled_steps_are_cells_of_their_own(tmp_path):
     """``compile=[false,true]``: each zoo step eager and under torch.compile, side by side."""
     argv = [*TINY, "variants=[sliding_window]", "peers=[]", "compile=[false,true]"]
