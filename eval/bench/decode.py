@@ -10,7 +10,7 @@ Zoo decoding backends (``backends``): ``auto`` (sdpa, the impl ``zoo:VARIANT``),
 (``zoo:VARIANT:flex``, ``zoo.backends.flex_decode``: compiled FlexAttention with a block mask over
 the cache's slots, made at each step), on CUDA only, for the reason ``flex_sliced`` is, and
 ``sdpa_whole`` (``zoo:VARIANT:sdpa_whole``: sdpa without its split of many masked slots into
-chunks, ``zoo.backends.split_keys``; the same as auto where the step does not split).
+runs, ``zoo.backends.split_keys``; the same as auto where the step does not split, as on a CPU).
 
 Peers, one query against all n cached keys and values of full attention:
 - ``sdpa_dense``: ``scaled_dot_product_attention`` without a mask (what a dense decoder runs);
@@ -60,7 +60,7 @@ from .measure import failed_cell
 from .profile import profile_calls
 
 PEERS = ("sdpa_dense", "flex_sliced")
-# The decoding backends a cell may name: the registry's, and sdpa without its split of the keys
+# The decoding backends a cell may name: auto, flex, and sdpa without its split of the keys
 BACKENDS = {"auto": "auto", "flex": "flex", "sdpa_whole": SdpaBackend(split_keys=False)}
 
 

@@ -1,11 +1,13 @@
-"""sdpa's masked decoding step with its keys split into chunks run side by side
-(``zoo.backends.split_keys``): the merge of the chunks equals one masked SDPA over all keys, for
-shared and per-head masks, boolean and additive, grouped heads, chunks whose keys a query may not
-read and a last chunk shorter than the others; on CUDA a static cache's steps take it (CUDA tensors
-that hold CPU values, the memory-efficient kernel stood in for by its emulation, which raises where
-the kernel would refuse) and equal the same steps on a CPU, and the chunks are views of the cache,
-never a copy. Where it does not split: a CPU, dropout, gradients, a symbolic length. A GPU test
-times nothing, but runs the compiled static steps split (tests/decoding/test_decode_compiled.py)."""
+"""sdpa's masked decoding step with its keys split into runs side by side
+(``zoo.backends.split_keys``): the merge of the runs equals one masked SDPA over all keys, for
+shared and per-head masks, boolean and additive, grouped heads, runs whose keys a query may not
+read and a last run shorter than the others; compiled as on a GPU, it equals the eager split over
+growing slot counts from three graphs; on CUDA a static cache's steps take it (CUDA tensors that
+hold CPU values, the memory-efficient kernel stood in for by its emulation, which raises where the
+kernel would refuse) and equal the same steps on a CPU, and the runs are views of the cache, never
+a copy. Where it does not split: a CPU, dropout, gradients (a mask's too), head sizes and dtypes
+the kernel does not take, keys that are no view, few slots, many rows. GPU tests run the kernel
+itself and the compiled static steps split (tests/decoding/test_decode_compiled.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import zoo
 from zoo.backends import lse_kernel, split_keys
 from zoo.backends.sdpa import SdpaBackend
-from zoo.backends.split_keys import key_chunks, split_keys_attention
+from zoo.backends.split_keys import key_chunk, split_keys_attention
 from zoo.core import fused
 from zoo.testing.fake_cuda import FakeCudaUnavailable, fake_cuda, tagged_cuda
 
@@ -33,14 +35,14 @@ def _whole(q, keys, values, mask):
     return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
 
-@pytest.mark.parametrize("chunks", [1, 2, 3, 7])
+@pytest.mark.parametrize("chunk", [32, 48, 100, 203])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 1)])
 @pytest.mark.parametrize("mask_kind", ["shared", "per_head", "additive"])
-def test_the_chunks_merged_equal_one_masked_call(chunks, heads, kv_heads, mask_kind):
-    """203 slots of a larger store (a view, as a cache's slots in use are): chunks of whole
-    16-slot multiples and a shorter last one; slots 50-119 allowed to no query, so some chunks
+def test_the_runs_merged_equal_one_masked_call(chunk, heads, kv_heads, mask_kind):
+    """203 slots of a larger store (a view, as a cache's slots in use are): runs of ``chunk``
+    slots and a shorter last one (none for 203); slots 50-119 allowed to no query, so some runs
     have no key for it."""
-    g = torch.Generator().manual_seed(chunks * 10 + heads)
+    g = torch.Generator().manual_seed(chunk * 10 + heads)
     B, S, D = 3, 203, 16
     q = torch.randn(B, heads, 1, D, generator=g)
     keys, values = (torch.randn(B, kv_heads, S + 29, D, generator=g)[:, :, :S] for _ in "kv")
@@ -49,7 +51,7 @@ def test_the_chunks_merged_equal_one_masked_call(chunks, heads, kv_heads, mask_k
     mask[..., 7] = True  # every query some key
     if mask_kind == "additive":  # a positional bias where allowed
         mask = torch.randn(mask.shape, generator=g).masked_fill(~mask, -math.inf)
-    got = split_keys_attention(q, keys, values, mask, None, chunks)
+    got = split_keys_attention(q, keys, values, mask, None, chunk)
     assert got.shape == (B, heads, 1, D) and got.dtype == q.dtype
     torch.testing.assert_close(got, _whole(q, keys, values, mask), atol=2e-6, rtol=1e-5)
 
@@ -58,33 +60,34 @@ def test_the_chunks_merged_equal_one_masked_call(chunks, heads, kv_heads, mask_k
 def test_the_split_compiled_as_on_a_gpu_equals_the_eager_split(monkeypatch):
     """``split_keys_attention`` is one compiled graph on a GPU (``zoo.core.fused``), forced to
     compile here: at slot counts that grow as a cache's do, with a last run and without, its
-    output equals the eager one, from two graphs (a static one, then one of symbolic sizes)."""
+    output equals the eager one, from three graphs (a static one, then one of symbolic sizes
+    with a last run, and one without)."""
     torch._dynamo.reset()
     split_keys_attention.__dict__.pop("compiled", None)
     monkeypatch.setattr(split_keys_attention, "failures", {})
     g = torch.Generator().manual_seed(5)
     q = torch.randn(2, 4, 1, 16, generator=g)
-    store = torch.randn(2, 2, 700, 16, generator=g)
-    for slots in (515, 516, 600, 681):
+    store = torch.randn(2, 2, 800, 16, generator=g)
+    for slots in (515, 516, 600, 640, 681, 704):  # runs of 64: 640 and 704 leave none over
         keys, values = store[:, :, :slots], store.flip(2)[:, :, :slots]
         mask = torch.rand(2, 1, 1, slots, generator=g) < 0.4
         mask[..., 0] = True
-        eager = split_keys_attention(q, keys, values, mask, None, 3)
+        eager = split_keys_attention(q, keys, values, mask, None, 64)
         with monkeypatch.context() as m:
             m.setattr(fused, "fuses", lambda t: not torch.compiler.is_compiling())
-            compiled = split_keys_attention(q, keys, values, mask, None, 3)
+            compiled = split_keys_attention(q, keys, values, mask, None, 64)
         torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-5)
     assert split_keys_attention.failed is None
-    assert len(_debug_get_cache_entry_list(split_keys_attention.fn.__code__)) == 2
+    assert len(_debug_get_cache_entry_list(split_keys_attention.fn.__code__)) == 3
 
 
 @pytest.fixture
 def tagged(monkeypatch):
     """CUDA tensors with CPU values, the memory-efficient kernel emulated (it counts its calls),
-    and small enough chunks that a cache of a few hundred slots splits."""
+    and runs short enough that a cache of a few hundred slots splits."""
     ops = EmulatedEfficientOps()
     monkeypatch.setitem(lse_kernel.KERNELS, "cuda", lse_kernel.cuda_kernel(ops))
-    monkeypatch.setattr(split_keys, "MIN_CHUNK", 32)
+    monkeypatch.setattr(split_keys, "CHUNK", 32)
     try:
         with tagged_cuda() as tag:
             yield tag, ops
@@ -126,22 +129,21 @@ def test_a_static_cache_on_cuda_splits_its_keys_and_equals_the_cpu(
     taken = []
 
     def spy(*args):
-        taken.append(key_chunks(*args))
+        taken.append(key_chunk(*args))
         return taken[-1]
 
-    monkeypatch.setattr(zoo.backends.sdpa, "key_chunks", spy)
+    monkeypatch.setattr(zoo.backends.sdpa, "key_chunk", spy)
     got = _static_steps("cuda", variant, params, head_dim, v_dim, made=tag)
-    # the prefill in one piece; each step: 2 rows x 2 key/value heads, 256 / 4 = 64 chunks
-    # wanted, 300 // 32 = 9 allowed, so chunks of 34 slots rounded up to 48: 6 and a last run
-    # of 12, two kernel calls
-    assert taken == [1, 9, 9, 9] and ops.calls["forward"] == 2 * 3
+    # the prefill in one piece; each step in runs of 32 slots: 9 and a last run of 12, two
+    # kernel calls
+    assert taken == [0, 32, 32, 32] and ops.calls["forward"] == 2 * 3
     want = _static_steps("cpu", variant, params, head_dim, v_dim)
     for a, b in zip(got, want, strict=True):
         assert a.device.type == "cuda"
         torch.testing.assert_close(a.values, b, atol=1e-5, rtol=1e-5)
 
 
-def test_the_chunks_are_views_of_the_cache():
+def test_the_runs_are_views_of_the_cache():
     """On fake CUDA tensors (shapes and strides, the real kernel's meta): each chunk's keys and
     values passed to the kernel share the cache's storage, and the output has the step's shape."""
     skip_without_fake_cuda()
@@ -163,39 +165,47 @@ def test_the_chunks_are_views_of_the_cache():
         with torch.no_grad():
             out = zoo.attention(q, k, k, cache=cache, variant="causal", causal=True)
     assert out.shape == (8, 16, 1, 128)
-    # 8 rows x 4 key/value heads: 256 / 32 = 8 chunks of 2048 slots, no slot left over
-    assert [tuple(k.shape) for k, _ in seen] == [(32, 8, 2048, 128)]
+    # 8 rows x 4 key/value heads: 16 runs of 1024 slots, no slot left over
+    assert [tuple(k.shape) for k, _ in seen] == [(32, 16, 1024, 128)]
     for k, v in seen:
         assert StorageWeakRef(k.untyped_storage()) == StorageWeakRef(cache.keys.untyped_storage())
         assert StorageWeakRef(v.untyped_storage()) == StorageWeakRef(cache.values.untyped_storage())
 
 
 def test_where_a_step_does_not_split():
-    """One chunk: on a CPU; on CUDA with dropout, with gradients, with keys that are no view of
-    a (rows x heads, slots) store, or too few slots."""
+    """No split (0): on a CPU; on CUDA with dropout, with gradients (of the mask too: the
+    kernel's log-sum-exp carries none), head sizes the kernel does not take as they are (not a
+    multiple of 8), float64, keys that are no view of a (rows x heads, slots) store, fewer
+    slots than two runs, and rows x heads enough to fill the GPU."""
     skip_without_fake_cuda()
-    q = torch.randn(8, 16, 1, 128)
-    keys = torch.randn(8, 4, 16384, 128)
-    assert key_chunks(q, keys, keys, 0.0) == 1  # a CPU
-    with fake_cuda(), torch.device("cuda"):
+    q, keys, mask = torch.randn(8, 16, 1, 128), torch.randn(8, 4, 16384, 128), torch.ones(1)
+    assert key_chunk(q, keys, keys, mask, 0.0) == 0  # a CPU
+    with fake_cuda(), torch.device("cuda"), torch.no_grad():
         q = torch.randn(8, 16, 1, 128, dtype=torch.bfloat16)
         keys = torch.randn(8, 4, 16384, 128, dtype=torch.bfloat16)
-        assert key_chunks(q, keys, keys, 0.0) == 8
-        assert key_chunks(q, keys[:1], keys[:1], 0.0) == 16  # 4 blocks: 64 wanted, 16 fit
-        assert key_chunks(q, keys, keys, 0.1) == 1
-        assert key_chunks(q.requires_grad_(), keys, keys, 0.0) == 1
-        with torch.no_grad():
-            assert key_chunks(q, keys, keys, 0.0) == 8
-            assert key_chunks(q, keys.transpose(0, 1), keys, 0.0) == 1
-            assert key_chunks(q, keys[:, :, :1500], keys[:, :, :1500], 0.0) == 1
+        mask = torch.zeros(8, 1, 1, 16384, dtype=torch.bfloat16)
+        assert key_chunk(q, keys, keys, mask, 0.0) == 1024
+        assert key_chunk(q, keys, keys, mask, 0.1) == 0
+        with torch.enable_grad():
+            assert key_chunk(q.requires_grad_(), keys, keys, mask, 0.0) == 0
+            assert key_chunk(q.detach(), keys, keys, mask.requires_grad_(), 0.0) == 0
+        q, mask = q.detach(), mask.detach()
+        assert key_chunk(q[..., :12], keys[..., :12], keys[..., :12], mask, 0.0) == 0
+        assert key_chunk(q.double(), keys.double(), keys.double(), mask.double(), 0.0) == 0
+        assert key_chunk(q, keys.transpose(0, 1), keys, mask, 0.0) == 0
+        assert key_chunk(q, keys[:, :, :2047], keys[:, :, :2047], mask, 0.0) == 0
+        assert key_chunk(q, keys[:, :, :2048], keys[:, :, :2048], mask, 0.0) == 1024
+        many = torch.randn(64, 4, 4096, 128, dtype=torch.bfloat16)  # 256 rows x heads
+        assert key_chunk(q[:1].expand(64, -1, -1, -1), many, many, mask, 0.0) == 0
+        assert key_chunk(q[:1].expand(63, -1, -1, -1), many[:63], many[:63], mask, 0.0) == 1024
 
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_gpu_the_chunks_on_the_kernel_equal_one_masked_call(dtype):
-    """The memory-efficient kernel itself: 8 chunks asked of 5240 slots, so 7 of 656 and a last
-    run of 648, a shared mask with slots no query reads, within twice masked SDPA's own error in
-    the dtype (both against float64)."""
+    """The memory-efficient kernel itself: 5240 slots in 5 runs of 1024 and a last run of 120, a
+    shared mask with slots no query reads, within twice masked SDPA's own error in the dtype
+    (both against float64)."""
     g = torch.Generator().manual_seed(3)
     B, H, kv_heads, S, D = 2, 8, 2, 5240, 64
     q = torch.randn(B, H, 1, D, generator=g)
@@ -206,8 +216,8 @@ def test_gpu_the_chunks_on_the_kernel_equal_one_masked_call(dtype):
     q, keys, values, mask = (x.to("cuda", dtype if x.is_floating_point() else x.dtype)
                              for x in (q, keys, values, mask))  # fmt: skip
     with torch.no_grad():
-        assert key_chunks(q, keys, values, 0.0) == 5  # 4 rows: 64 wanted, 5240 // 1024 allowed
-        got = split_keys_attention(q, keys, values, mask, None, 8)
+        assert key_chunk(q, keys, values, mask, 0.0) == 1024
+        got = split_keys_attention(q, keys, values, mask, None, 1024)
         base = _whole(q, keys, values, mask)
     assert_within_convention([got.cpu()], [base.cpu()], [want], names=("out",))
 

@@ -12,6 +12,7 @@ from torch._dynamo.testing import CompileCounter
 
 import zoo
 from zoo.backends import FlexBackend, SdpaBackend
+from zoo.backends import sdpa as sdpa_module
 
 VARIANTS = {
     "causal": {},
@@ -91,7 +92,7 @@ def test_a_static_cache_steps_in_one_graph_of_fixed_shapes(variant, backend):
     torch._dynamo.reset()
 
 
-# Static caches of 4096 slots on sdpa: its masked slots split into 4 chunks
+# Static caches of 4096 slots on sdpa: its masked slots split into 4 runs of 1024
 # (zoo.backends.split_keys), or read in one piece
 MANY_SLOTS = [("causal", SdpaBackend(split_keys=split), 4096) for split in (True, False)]
 
@@ -104,12 +105,19 @@ MANY_SLOTS = [("causal", SdpaBackend(split_keys=split), 4096) for split in (True
     + MANY_SLOTS,
     ids=lambda x: repr(x) if isinstance(x, SdpaBackend) else None,
 )
-def test_gpu_static_cache_steps_under_cuda_graphs_equal_eager(variant, backend, max_len):
+def test_gpu_static_cache_steps_under_cuda_graphs_equal_eager(
+    variant, backend, max_len, monkeypatch
+):
     """The static cache's steps compiled with mode="reduce-overhead" run as CUDA graphs (no
     graph skipped: the cache's stores, written in place, are static addresses) and equal eager
     steps on a cache that is not static. On flex too (named: on torch 2.11 Inductor's code for
     its mask failed, ``XBLOCK is not defined``, when auto took flex for a static cache); and
-    over many slots on sdpa, split or not."""
+    over many slots on sdpa, split into runs (traced so) or not."""
+    runs = []
+    split = sdpa_module.key_chunk
+    monkeypatch.setattr(
+        sdpa_module, "key_chunk", lambda *args: runs.append(split(*args)) or runs[-1]
+    )
     torch._dynamo.reset()
     torch.manual_seed(0)
     attn, eager = (m.cuda() for m in _pair(variant, backend))
@@ -126,6 +134,8 @@ def test_gpu_static_cache_steps_under_cuda_graphs_equal_eager(variant, backend, 
             got = compiled(x[:, i : i + 1], cache=mine).clone()
             assert torch.allclose(got, eager(x[:, i : i + 1], cache=theirs), atol=1e-5), i
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    if isinstance(backend, SdpaBackend):  # its steps traced with runs of 1024 slots, or none
+        assert any(runs) == backend.split_keys, runs
     torch._dynamo.reset()
 
 

@@ -108,10 +108,11 @@ def _bias(mask: Tensor | None, q: Tensor, k: Tensor) -> Tensor | None:
     B, H, M = q.shape[:3]
     N = k.shape[2]
     mask = mask.to(q.dtype)
-    if torch.compiler.is_compiling():  # Inductor aligns an SDPA kernel's inputs itself (its
-        return mask.expand(B, H, M, N)  # sdpa_constraint); dynamo cannot read a storage offset
-    aligned = mask.storage_offset() % MASK_ROW_MULTIPLE == 0 and all(
-        stride % MASK_ROW_MULTIPLE == 0 for stride in mask.stride()[:-1]
+    # In a traced graph (dynamo cannot read a storage offset) always stored anew, padded: not
+    # every compiler backend aligns it (Inductor does, for the forward)
+    aligned = not torch.compiler.is_compiling() and (
+        mask.storage_offset() % MASK_ROW_MULTIPLE == 0
+        and all(stride % MASK_ROW_MULTIPLE == 0 for stride in mask.stride()[:-1])
     )
     if mask.stride(-1) != 1 or not aligned:
         padded = -(-N // MASK_ROW_MULTIPLE) * MASK_ROW_MULTIPLE

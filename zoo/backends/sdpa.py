@@ -28,7 +28,7 @@ from .blocked.index_rows import index_rows
 from .causal_prefix import causal_after_prefix
 from .grouped_heads import fold_groups, unfold_groups
 from .reference import attention_mask, score_bias
-from .split_keys import key_chunks, split_keys_attention
+from .split_keys import key_chunk, split_keys_attention
 
 
 class SdpaBackend(Backend):
@@ -114,8 +114,8 @@ def sdpa_decode(step: DecodeStep, split_keys: bool = True) -> Tensor:
     otherwise the slots as they are, without a mask where the host knows every query attends
     every slot in use (``every_allowed``). With a mask, grouped query heads go in as extra query
     rows of their key/value head (``grouped_heads``), and on CUDA many slots (a static cache's)
-    are split into chunks that run side by side (``split_keys``; ``split_keys=False`` runs them
-    in one piece). No device value is read on the host (each would be a synchronisation on a
+    are split into runs side by side (``split_keys``; ``split_keys=False`` reads them in one
+    piece). No device value is read on the host (each would be a synchronisation on a
     GPU)."""
     bias, scale, dropout_p = step.bias, step.score.scale, step.dropout_p
     q, q_pos = step.q, step.q_pos
@@ -146,9 +146,9 @@ def sdpa_decode(step: DecodeStep, split_keys: bool = True) -> Tensor:
             .to(q.dtype)
             .masked_fill(~attn_mask, float("-inf"))
         )
-    chunks = key_chunks(q, keys, values, dropout_p) if split_keys else 1
-    if chunks > 1:
-        return split_keys_attention(q, keys, values, attn_mask, scale, chunks) * has_key
+    chunk = key_chunk(q, keys, values, attn_mask, dropout_p) if split_keys else 0
+    if chunk:
+        return split_keys_attention(q, keys, values, attn_mask, scale, chunk) * has_key
     with without_cudnn(q):
         out = masked_sdpa(q, keys, values, attn_mask, dropout_p, scale)
     return out * has_key

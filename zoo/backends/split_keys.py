@@ -1,24 +1,29 @@
-"""One query per row against many keys with a mask, the keys split into chunks that one kernel
-call runs side by side, merged by log-sum-exp: FlashDecoding's split of the keys, for sdpa's
-masked decoding step (``zoo.backends.sdpa.sdpa_decode``).
+"""One query per row against many keys with a mask, the keys split into runs of consecutive slots
+that one kernel call runs side by side, merged by log-sum-exp: FlashDecoding's split of the keys,
+for sdpa's masked decoding step (``zoo.backends.sdpa.sdpa_decode``).
 
 SDPA runs a masked step on CUDA's memory-efficient kernel, which gives each row and key/value
 head (the query heads of a group as its rows, ``grouped_heads``) one thread block over all its
 keys: B = 8 rows and 4 key/value heads make 32 blocks on a GPU of 132 multiprocessors, each block
 reading every slot of a static cache (``zoo.new_cache(static=True)``, all slots read and masked).
 FlashAttention splits the keys of an unmasked step (its ``splitkv`` kernel), but takes no mask.
-Here the keys of each row and key/value head are cut into ``chunks`` runs of consecutive slots,
+Here the keys of each row and key/value head are cut into runs of ``chunk`` consecutive slots,
 views of the store (no copy), run as the heads of one call of the log-sum-exp kernel
-(``lse_kernel``), so the kernel has B * H_kv * chunks blocks; a last, shorter run takes the slots
-the chunks leave over. Their outputs merge by ``lse_merge.merge_along``; a run whose keys are all
-masked for a query weighs zero.
+(``lse_kernel``), so the kernel has B * H_kv * (slots // chunk) blocks; one more call takes the
+slots the runs leave over, if any. Their outputs merge by ``lse_merge.merge_along``; a run
+whose keys are all masked for a query weighs zero.
 
-``key_chunks`` says how many chunks a step takes: on CUDA, enough to give the kernel about
-``TARGET_BLOCKS`` blocks, each chunk at least ``MIN_CHUNK`` slots; one (no split) on other devices,
-whose kernels parallelise over the keys' blocks themselves, for a step with dropout or one that
-records gradients (the merge here is not differentiated), a length that is symbolic in a traced
-graph (a compiled dynamic cache: the count would guard every length), head sizes the kernel does
-not take as they are, and keys that are no view of a (B * H_kv, slots) store.
+The run length is fixed (``CHUNK``), not a share of the slots: a cache's slots grow by one each
+step, and a count of runs that followed them would be a new compiled graph at each change
+(``split_keys_attention`` is one on a GPU); the count is then a size like any other, symbolic
+after a second length. ``key_chunk`` says whether a step splits: on CUDA, where the kernel would
+have fewer than ``TARGET_BLOCKS`` blocks and there are at least two runs' slots. Not on other
+devices, whose kernels parallelise over the keys' blocks themselves; not for a step with dropout
+or one that records gradients (the kernel's log-sum-exp carries none, so the merge's weights
+would be constants to autograd); not for head sizes the kernel does not take as they are, nor
+keys that are no view of a (B * H_kv, slots) store. How long a run should be on a given GPU has
+not been timed yet: the decoding benchmark's ``sdpa_whole`` (``SdpaBackend(split_keys=False)``)
+times the step without the split beside it.
 """
 
 from __future__ import annotations
@@ -32,25 +37,23 @@ from ..core.fused import fused
 from .lse_kernel import kernel_for, runs_on
 from .lse_merge import merge_along
 
-TARGET_BLOCKS = 256  # about two blocks per multiprocessor of a Hopper GPU (132)
-MIN_CHUNK = 1024  # slots: fewer, and the merge costs more than the blocks gain
-CHUNK_MULTIPLE = 16  # a chunk's slots: the kernel's mask rows stay aligned
+TARGET_BLOCKS = 256  # about two thread blocks per multiprocessor of a Hopper GPU (132)
+CHUNK = 1024  # slots a run (a multiple of 16: the kernel's mask rows stay aligned)
 
 
-def key_chunks(q: Tensor, keys: Tensor, values: Tensor, dropout_p: float) -> int:
-    """How many chunks ``split_keys_attention`` cuts the keys into for this step (1: no split;
-    see the module docstring)."""
-    slots = keys.shape[2]
-    if q.device.type != "cuda" or q.shape[2] != 1 or dropout_p or not isinstance(slots, int):
-        return 1
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, keys, values)):
-        return 1
+def key_chunk(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, dropout_p: float) -> int:
+    """The run length ``split_keys_attention`` takes for this step, or 0: no split (see the
+    module docstring)."""
+    if q.device.type != "cuda" or q.shape[2] != 1 or dropout_p:
+        return 0
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, keys, values, mask)):
+        return 0
     kernel = kernel_for(q.device)
     heads_fit = all(t.shape[-1] % kernel.head_multiple == 0 for t in (q, values))
     if not heads_fit or not runs_on(q.device, q.dtype) or not _rows_view(keys, values):
-        return 1
-    rows = keys.shape[0] * keys.shape[1]
-    return max(1, min(-(-TARGET_BLOCKS // rows), slots // MIN_CHUNK))
+        return 0
+    few_blocks = keys.shape[0] * keys.shape[1] < TARGET_BLOCKS
+    return CHUNK if few_blocks and keys.shape[2] >= 2 * CHUNK else 0
 
 
 def _rows_view(*stores: Tensor) -> bool:
@@ -62,34 +65,33 @@ def _rows_view(*stores: Tensor) -> bool:
     )
 
 
-@fused  # eagerly some 40 launches around the kernel, each host time a step
+@fused  # eagerly some 70 operations around the kernel, each host time a step
 def split_keys_attention(
-    q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float | None, chunks: int
+    q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float | None, chunk: int
 ) -> Tensor:
     """q (B, H, 1, D), keys and values (B, H_kv, S, D / Dv), ``mask`` (B, 1 or H, 1, S), bool
     (True: may attend) or additive (-inf: may not), every row allowing some key -> (B, H, 1, Dv)
-    in q's dtype: attention over the keys in ``chunks`` runs of consecutive slots and a last
-    shorter one where they leave slots over, merged by log-sum-exp. On a GPU one compiled graph
-    (``zoo.core.fused``: the kernel and a few fused kernels around it)."""
+    in q's dtype: attention over the keys in runs of ``chunk`` consecutive slots, and the slots
+    left over in one more, merged by log-sum-exp. On a GPU one compiled graph
+    (``zoo.core.fused``: the kernel's calls and a few fused kernels around them)."""
     B, H, _, D = q.shape
     kv_heads, slots, dv = keys.shape[1], keys.shape[2], values.shape[3]
     groups, rows = H // kv_heads, B * kv_heads
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    size = -(-slots // chunks)
-    size = -(-size // CHUNK_MULTIPLE) * CHUNK_MULTIPLE
-    whole = slots // size  # runs of ``size`` slots; then the rest, if any
+    whole = slots // chunk
     additive = mask if mask.is_floating_point() else torch.where(mask, 0.0, -math.inf)
     additive = additive.to(q.dtype)[:, :, 0]  # (B, 1 or H, S)
     grouping = (1, 1) if additive.shape[1] == 1 else (kv_heads, groups)
     queries = q.reshape(rows, 1, groups, D)
     runs = []
-    for start, count, length in ((0, whole, size), (whole * size, 1, slots - whole * size)):
+    for start, count, length in ((0, whole, chunk), (whole * chunk, 1, slots - whole * chunk)):
         if count == 0 or length == 0:
             continue
         end = start + count * length
         k = keys[:, :, start:end].reshape(rows, count, length, D)  # views of the stores
         v = values[:, :, start:end].reshape(rows, count, length, dv)
-        # (B * H_kv, count, groups, length): each query head's mask on its key/value head's run
+        # (B * H_kv, count, groups, length): each query head's mask on its key/value head's
+        # run, a copy (B and H_kv share no stride in the mask, whose rows are B and query heads)
         bias = additive[..., start:end].reshape(B, *grouping, count, length)
         bias = bias.expand(B, kv_heads, groups, count, length).transpose(2, 3)
         bias = bias.reshape(rows, count, groups, length)
@@ -97,8 +99,8 @@ def split_keys_attention(
     parts = kernel_for(q.device).forward_all(runs, scale)
     outs = torch.cat([out for out, _ in parts], dim=1)  # (B * H_kv, runs, groups, Dv)
     lses = torch.cat([lse for _, lse in parts], dim=1)  # (B * H_kv, runs, groups)
-    has_key = torch.cat([torch.isfinite(bias).any(-1) for *_, bias in runs], dim=1)
-    outs = torch.where(has_key[..., None], outs.float(), 0.0)  # a keyless run's may be NaN
-    lses = torch.where(has_key, lses.float(), -math.inf)
+    reads = torch.cat([torch.isfinite(bias).any(-1) for *_, bias in runs], dim=1)
+    outs = torch.where(reads[..., None], outs.float(), 0.0)  # a run without a key may be NaN
+    lses = torch.where(reads, lses.float(), -math.inf)
     out, _ = merge_along(outs.transpose(1, 2), lses.transpose(1, 2))  # (B * H_kv, groups, Dv)
     return out.to(q.dtype).reshape(B, H, 1, dv)
