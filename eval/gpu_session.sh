@@ -56,7 +56,7 @@
 # where LEFT is the device tool's budget_left_s after the first, less 45 s (the third run of
 # 2026-11-28 had 480 s after the tests' 297, and every stage but two stopped at its limit, most
 # of it compiling). These shares go to what no run has measured since the code changed: the
-# compiled static steps on auto (sdpa, its masked slots now split into chunks) beside sdpa_whole
+# compiled static steps on auto (sdpa, its masked slots now split into runs) beside sdpa_whole
 # (without the split) and flex (every one failed at 0cfc45f; the cause is removed), the 64K goal
 # cells (none measured on this code; 16K twice), MoBA's other 7 cells, the
 # compile count (goal d: not run since the first H200 run). Stages run in their fixed order
@@ -404,7 +404,7 @@ all)
     # SDPA over the whole cache 0.06-0.34 ms), each profiled: its kernels by name (a compiled
     # causal step on sdpa's masked kernel took 0.87 ms at 16K, one thread block per row and
     # key/value head over all slots). Goal (c) judges the faster of the two on auto (sdpa, its
-    # masked slots split into chunks: zoo/backends/split_keys.py); sdpa_whole, the same without
+    # masked slots split into runs: zoo/backends/split_keys.py); sdpa_whole, the same without
     # the split, and flex, which splits the slots too, beside it (flex's compiled steps failed
     # in Inductor on the H200 at 0cfc45f, XBLOCK, when auto took flex for a static cache).
     run_stage decode_compiled "$(share_of decode_compiled)" "$OUT/decode-compiled.log" \

@@ -1,5 +1,5 @@
 """A static cache on CUDA: ``auto`` decodes it with sdpa, as every other cache on CUDA (which
-splits its many masked slots into chunks, tests/backends/test_split_keys.py). Flex's decoding
+splits its many masked slots into runs, tests/backends/test_split_keys.py). Flex's decoding
 kernel splits the slots too and skips empty blocks, but a step compiled whole on flex failed in
 Inductor on an H200 (torch 2.11), so flex is the backend one names for it
 (``zoo.decoding.decode``). Named, on

@@ -38,8 +38,8 @@ without a compiled kernel; on CPU compiled flex pads the query row to a whole bl
 for seconds per shape. A static cache's step reads every slot, masked, and CUDA's memory-efficient
 kernel (SDPA's one kernel that takes a mask) gives each row and key/value head one thread block
 over all of them (a compiled causal step at 16K took 0.87 ms on an H200 where the eager step over
-the filled slots took 0.37): so sdpa splits many masked slots into chunks run side by side and
-merged by log-sum-exp (``zoo.backends.split_keys``, not yet timed on a GPU). Flex's decoding
+the filled slots took 0.37): so sdpa splits many masked slots into runs side by side, merged by
+log-sum-exp (``zoo.backends.split_keys``, not yet timed on a GPU). Flex's decoding
 kernel splits the keys too, and skips empty blocks. auto does not take flex for it: on an H200
 with torch 2.11 a step compiled whole on flex failed in Inductor's code for the mask (``XBLOCK
 is not defined``), for causal, sliding-window and Longformer caches alike.
@@ -143,7 +143,7 @@ def explain_decode(
         f"of max_len={cache.max_len}; one query attends the slots its pattern allows"
         + (", gathered when fewer than half of them" if chosen.name == "sdpa" else "")
         + (
-            ", many masked slots on CUDA split into chunks merged by log-sum-exp"
+            ", many masked slots on CUDA in runs side by side merged by log-sum-exp"
             if chosen.name == "sdpa" and chosen.split_keys
             else ""
         )
