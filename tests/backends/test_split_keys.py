@@ -95,7 +95,7 @@ def tagged(monkeypatch):
         pytest.skip(str(error))
 
 
-def _static_steps(device: str, variant: str, params: dict, head_dim: int, v_dim: int,
+def _static_steps(device: str, variant: str, pos: str | None, head_dim: int, v_dim: int,
                   made=None) -> list[torch.Tensor]:  # fmt: skip
     """A static cache of 300 slots (4 query heads on 2 key/value heads, batch 2, rows of 150 and
     137 tokens), then 3 one-token steps: their outputs."""
@@ -104,9 +104,9 @@ def _static_steps(device: str, variant: str, params: dict, head_dim: int, v_dim:
     k = torch.randn(2, 2, 154, head_dim, generator=g)
     v = torch.randn(2, 2, 154, v_dim, generator=g)
     made = made or (lambda x: x.to(device))
-    kw = dict(variant=variant, causal=True, **params)
+    kw = dict(variant=variant, causal=True, pos=pos)
     cache = zoo.new_cache(variant, batch_size=2, max_len=300, num_kv_heads=2, head_dim=head_dim,
-                          value_dim=v_dim, device=device, static=True, **params)  # fmt: skip
+                          value_dim=v_dim, device=device, static=True)  # fmt: skip
     padding = torch.zeros(2, 150, dtype=torch.bool)
     padding[1, 137:] = True
     with torch.no_grad():
@@ -118,14 +118,21 @@ def _static_steps(device: str, variant: str, params: dict, head_dim: int, v_dim:
         ]
 
 
-@pytest.mark.parametrize("head_dim,v_dim", [(16, 16), (16, 8)])
+@pytest.mark.parametrize(
+    "variant,pos,head_dim,v_dim",
+    [
+        ("causal", None, 16, 16),
+        ("causal", None, 16, 8),
+        ("causal", "alibi", 16, 16),
+        ("full", None, 16, 8),
+    ],
+)
 def test_a_static_cache_on_cuda_splits_its_keys_and_equals_the_cpu(
-    head_dim, v_dim, tagged, monkeypatch
+    variant, pos, head_dim, v_dim, tagged, monkeypatch
 ):
-    """Causal attention: a static cache reads all its slots, masked, where a growing one reads
-    the filled slots unmasked."""
+    """Full and causal attention: a static cache reads all its slots, masked (with ALiBi's bias,
+    additive), where a growing one reads the filled slots unmasked."""
     tag, ops = tagged
-    variant, params = "causal", {}
     taken = []
 
     def spy(*args):
@@ -133,11 +140,11 @@ def test_a_static_cache_on_cuda_splits_its_keys_and_equals_the_cpu(
         return taken[-1]
 
     monkeypatch.setattr(zoo.backends.sdpa, "key_chunk", spy)
-    got = _static_steps("cuda", variant, params, head_dim, v_dim, made=tag)
+    got = _static_steps("cuda", variant, pos, head_dim, v_dim, made=tag)
     # the prefill in one piece; each step in runs of 32 slots: 9 and a last run of 12, two
     # kernel calls
     assert taken == [0, 32, 32, 32] and ops.calls["forward"] == 2 * 3
-    want = _static_steps("cpu", variant, params, head_dim, v_dim)
+    want = _static_steps("cpu", variant, pos, head_dim, v_dim)
     for a, b in zip(got, want, strict=True):
         assert a.device.type == "cuda"
         torch.testing.assert_close(a.values, b, atol=1e-5, rtol=1e-5)
