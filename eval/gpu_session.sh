@@ -52,15 +52,17 @@
 #   ZOO_GPU_SESSION_CACHE=.gpu-cache LIMIT=400 bash eval/gpu_session.sh tests   # timeout_s 430
 #   ZOO_GPU_SESSION_CACHE=.gpu-cache ZOO_GPU_SESSION_BUNDLE=1 \
 #     ZOO_GPU_SESSION_SHARES="env:4 decode_compiled:18 goals:30 moba:18 decode:10 compiles:10" \
-#     ARGS_goals='lengths=[65536]' bash eval/gpu_session.sh all LEFT   # timeout_s LEFT + 30
+#     ARGS_goals='lengths=[65536]' ARGS_compiles='backward=true' \
+#     bash eval/gpu_session.sh all LEFT   # timeout_s LEFT + 30
 # where LEFT is the device tool's budget_left_s after the first, less 45 s (the third run of
 # 2026-11-28 had 480 s after the tests' 297, and every stage but two stopped at its limit, most
 # of it compiling). These shares go to what no run has measured since the code changed: the
 # compiled static steps on auto (sdpa, its masked slots now split into runs) beside sdpa_whole
 # (without the split) and flex (every one failed at 0cfc45f; the cause is removed), the 64K goal
 # cells (none measured on this code; 16K twice), MoBA's other 7 cells, the
-# compile count (goal d: not run since the first H200 run). Stages run in their fixed order
-# (below), whatever the shares' order.
+# compile count (goal d: not run since the first H200 run, forward only, where 2 compiles held;
+# now forward+backward, as a model trains). Stages run in their fixed order (below), whatever
+# the shares' order.
 # Tests of this script:
 # STAGE_CMD_<stage>='...' replaces a stage's command (run by bash, with $OUT set), and
 # ZOO_GPU_SESSION_FAKE=1 makes every other stage a no-op (tests/eval/test_gpu_session.py).
