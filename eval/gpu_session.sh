@@ -32,7 +32,8 @@
 #   goals        bench-goals.json: eval/configs/bench_goals_gpu.yaml, the goal cells (goal a)
 #   moba         bench-moba.json: eval/configs/bench_goals_moba_gpu.yaml (goal b)
 #   divisible    bench-divisible.json: eval/configs/bench_divisible_gpu.yaml at 8K and 16K,
-#                forward: the symbolic-length kernel with and without IS_DIVISIBLE
+#                forward: the symbolic-length kernel with and without IS_DIVISIBLE, and a
+#                kernel compiled per length (flex_static)
 #   overhead     overhead.json, overhead.md: bench-overhead, the host time around the kernel
 #   profile      profile.json, profile.md: bench-profile of the goal cells and their twins
 #   profile_moba profile-moba/profile.{json,md}: bench-profile of MoBA on flex and blocked at 16K
@@ -51,7 +52,7 @@
 # idle), each carrying .whl and .gpu-cache (the compile cache, below; bring back its parts):
 #   ZOO_GPU_SESSION_CACHE=.gpu-cache LIMIT=400 bash eval/gpu_session.sh tests   # timeout_s 430
 #   ZOO_GPU_SESSION_CACHE=.gpu-cache ZOO_GPU_SESSION_BUNDLE=1 \
-#     ZOO_GPU_SESSION_SHARES="env:4 decode_compiled:18 goals:30 moba:18 decode:10 compiles:10" \
+#     ZOO_GPU_SESSION_SHARES="env:4 decode_compiled:18 goals:26 moba:16 divisible:8 decode:10 compiles:10" \
 #     ARGS_goals='lengths=[65536]' ARGS_compiles='backward=true' \
 #     bash eval/gpu_session.sh all LEFT   # timeout_s LEFT + 30
 # where LEFT is the device tool's budget_left_s after the first, less 45 s (the third run of
@@ -61,8 +62,10 @@
 # (without the split) and flex (every one failed at 0cfc45f; the cause is removed), the 64K goal
 # cells (none measured on this code; 16K twice), MoBA's other 7 cells, the
 # compile count (goal d: not run since the first H200 run, forward only, where 2 compiles held;
-# now forward+backward, as a model trains). Stages run in their fixed order (below), whatever
-# the shares' order.
+# now forward+backward, as a model trains), and auto's local attention at 8K and 16K beside
+# flex_static (a kernel compiled per length) and flex_standard: whether the kernel of symbolic
+# lengths, auto's from a second length on, is what loses at short lengths. Stages run in their
+# fixed order (below), whatever the shares' order.
 # Tests of this script:
 # STAGE_CMD_<stage>='...' replaces a stage's command (run by bash, with $OUT set), and
 # ZOO_GPU_SESSION_FAKE=1 makes every other stage a no-op (tests/eval/test_gpu_session.py).

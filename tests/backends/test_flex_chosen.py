@@ -97,7 +97,7 @@ def test_gathered_rows_give_moba_gradients_through_the_kernel_and_the_merge(
     """The kernel emulated on a CPU as the GPU's reads the block mask (FULL blocks unasked): the
     output and the gradients of q, k and v through the gather, the kernel's output and
     log-sum-exp, and the merge equal the reference's."""
-    monkeypatch.setattr(flex_kernel, "_kernel", lambda compiled, q=None: emulated_flex)
+    monkeypatch.setattr(flex_kernel, "_kernel", lambda *args: emulated_flex)
     q_len, kv_len, size, block = shape
     q, k, v, padding = _inputs(q_len, kv_len, padded)
     if padding is not None:  # NaN gradients would flow to padded keys through 0 * NaN otherwise
@@ -138,7 +138,7 @@ def test_the_bookkeeping_compiled_as_on_a_gpu_gives_the_reference(gathered, monk
         function.__dict__.pop("compiled", None)
         monkeypatch.setattr(function, "failures", {})
     monkeypatch.setattr(fused, "fuses", lambda t: not torch.compiler.is_compiling())
-    monkeypatch.setattr(flex_kernel, "_kernel", lambda compiled, q=None: emulated_flex)
+    monkeypatch.setattr(flex_kernel, "_kernel", lambda *args: emulated_flex)
     counted = flex_module.gathered_rows_of  # the compiled kernel's path: the rows fused
     monkeypatch.setattr(flex_module, "gathered_rows_of", lambda c, b, fuse: counted(c, b))
     merge = flex_module.merged_per_query
@@ -173,7 +173,7 @@ def test_random_shapes_and_intersections_on_the_rows(seed, monkeypatch):
     or larger than the kernel's, dividing it or not), top_k, padding (rows wholly padded too)
     and fixed members (a window, causal): the rows, taken even where they would not pay, give
     the reference's output and gradients through the emulated kernel."""
-    monkeypatch.setattr(flex_kernel, "_kernel", lambda compiled, q=None: emulated_flex)
+    monkeypatch.setattr(flex_kernel, "_kernel", lambda *args: emulated_flex)
     monkeypatch.setattr(flex_module, "gathered_pays", lambda *args: True)
     g = torch.Generator().manual_seed(seed)
 

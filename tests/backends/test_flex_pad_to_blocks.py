@@ -63,7 +63,7 @@ def test_on_cuda_the_kernel_gets_whole_blocks_declared_whole(monkeypatch):
         seen.append((q.shape[-2], k.shape[-2], v.shape[-2], kwargs.get("kernel_options")))
         return torch.zeros_like(q)
 
-    monkeypatch.setattr(flex_kernel, "_kernel", lambda compiled, q=None: kernel)
+    monkeypatch.setattr(flex_kernel, "_kernel", lambda *args: kernel)
     skip_without_fake_cuda()
     with fake_cuda(), torch.device("cuda"):
         q = torch.randn(1, 2, 300, 32, dtype=torch.bfloat16)

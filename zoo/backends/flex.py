@@ -37,6 +37,14 @@ declares that itself only for static multiples of 128, so the kernel of symbolic
 backend's compiled kernel runs from its second length on (``flex_kernel._compiled_kernel``)
 checks every load; declared for every call, it is one compiled family for every length. Off by
 default until a GPU measures what it buys (``eval/configs/bench_divisible_gpu.yaml``).
+
+``static_lengths=True`` compiles the kernel for each length on a GPU too (``dynamic=False``, as
+the CPU does): no kernel of symbolic lengths, a compile for every new length (2.5-7.4 s each on
+an H100). Off by default: the default keeps to two compiles for any number of lengths. At 8K an
+H200 ran auto's local attention in 0.203 ms where FlexAttention compiled for that length took
+0.111 (eval/results/gpu-campaign-h200-2026-11-28-c, bench-divisible), with the same block mask,
+mask_mod and kernel options (compared on a CPU); ``flex_static`` in the same benchmark times the
+two kernels side by side.
 """
 
 from __future__ import annotations
@@ -254,6 +262,7 @@ class FlexBackend(Backend):
         compile: bool = True,
         kernel_options: dict | None = None,
         pad_to_blocks: bool = False,
+        static_lengths: bool = False,
     ) -> None:
         self.block_size = check_int("block_size", block_size)
         self.compile = compile
@@ -272,10 +281,14 @@ class FlexBackend(Backend):
                 f"block_size={self.block_size}"
             )
         self.pad_to_blocks = pad_to_blocks
+        if not isinstance(static_lengths, bool):
+            raise TypeError(f"static_lengths must be True or False, got {static_lengths!r}")
+        self.static_lengths = static_lengths
 
     def __repr__(self) -> str:
         options = f", kernel_options={self.kernel_options}" if self.kernel_options else ""
         options += ", pad_to_blocks=True" if self.pad_to_blocks else ""
+        options += ", static_lengths=True" if self.static_lengths else ""
         return f"FlexBackend(block_size={self.block_size}, compile={self.compile}{options})"
 
     def unavailable(self) -> str | None:
@@ -448,12 +461,12 @@ class FlexBackend(Backend):
 
             score_mod = gathered_bias
         least, kernel_args = self._kernel_args(call, score_mod, rows.block_mask)
-        compiled = self.compile
+        compiled, static = self.compile, self.static_lengths
 
         def run(q: Tensor, k: Tensor, v: Tensor, padding: None = None) -> Tensor:
             _one_graph_per_shape(q, k, v)
             out, lse = run_kernel(compiled, least, gather_queries(q, rows), k, v, lse=True,
-                                  **kernel_args)  # fmt: skip
+                                  static_lengths=static, **kernel_args)  # fmt: skip
             return merged_per_query(out, lse, rows, q.dtype, fuse=compiled)
 
         return run
@@ -479,7 +492,7 @@ class FlexBackend(Backend):
         least, kernel_args = self._kernel_args(
             call, score_mod, self.block_mask(call), whole=self.pad_to_blocks
         )
-        compiled, q_len = self.compile, call.q_len
+        compiled, static, q_len = self.compile, self.static_lengths, call.q_len
 
         def run(q: Tensor, k: Tensor, v: Tensor, padding: None = None):
             _one_graph_per_shape(q, k, v)
@@ -490,7 +503,8 @@ class FlexBackend(Backend):
                     # tensor and fails on a view of another kernel's output (the heads of a
                     # projection, say): hand it stored tensors.
                     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-            result = run_kernel(compiled, least, q, k, v, lse=lse, **kernel_args)
+            result = run_kernel(compiled, least, q, k, v, lse=lse, static_lengths=static,
+                                **kernel_args)  # fmt: skip
             out, out_lse = result if lse else (result, None)
             if not frame.q.identity:
                 out = frame.q.scatter(out)

@@ -21,14 +21,14 @@ def _flex_module():
     return flex_attention
 
 
-def _kernel(compiled: bool, q: Tensor | None = None):
+def _kernel(compiled: bool, q: Tensor | None = None, static_lengths: bool = False):
     flex = _flex_module().flex_attention
     if q is not None and has_no_data(q) and not torch.compiler.is_compiling():
         return _uncompiled
     if not compiled or torch.compiler.is_compiling():
         # Inside a model that torch.compile traces, the model's graph compiles the kernel.
         return flex
-    return _compiled_kernel(q is not None and q.device.type != "cpu")
+    return _compiled_kernel(not static_lengths and q is not None and q.device.type != "cpu")
 
 
 def _uncompiled(*args, **kwargs):
@@ -46,14 +46,15 @@ def _uncompiled(*args, **kwargs):
 
 def run_kernel(
     compiled: bool, least_head: int | None, q: Tensor, k: Tensor, v: Tensor, lse: bool = False,
-    **kwargs,
+    static_lengths: bool = False, **kwargs,
 ):  # fmt: skip
     """The kernel on q, k, v -> output, or with ``lse`` (output, log-sum-exp (B, H, Lq) in
     float32, natural log, -inf on a row without a key); with ``least_head``, q/k and v heads
     padded with zeros to that size first (Inductor's CUDA lowering refuses heads under 16:
     tl.dot's least) and the output cropped back. Zero columns add nothing to a score, and the
-    scale stays the true head's."""
-    kernel = _kernel(compiled, q)
+    scale stays the true head's. ``static_lengths``: on a GPU too, a kernel compiled for each
+    length (``_compiled_kernel``)."""
+    kernel = _kernel(compiled, q, static_lengths)
     if lse:
         kwargs.update(_lse_request())
     if q.device.type == "cuda" and kwargs.get("block_mask") is not None:
