@@ -32,8 +32,8 @@
 #   goals        bench-goals.json: eval/configs/bench_goals_gpu.yaml, the goal cells (goal a)
 #   moba         bench-moba.json: eval/configs/bench_goals_moba_gpu.yaml (goal b)
 #   divisible    bench-divisible.json: eval/configs/bench_divisible_gpu.yaml at 8K and 16K,
-#                forward: the symbolic-length kernel with and without IS_DIVISIBLE, and a
-#                kernel compiled per length (flex_static)
+#                forward: the symbolic-length kernel beside one compiled per length
+#                (flex_static)
 #   overhead     overhead.json, overhead.md: bench-overhead, the host time around the kernel
 #   profile      profile.json, profile.md: bench-profile of the goal cells and their twins
 #   profile_moba profile-moba/profile.{json,md}: bench-profile of MoBA on flex and blocked at 16K
@@ -52,7 +52,7 @@
 # idle), each carrying .whl and .gpu-cache (the compile cache, below; bring back its parts):
 #   ZOO_GPU_SESSION_CACHE=.gpu-cache LIMIT=400 bash eval/gpu_session.sh tests   # timeout_s 430
 #   ZOO_GPU_SESSION_CACHE=.gpu-cache ZOO_GPU_SESSION_BUNDLE=1 \
-#     ZOO_GPU_SESSION_SHARES="env:4 decode_compiled:18 goals:26 moba:16 divisible:8 decode:10 compiles:10" \
+#     ZOO_GPU_SESSION_SHARES="env:4 decode_compiled:18 goals:26 moba:16 divisible:6 decode:10 compiles:10" \
 #     ARGS_goals='lengths=[65536]' ARGS_compiles='backward=true' \
 #     bash eval/gpu_session.sh all LEFT   # timeout_s LEFT + 30
 # where LEFT is the device tool's budget_left_s after the first, less 45 s (the third run of
@@ -62,9 +62,9 @@
 # (without the split) and flex (every one failed at 0cfc45f; the cause is removed), the 64K goal
 # cells (none measured on this code; 16K twice), MoBA's other 7 cells, the
 # compile count (goal d: not run since the first H200 run, forward only, where 2 compiles held;
-# now forward+backward, as a model trains), and auto's local attention at 8K and 16K beside
-# flex_static (a kernel compiled per length) and flex_standard: whether the kernel of symbolic
-# lengths, auto's from a second length on, is what loses at short lengths. Stages run in their
+# now forward+backward, as a model trains), and auto's local attention at 16K, its second length,
+# beside flex_static (a kernel compiled per length) and flex_standard: what the kernel of
+# symbolic lengths costs. Stages run in their
 # fixed order (below), whatever the shares' order.
 # Tests of this script:
 # STAGE_CMD_<stage>='...' replaces a stage's command (run by bash, with $OUT set), and
@@ -369,10 +369,9 @@ all)
             "$PY" -m eval bench "$config" "out=$WORK/bench-$name"
         collect
     done
-    # What declaring the lengths whole in tiles (IS_DIVISIBLE) buys the kernel of symbolic
-    # lengths, which the zoo's flex runs from its second length on: at 16K (the second length
-    # here) local attention took 1.4x flex_standard's kernel time on the H200. auto, flex with
-    # IS_DIVISIBLE=True and flex_standard side by side, forward.
+    # What the kernel of symbolic lengths costs, which the zoo's flex runs from its second length
+    # on: at 16K (the second length here) local attention took 1.4x flex_standard's time on the
+    # H200. auto, flex_static (compiled per length) and flex_standard side by side, forward.
     run_stage divisible "$(share_of divisible)" "$OUT/bench-divisible.log" \
         "$PY" -m eval bench eval/configs/bench_divisible_gpu.yaml "out=$WORK/bench-divisible" \
         'lengths=[8192,16384]' 'passes=[fwd]'

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import zoo
+from zoo.backends import flex as flex_module
 from zoo.backends import flex_kernel
 from zoo.backends.flex import FlexBackend
 from zoo.testing.fake_cuda import FakeCudaUnavailable, tagged_cuda
@@ -30,6 +31,8 @@ def test_a_call_on_cuda_takes_the_kernel_its_lengths_ask_for(variant, static, mo
         return kernel
 
     monkeypatch.setattr(flex_kernel, "_compiled_kernel", compiled_kernel)
+    gathered = []  # taken even where it would not pay at this size
+    monkeypatch.setattr(flex_module, "gathered_pays", lambda *args: gathered.append(1) or True)
     params = {"local": {"window_size": 20}, "moba": {"block_size": 32, "top_k": 2}}[variant]
     q = torch.randn(1, 2, 300, 16)
     backend = FlexBackend(static_lengths=static)
@@ -39,7 +42,7 @@ def test_a_call_on_cuda_takes_the_kernel_its_lengths_ask_for(variant, static, mo
                                 **params)  # fmt: skip
     except FakeCudaUnavailable as error:
         pytest.skip(str(error))
-    assert out.device.type == "cuda"
+    assert out.device.type == "cuda" and bool(gathered) == (variant == "moba")
     assert taken and all(dynamic is not static for dynamic in taken), taken
 
 

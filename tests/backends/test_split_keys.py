@@ -120,17 +120,12 @@ def _static_steps(device: str, variant: str, pos: str | None, head_dim: int, v_d
 
 @pytest.mark.parametrize(
     "variant,pos,head_dim,v_dim",
-    [
-        ("causal", None, 16, 16),
-        ("causal", None, 16, 8),
-        ("causal", "alibi", 16, 16),
-        ("full", None, 16, 8),
-    ],
+    [("causal", None, 16, 16), ("causal", None, 16, 8), ("causal", "alibi", 16, 16)],
 )
 def test_a_static_cache_on_cuda_splits_its_keys_and_equals_the_cpu(
     variant, pos, head_dim, v_dim, tagged, monkeypatch
 ):
-    """Full and causal attention: a static cache reads all its slots, masked (with ALiBi's bias,
+    """Causal attention: a static cache reads all its slots, masked (with ALiBi's bias,
     additive), where a growing one reads the filled slots unmasked."""
     tag, ops = tagged
     taken = []
@@ -151,7 +146,7 @@ def test_a_static_cache_on_cuda_splits_its_keys_and_equals_the_cpu(
 
 
 def test_the_runs_are_views_of_the_cache():
-    """On fake CUDA tensors (shapes and strides, the real kernel's meta): each chunk's keys and
+    """On fake CUDA tensors (shapes and strides, the real kernel's meta): each run's keys and
     values passed to the kernel share the cache's storage, and the output has the step's shape."""
     skip_without_fake_cuda()
     seen = []

@@ -28,9 +28,9 @@ plans too, and so does a name given a new meaning (a backend, pattern family or 
 registered again with ``replace=True``), which also clears every per-shape cache. A plan is kept
 only if no clear happened while its first call ran (``generation``): a call that resolved the old
 meaning of a name keeps nothing. A plan copies what it needs of its backend (flex's block size,
-``compile``, kernel options): a registered backend changed in place is seen by new signatures
-only; register it again with ``replace=True`` (or call ``zoo.backends.clear_caches()``) after a
-change.
+``compile``, ``static_lengths``, kernel options): a registered backend changed in place is seen
+by new signatures only; register it again with ``replace=True`` (or call
+``zoo.backends.clear_caches()``) after a change.
 """
 
 from __future__ import annotations
