@@ -93,7 +93,7 @@ with fake_cuda(), torch.device("cuda"):
 def test_a_static_caches_step_with_its_keys_split_lowers(tmp_path):
     """A one-token step over a static cache of 4096 slots on auto (sdpa), compiled whole, lowers
     with its masked keys split (``zoo.backends.split_keys``): 2 rows x 2 key/value heads read as
-    4 chunks of 1024 slots in one call of the memory-efficient kernel, views of the cache's store
+    4 runs of 1024 slots in one call of the memory-efficient kernel, views of the cache's store
     (Inductor's code reinterprets the graph's input, copies nothing). The lse kernel's wrapping
     read the mask's storage offset, which dynamo cannot trace: the step did not compile whole."""
     script = (
@@ -112,8 +112,7 @@ with fake_cuda(), torch.no_grad():
     )
     out = run_stand_in(script, tmp_path / "inductor")
     assert "LOWERED" in out, out
-    code = "".join(path.read_text() for path in (tmp_path / "inductor").glob("*/*.py"))
-    calls = re.findall(r"_scaled_dot_product_efficient_attention\.default\((.*)\)", code)
+    calls = _efficient_attention_calls(tmp_path / "inductor")
     chunked = r"reinterpret_tensor\(arg\d+_1, \(4, 4, 1024, 16\)"
     assert len(calls) == 1 and len(re.findall(chunked, calls[0])) == 2, calls
 
@@ -122,7 +121,7 @@ with fake_cuda(), torch.no_grad():
 def test_the_split_of_a_growing_cache_lowers_at_symbolic_lengths(tmp_path):
     """``split_keys_attention`` alone, as ``zoo.core.fused`` compiles it for an eager step of a
     cache whose slots grow (the slot count symbolic after a second length): it lowers, its
-    chunks still views of the store."""
+    runs still views of the store."""
     script = (
         PRELUDE
         + """
@@ -140,7 +139,13 @@ with fake_cuda():
     )
     out = run_stand_in(script, tmp_path / "inductor")
     assert "LOWERED" in out, out
-    code = "".join(path.read_text() for path in (tmp_path / "inductor").glob("*/*.py"))
-    calls = re.findall(r"_scaled_dot_product_efficient_attention\.default\((.*)\)", code)
-    assert len(calls) == 2, calls  # the chunks and the last run
+    calls = _efficient_attention_calls(tmp_path / "inductor")
+    assert len(calls) == 2, calls  # the runs of 1024 and the last one
     assert all(call.count("reinterpret_tensor(arg") >= 2 for call in calls), calls
+
+
+def _efficient_attention_calls(cache_dir) -> list[str]:
+    """The arguments of each call of the memory-efficient kernel in Inductor's code written in
+    ``cache_dir``."""
+    code = "".join(path.read_text() for path in cache_dir.glob("*/*.py"))
+    return re.findall(r"_scaled_dot_product_efficient_attention\.default\((.*)\)", code)
