@@ -34,17 +34,10 @@ def scalar_cpu_code(request):
     if request.node.get_closest_marker("gpu") is not None:
         yield
         return
-    import torch._inductor.config as inductor_config
-    from torch._inductor import cpu_vec_isa
+    from helpers import scalar_cpu_isa
 
-    # inductor caches the list of usable vector ISAs as the setting found it, for the process:
-    # forgotten on the way in and out, so that later tests on this worker vectorize again
-    forget = getattr(getattr(cpu_vec_isa, "valid_vec_isa_list", None), "cache_clear", None)
-    forget = forget or (lambda: None)
-    with inductor_config.patch({"cpp.vec_isa_ok": False}):
-        forget()
+    with scalar_cpu_isa():
         yield
-    forget()
 
 
 def pytest_collection_modifyitems(config, items):

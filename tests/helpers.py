@@ -9,6 +9,7 @@ magnitude because some gradients (a T5 table's) are sums over thousands of pairs
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -311,3 +312,22 @@ TINY_SWEEP = [
     "model={dim: 32, depth: 2, heads: 2, mlp_dim: 0}",
     "train={steps: 20, batch_size: 8, eval_samples: 16, eval_batch_size: 8}",
 ]
+
+
+@contextlib.contextmanager
+def scalar_cpu_isa():
+    """Within: Inductor writes scalar C++ for the CPU (the ``scalar_cpu_code`` fixture's body).
+
+    The usable vector ISAs are pinned to none, not recomputed under ``cpp.vec_isa_ok=False``:
+    torch caches each x86 ISA's truth for the process whatever that setting says. Recomputed
+    (this body cleared the list and let torch recompute it, before), a worker that had compiled
+    vectorized code kept vectorizing within, and vector code landed in Inductor's graph cache under
+    the scalar setting's key; a worker whose first compile came within picked AVX2 for good, and a
+    graph cached by a worker that picked AVX-512 (the same key) then ran compiled for AVX2 and gave
+    garbage. The setting stays patched: it keys the graph cache apart from vectorized graphs."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor import cpu_vec_isa
+
+    with inductor_config.patch({"cpp.vec_isa_ok": False}), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_vec_isa, "valid_vec_isa_list", lambda: [])
+        yield
