@@ -48,7 +48,7 @@ from .measure import failed_cell
 
 STUBBED = {
     "flex": "zoo.backends.flex_kernel._kernel",
-    "sdpa": "zoo.backends.sdpa.scaled_dot_product_attention",
+    "sdpa": "torch.nn.functional.scaled_dot_product_attention",
     "blocked": "zoo.backends.lse_kernel.KERNELS",
 }
 

@@ -16,6 +16,8 @@ from helpers import (
     random_qkv,
     small_params,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import zoo
 from zoo.backends import BlockedBackend, FlexBackend
@@ -185,3 +187,41 @@ def test_gpu_sdpa_causal_with_fewer_queries_builds_no_mask(monkeypatch, kv_heads
         "causal", "sdpa", q_len=200, kv_len=300, causal=True, head_dim=64, v_dim=64, heads=4,
         kv_heads=kv_heads, dtype=dtype, device="cuda",
     )  # fmt: skip
+
+
+class _PairPasses(TorchDispatchMode):
+    """The operations dispatched on a tensor of (Lq, Lk) trailing dims, views left out: passes
+    over a mask."""
+
+    def __init__(self, q_len: int, kv_len: int) -> None:
+        super().__init__()
+        self.pairs, self.ops = (q_len, kv_len), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        grids = [a for a in tree_leaves(args) if isinstance(a, torch.Tensor) and a.dim() >= 2]
+        if not func.is_view and any(tuple(a.shape[-2:]) == self.pairs for a in grids):
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("q_len,kv_len", [(96, 96), (100, 70)])
+def test_sdpa_guards_rows_without_a_key_only_where_there_can_be_one(monkeypatch, q_len, kv_len):
+    """SDPA gives NaN for a row with no allowed key, so sdpa lets such rows see every key and
+    zeroes them: two passes over the (Lq, Lk) mask a call. A fixed pattern that gives every row a
+    key at the shape (local at 96 x 96) makes none; padding, or a shape that leaves rows without
+    a key (queries past the keys), keeps the guard. The values are the reference's (the registry
+    tests); here, which calls pass over the mask (SDPA stubbed)."""
+    def stub(q, k, v, **kwargs):
+        return q.new_zeros(*q.shape[:-1], v.shape[-1])
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", stub)
+    q, k, v = random_qkv(2, 2, q_len, kv_len)
+
+    def passes(**kwargs) -> list[str]:
+        zoo.attention(q, k, v, variant="local", window_size=7, backend="sdpa", **kwargs)
+        with _PairPasses(q_len, kv_len) as seen:
+            zoo.attention(q, k, v, variant="local", window_size=7, backend="sdpa", **kwargs)
+        return seen.ops
+
+    assert (passes() == []) == (q_len <= kv_len), passes()
+    assert passes(key_padding_mask=padding_mask(2, kv_len)) != []

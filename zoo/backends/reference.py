@@ -29,6 +29,13 @@ def dense_mask(pattern: Pattern, q_len: int, kv_len: int, device: torch.device) 
     return pattern.dense(q_len, kv_len).to(device)
 
 
+@per_shape(maxsize=64)
+def every_row_has_key(pattern: Pattern, q_len: int, kv_len: int, device: torch.device) -> bool:
+    """Whether each query row of the pattern's dense view (of each head) allows a key: a kernel
+    that gives NaN for a row without one needs no guard per call where this holds."""
+    return bool(dense_mask(pattern, q_len, kv_len, device).any(dim=-1).all())
+
+
 def exp_and_mass(scores: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """exp(scores - the row's maximum), the row's sum of it and the maximum (detached), over the
     last dim; a row of -inf only gives zeros, a sum of 0 and a maximum of -inf. The pieces from
