@@ -41,10 +41,8 @@ def _picked() -> str:
 @pytest.mark.parametrize("first", ["before", "within"])
 def test_scalar_cpu_isa_neither_keeps_nor_leaves_behind_a_vector_isa(first):
     """Within, no vector ISA; after, the ISA a new process picks, whether the process had picked
-    one before or picks first within. Torch caches each x86 ISA's truth for the process, whatever
-    ``cpp.vec_isa_ok`` says: the old body (``vec_isa_ok=False`` and the list recomputed) kept
-    AMX within on a machine that has it, and a process that picked first within picked AVX2
-    after."""
+    one before or picks first within (why it may not: ``helpers.scalar_cpu_isa``). On a CPU
+    with AMX the old body failed both: AMX within, AVX2 after."""
     from torch._inductor import cpu_vec_isa
 
     _forget_vector_isas()

@@ -100,6 +100,7 @@ def measure(config: OverheadConfig, variant: str, backend: str, n: int, device) 
         elif backend == "blocked":
             shape_only = lse_kernel.cuda_kernel(ShapeOnlyEfficientOps())
             stack.enter_context(mock.patch.dict(STUBBED["blocked"], {device.type: shape_only}))
+            stack.enter_context(mock.patch(STUBBED["sdpa"], stub))  # its fused parts call SDPA
         else:
             stack.enter_context(mock.patch(STUBBED["sdpa"], stub))
         for _ in range(3):  # the per-shape structures are built here, not timed

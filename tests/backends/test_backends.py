@@ -207,21 +207,24 @@ class _PairPasses(TorchDispatchMode):
 @pytest.mark.parametrize("q_len,kv_len", [(96, 96), (100, 70)])
 def test_sdpa_guards_rows_without_a_key_only_where_there_can_be_one(monkeypatch, q_len, kv_len):
     """SDPA gives NaN for a row with no allowed key, so sdpa lets such rows see every key and
-    zeroes them: two passes over the (Lq, Lk) mask a call. A fixed pattern that gives every row a
-    key at the shape (local at 96 x 96) makes none; padding, or a shape that leaves rows without
-    a key (queries past the keys), keeps the guard. The values are the reference's (the registry
-    tests); here, which calls pass over the mask (SDPA stubbed)."""
+    zeroes them after: passes over the (Lq, Lk) mask each call. A fixed pattern that gives
+    every row a key at the shape (local at 96 x 96) makes none; padding, a pattern chosen by
+    content (MoBA) or a shape that leaves rows without a key (queries past the keys) keep the
+    guard. The values are the reference's (the registry tests); here, which calls make the
+    guard's pass (SDPA stubbed)."""
+
     def stub(q, k, v, **kwargs):
         return q.new_zeros(*q.shape[:-1], v.shape[-1])
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", stub)
     q, k, v = random_qkv(2, 2, q_len, kv_len)
 
-    def passes(**kwargs) -> list[str]:
-        zoo.attention(q, k, v, variant="local", window_size=7, backend="sdpa", **kwargs)
+    def guarded(variant: str, **kwargs) -> bool:
+        zoo.attention(q, k, v, variant=variant, backend="sdpa", **kwargs)  # its shape's masks
         with _PairPasses(q_len, kv_len) as seen:
-            zoo.attention(q, k, v, variant="local", window_size=7, backend="sdpa", **kwargs)
-        return seen.ops
+            zoo.attention(q, k, v, variant=variant, backend="sdpa", **kwargs)
+        return "aten.any.dim" in seen.ops
 
-    assert (passes() == []) == (q_len <= kv_len), passes()
-    assert passes(key_padding_mask=padding_mask(2, kv_len)) != []
+    assert guarded("local", window_size=7) == (q_len > kv_len)
+    assert guarded("local", window_size=7, key_padding_mask=padding_mask(2, kv_len))
+    assert guarded("moba", **small_params("moba"))

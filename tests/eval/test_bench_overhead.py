@@ -13,10 +13,13 @@ from eval.bench import overhead
 def test_bench_overhead_times_the_call_around_a_stubbed_kernel(tmp_path, monkeypatch):
     """Every kernel stubbed: no real SDPA call, the masked one (local on sdpa) included (it
     escaped the stub, and the H200 run's 10.3 ms of "host time" at 8K was its kernel)."""
-    real_calls = []
-    real = torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
-                        lambda *args, **kwargs: real_calls.append(1) or real(*args, **kwargs))  # fmt: skip
+    real_calls, real = [], torch.nn.functional.scaled_dot_product_attention
+
+    def recorded(*args, **kwargs):
+        real_calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
     argv = ["variants=[local, causal]", "backends=[flex, sdpa]", "lengths=[256]", "repeats=5",
             "heads=2", "head_dim=16", "params={local: {window_size: 8}}",
             f"out={tmp_path}"]  # fmt: skip

@@ -30,9 +30,7 @@ def dense_mask(pattern: Pattern, q_len: int, kv_len: int, device: torch.device) 
 
 
 @per_shape(maxsize=64)
-def every_row_has_key(pattern: Pattern, q_len: int, kv_len: int, device: torch.device) -> bool:
-    """Whether each query row of the pattern's dense view (of each head) allows a key: a kernel
-    that gives NaN for a row without one needs no guard per call where this holds."""
+def _every_row_has_key(pattern: Pattern, q_len: int, kv_len: int, device: torch.device) -> bool:
     return bool(dense_mask(pattern, q_len, kv_len, device).any(dim=-1).all())
 
 
@@ -60,6 +58,16 @@ def attention_mask(call: AttentionCall) -> Tensor:
         mask = mask if mask.dim() == 4 else mask[None, None]
     keep = key_keep(call)
     return mask if keep is None else mask & keep[:, None, None, :]
+
+
+def rows_may_lack_a_key(call: AttentionCall) -> bool:
+    """Whether a query row of ``attention_mask(call)`` may allow no key (a kernel that gives NaN
+    for such a row needs a guard): always with padding or a pattern chosen by content, whose
+    masks are the call's; for a fixed pattern, whether its dense view leaves a row (of a head)
+    without a key at the call's lengths, found once per shape."""
+    if call.pattern.routed or call.key_padding_mask is not None:
+        return True
+    return not _every_row_has_key(call.pattern, call.q_len, call.kv_len, call.device)
 
 
 def score_bias(call: AttentionCall, dtype: torch.dtype) -> Tensor:

@@ -26,12 +26,11 @@ from .base import FLOATS, Backend, Capabilities, DecodeStep, step_bias
 from .blocked.index_rows import index_rows
 from .causal_prefix import causal_after_prefix
 from .grouped_heads import fold_groups, unfold_groups
-from .reference import attention_mask, every_row_has_key, score_bias
+from .reference import attention_mask, rows_may_lack_a_key, score_bias
 from .split_keys import key_chunk, split_keys_attention
 
-# SDPA is looked up at each call, never imported by name: tests and bench-overhead replace
-# torch.nn.functional's, which a name imported here would escape (bench-overhead timed the real
-# masked kernel as host time).
+# SDPA is looked up at each call, here and in the blocked backend, never imported by name: tests
+# and bench-overhead replace torch.nn.functional's, which an imported name would escape.
 
 
 class SdpaBackend(Backend):
@@ -86,12 +85,10 @@ class SdpaBackend(Backend):
         if lower_right and (call.q.is_cuda or cpu_kernel):
             return _causal_lower_right(call), None
         mask = attention_mask(call)
-        # SDPA gives NaN for a row with no allowed key: let such rows see every key, then zero them.
-        # Where a fixed pattern gives each row a key at this shape, no row is empty: the guard's
-        # two passes over the (Lq, Lk) mask are left out (at 8K on a CPU they took 175 ms a call).
-        fixed = not call.pattern.routed and call.key_padding_mask is None
+        # SDPA gives NaN for a row with no allowed key: let such rows see every key, then zero them
+        # (two passes over the (Lq, Lk) mask, made only where a row may have none).
         has_key = None
-        if not (fixed and every_row_has_key(call.pattern, call.q_len, call.kv_len, call.device)):
+        if rows_may_lack_a_key(call):
             has_key = mask.any(dim=-1, keepdim=True)
             mask = mask | ~has_key
         if call.bias is not None:

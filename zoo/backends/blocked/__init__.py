@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
-from torch.nn.functional import dropout, scaled_dot_product_attention
+from torch.nn.functional import dropout  # SDPA: through torch.nn.functional, see sdpa.py
 
 from ...core.arguments import check_int
 from ...core.call import AttentionCall
@@ -361,7 +361,7 @@ class BlockedBackend(Backend):
                 return x.transpose(1, 2).flatten(0, 1)
 
             q, k, v = group.gather(inputs.q, inputs.k, inputs.v, frame)
-            out = scaled_dot_product_attention(
+            out = torch.nn.functional.scaled_dot_product_attention(
                 heads_inside(q), heads_inside(k), heads_inside(v),
                 attn_mask=mask.expand(B, -1, -1, -1, -1).flatten(0, 1),
                 dropout_p=call.dropout_p, scale=call.scale, enable_gqa=call.groups > 1,
@@ -407,7 +407,7 @@ class BlockedBackend(Backend):
         values = group.key_sources(inputs.v[b], frame.k.block)
         if len(keys) > 1:
             keys, values = [torch.cat(keys, dim=2)], [torch.cat(values, dim=2)]
-        return scaled_dot_product_attention(
+        return torch.nn.functional.scaled_dot_product_attention(
             q, keys[0], values[0], attn_mask=mask, dropout_p=call.dropout_p, scale=call.scale,
             enable_gqa=call.groups > 1,
         )  # fmt: skip

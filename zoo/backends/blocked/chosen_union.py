@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.nn.functional import dropout, scaled_dot_product_attention
+from torch.nn.functional import dropout  # SDPA: through torch.nn.functional, see sdpa.py
 
 from ...core.call import AttentionCall
 from ...core.device_build import has_no_data
@@ -174,7 +174,7 @@ def _group(
     if fused:
         mask = torch.zeros(masked.shape, dtype=q.dtype, device=device)
         mask = mask.masked_fill(masked & has_key, float("-inf"))  # a keyless row sees all, then 0
-        out = scaled_dot_product_attention(
+        out = torch.nn.functional.scaled_dot_product_attention(
             queries.flatten(0, 2)[:, None], keys.flatten(0, 2)[:, None],
             values.flatten(0, 2)[:, None], attn_mask=mask.flatten(0, 2)[:, None],
             dropout_p=call.dropout_p, scale=call.scale,
