@@ -19,37 +19,16 @@ def test_a_gpu_test_keeps_vectorized_cpu_code_under_scalar_cpu_code():
     assert inductor_config.cpp.vec_isa_ok is not False
 
 
-def _forget_vector_isas():
-    """Torch's per-process memory of which vector ISAs this CPU has, dropped as in a new process:
-    the list and each ISA class's cached truth."""
+def test_scalar_cpu_isa_picks_no_vector_isa_and_asks_no_isa_its_truth(monkeypatch):
+    """Within, no vector ISA, and no ISA's truth asked (torch caches it for the process whatever
+    ``cpp.vec_isa_ok`` says: ``helpers.scalar_cpu_isa``); after, the process's list of usable
+    ISAs as it was. The old body, which recomputed the list within, asked every ISA."""
     from torch._inductor import cpu_vec_isa
 
-    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    asked, listed = [], cpu_vec_isa.valid_vec_isa_list
     for isa in cpu_vec_isa.supported_vec_isa_list:
-        for cls in type(isa).__mro__:
-            for name in ("__bool__", "_VecISA__bool__impl"):
-                getattr(vars(cls).get(name), "cache_clear", lambda: None)()
-
-
-def _picked() -> str:
-    from torch._inductor import cpu_vec_isa
-
-    cpu_vec_isa.valid_vec_isa_list.cache_clear()
-    return str(cpu_vec_isa.pick_vec_isa())
-
-
-@pytest.mark.parametrize("first", ["before", "within"])
-def test_scalar_cpu_isa_neither_keeps_nor_leaves_behind_a_vector_isa(first):
-    """Within, no vector ISA; after, the ISA a new process picks, whether the process had picked
-    one before or picks first within (why it may not: ``helpers.scalar_cpu_isa``). On a CPU
-    with AMX the old body failed both: AMX within, AVX2 after."""
-    from torch._inductor import cpu_vec_isa
-
-    _forget_vector_isas()
-    fresh = _picked()
-    _forget_vector_isas()
-    if first == "before":
-        assert _picked() == fresh
+        monkeypatch.setattr(type(isa), "__bool__", lambda self: asked.append(str(self)) or True)
     with scalar_cpu_isa():
         assert not cpu_vec_isa.pick_vec_isa()
-    assert _picked() == fresh
+    assert asked == []
+    assert cpu_vec_isa.valid_vec_isa_list is listed
