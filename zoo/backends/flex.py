@@ -40,17 +40,14 @@ default until a GPU measures what it buys (``eval/configs/bench_divisible_gpu.ya
 
 ``static_lengths=True`` compiles a forward's kernel for each length on a GPU too
 (``dynamic=False``, as the CPU does): no kernel of symbolic lengths, a compile for every new
-length (2.5-7.4 s each on an H100), each pattern and length a graph of dynamo's per-function
-limit (``zoo.core.fused.RECOMPILE_LIMIT``; past it flex runs eagerly, dense). Off by default:
-the default keeps to two compiles for any number of lengths. A decoding step takes the default
-(a growing cache would compile at every step), and the option does nothing where the kernel is
-not compiled here (``compile=False``, inside a model that torch.compile traces, fake tensors).
-At 16K, the second length of its process, an H200 ran auto's local attention (the symbolic
-kernel) in 0.221 ms where FlexAttention compiled for that length took 0.157
-(eval/results/gpu-campaign-h200-2026-11-28-c, bench-divisible), with the same block mask,
-mask_mod and kernel options (compared on a CPU); at 8K, both compiled for the length, 0.203
-against 0.111, so not all of the gap is the kernel. ``flex_static`` in the same benchmark
-times the two kernels side by side.
+length (seconds each), each pattern and length a graph of dynamo's per-function limit
+(``zoo.core.fused.RECOMPILE_LIMIT``; past it flex runs eagerly, dense). Off by default: the
+default keeps to two compiles for any number of lengths. A decoding step takes the default (a
+growing cache would compile at every step), and the option does nothing where the kernel is not
+compiled here (``compile=False``, inside a model that torch.compile traces, fake tensors). Why it
+exists: on an H200 the symbolic kernel ran slower than FlexAttention compiled for the length,
+with the same block mask, mask_mod and kernel options (eval/results/gpu-campaign-h200-2026-11-28-c,
+bench-divisible); ``flex_static`` in that benchmark times the two kernels side by side.
 """
 
 from __future__ import annotations

@@ -37,12 +37,13 @@ filled), the most keys a query may attend, and whether it attends every slot in 
 without a compiled kernel; on CPU compiled flex pads the query row to a whole block and compiles
 for seconds per shape. A static cache's step reads every slot, masked, and CUDA's memory-efficient
 kernel (SDPA's one kernel that takes a mask) gives each row and key/value head one thread block
-over all of them (a compiled causal step at 16K took 0.87 ms on an H200 where the eager step over
-the filled slots took 0.37): so sdpa splits many masked slots into runs side by side, merged by
-log-sum-exp (``zoo.backends.split_keys``, not yet timed on a GPU). Flex's decoding
-kernel splits the keys too, and skips empty blocks. auto does not take flex for it: on an H200
-with torch 2.11 a step compiled whole on flex failed in Inductor's code for the mask (``XBLOCK
-is not defined``), for causal, sliding-window and Longformer caches alike.
+over all of them (on an H200 a compiled causal step was slower than the eager step over the
+filled slots: eval/results/gpu-campaign-h200-2026-11-28-c): so sdpa splits many masked slots
+into runs side by side, merged by log-sum-exp (``zoo.backends.split_keys``, not yet timed on a
+GPU). Flex's decoding kernel splits the keys too, and skips empty blocks. auto does not take
+flex for it: on an H200 with torch 2.11 a step compiled whole on flex failed in Inductor's code
+for the mask (``XBLOCK is not defined``), for causal, sliding-window and Longformer caches
+alike.
 Its cause (``KVCache.next_positions``) is removed, checked by lowering the step for a stand-in
 sm90 device on a CPU; until a GPU run shows the compiled steps right and faster, flex there is a
 backend one names, not a default (and Inductor runs its decoding kernel only for a power of two
