@@ -253,8 +253,11 @@ class Difference(Pattern):
         return Difference(self.include.head(h), self.exclude.head(h))
 
     def block_state(self, q: Spans, k: Spans) -> Tensor:
-        kept = torch.clamp(self.include.block_state(q, k), max=PARTIAL)
-        return torch.where(self.exclude.block_state(q, k) == FULL, EMPTY, kept).to(torch.int8)
+        # An exclude that takes nothing from a block leaves include's state, FULL included
+        # (strided's keys by residue less its band: FULL off the diagonal in the stride's order).
+        include, exclude = self.include.block_state(q, k), self.exclude.block_state(q, k)
+        cut = torch.where(exclude == EMPTY, include, torch.clamp(include, max=PARTIAL))
+        return torch.where(exclude == FULL, EMPTY, cut).to(torch.int8)
 
     def dense(self, q_len: int, kv_len: int) -> Tensor:
         include, exclude = _together([p.dense(q_len, kv_len) for p in (self.include, self.exclude)])
