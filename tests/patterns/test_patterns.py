@@ -89,6 +89,20 @@ def test_strided_regrouping_makes_blocks_dense():
     assert bool((grouped.state[grouped.state != EMPTY] == FULL).all())
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_a_difference_keeps_the_full_blocks_that_its_exclude_leaves_whole(causal):
+    """strided with its band runs its keys by residue less the band (a ``Difference``) in the
+    stride's order, where every block off the band is whole: FULL exactly where the dense mask's
+    blocks are (a PARTIAL block has flex evaluate its mask per element)."""
+    n = 1024
+    pattern = resolve_pattern("strided", causal, {"stride": 8, "window_size": 7})
+    part = specialized(pattern, n, n, CPU).parts()[-1]
+    frame = build_frame(part.stride, n, n, 16, 16, CPU)
+    state, exact = build_layout(part, frame).state, exact_state(part, frame, n, n)
+    assert int((exact == FULL).sum()) >= 100
+    assert torch.equal(state == FULL, exact == FULL)
+
+
 @pytest.mark.parametrize("stride", [1, 3, 8])
 @pytest.mark.parametrize("q_len,kv_len", [(64, 64), (50, 50), (20, 50), (21, 50)])
 def test_frame_gather_places_each_token_in_its_slot(stride, q_len, kv_len):
@@ -203,13 +217,18 @@ def test_longformer_dilation_is_optional():
     assert dilated_[20, 14] and not plain[20, 14]
 
 
-def test_allowed_pairs_counts_exactly():
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_allowed_pairs_counts_exactly(causal):
+    """Counting blocks of 32 and of 128, whose partial blocks split into parts of 16 before their
+    pairs are evaluated, and of 8, which do not split."""
     for variant in FIXED_VARIANTS:
         params = small_params(variant)
+        pattern = resolve_pattern(variant, causal, params)
         for q_len, kv_len in [(100, 100), (70, 100), (300, 300)]:
-            truth = int(zoo.dense_mask(variant, q_len, kv_len, **params).sum())
-            pattern = resolve_pattern(variant, False, params)
-            assert zoo.allowed_pairs(pattern, q_len, kv_len, block=32) == truth, variant
+            truth = int(zoo.dense_mask(pattern, q_len, kv_len).sum())
+            for block in (8, 32, 128):
+                counted = zoo.allowed_pairs(pattern, q_len, kv_len, block=block)
+                assert counted == truth, (variant, q_len, kv_len, block)
 
 
 def test_the_bounds_from_block_states_hold_the_exact_count():

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..core.shape_cache import per_shape
-from ..patterns.base import EMPTY, FULL, PARTIAL, Pattern
+from ..patterns.base import EMPTY, FULL, PARTIAL, Pattern, Spans
 from .frames import Frame, build_frame
 
 
@@ -121,10 +121,11 @@ def head_layout(pattern: Pattern, h: int) -> Pattern:
 
 
 def allowed_pairs(pattern: Pattern, q_len: int, kv_len: int, block: int = 128) -> int:
-    """The exact number of allowed pairs, counted block by block: full blocks by size, partial
-    blocks by evaluating the mask on them alone, empty blocks never. Each disjoint part of the
-    pattern is counted in its own token order, where its blocks are sparse. Counted on the CPU
-    once per shape, whatever mode the caller is in (``explain`` under fake tensors)."""
+    """The exact number of allowed pairs, counted block by block: full blocks by size, empty
+    blocks never, partial blocks split into parts of 16 slots that count alike, and only the
+    partial parts evaluated pair by pair. Each disjoint part of the pattern is counted in its own
+    token order, where its blocks are sparse. Counted on the CPU once per shape, whatever mode
+    the caller is in (``explain`` under fake tensors)."""
     if not isinstance(pattern, Pattern):
         raise TypeError(
             f"allowed_pairs takes a zoo Pattern, got {pattern!r} ({type(pattern).__name__}); "
@@ -169,11 +170,45 @@ def _allowed_pairs(pattern: Pattern, q_len: int, kv_len: int, block: int) -> int
     total = 0
     for part, frame, state in _part_states(pattern, q_len, kv_len, block):
         total += int((state == FULL).sum()) * block * block
-        q_pos, q_ok = frame.q.position.view(-1, block), frame.q.valid.view(-1, block)
-        k_pos, k_ok = frame.k.position.view(-1, block), frame.k.valid.view(-1, block)
         q_blocks, k_blocks = torch.nonzero(state == PARTIAL, as_tuple=True)
-        for chunk in torch.split(torch.arange(q_blocks.numel()), 1024):
-            qb, kb = q_blocks[chunk], k_blocks[chunk]
-            hit = part.allowed(q_pos[qb][:, :, None], k_pos[kb][:, None, :])
-            total += int((hit & q_ok[qb][:, :, None] & k_ok[kb][:, None, :]).sum())
+        total += _partial_pairs(part, frame, q_blocks, k_blocks, block)
     return total
+
+
+# The edge of the parts a partial block is split into before its pairs are evaluated one by one.
+_PART = 16
+
+
+def _partial_pairs(part: Pattern, frame, q_blocks: Tensor, k_blocks: Tensor, block: int) -> int:
+    """The allowed pairs of the PARTIAL blocks (q_blocks[i], k_blocks[i]) of blocks of ``block``
+    slots. Where the block splits into parts of ``_PART`` slots, the pattern's ``block_state``
+    classifies the parts first: full ones count by size, empty ones not at all, and only the
+    partial ones are evaluated pair by pair (a 2-D pattern's rows and columns cross a block in
+    thin lines, so most of a partial block's parts are empty)."""
+    size = _PART if block > _PART and block % _PART == 0 else block
+    per = block // size
+    q_spans, k_spans = frame.q.spans(size), frame.k.spans(size)
+    q_pos, q_ok = frame.q.position.view(-1, size), frame.q.valid.view(-1, size)
+    k_pos, k_ok = frame.k.position.view(-1, size), frame.k.valid.view(-1, size)
+    parts = torch.arange(per)
+    total = 0
+    for chunk in torch.split(torch.arange(q_blocks.numel()), 1024):
+        qb, kb = q_blocks[chunk], k_blocks[chunk]
+        if per > 1:
+            qb, kb = qb[:, None] * per + parts, kb[:, None] * per + parts  # the parts' indices
+            q_parts, k_parts = _picked(q_spans, qb[:, :, None]), _picked(k_spans, kb[:, None])
+            state = part.block_state(q_parts, k_parts)
+            total += int(torch.count_nonzero(state == FULL)) * size * size
+            which = state.expand(qb.shape[0], per, per) == PARTIAL
+            qb, kb = qb[:, :, None].expand_as(which)[which], kb[:, None].expand_as(which)[which]
+        for pairs in torch.split(torch.arange(qb.numel()), 1024 * per * per):
+            qp, kp = qb[pairs], kb[pairs]
+            hit = part.allowed(q_pos[qp][:, :, None], k_pos[kp][:, None, :])
+            # count_nonzero: a bool tensor's sum runs several times slower
+            total += int(torch.count_nonzero(hit & q_ok[qp][:, :, None] & k_ok[kp][:, None, :]))
+    return total
+
+
+def _picked(spans: Spans, index: Tensor) -> Spans:
+    """The spans at ``index``, shaped as it is."""
+    return spans.map(lambda t: t[index])

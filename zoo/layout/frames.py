@@ -58,16 +58,19 @@ class Axis:
         """Slot t holds token t (only padding added at the end)."""
         return self.step == 1 and self.tiles is None
 
-    def spans(self) -> Spans:
-        """The progression of valid positions in each block."""
-        pos = self.position.view(-1, self.block)
-        valid = self.valid.view(-1, self.block)
+    def spans(self, size: int | None = None) -> Spans:
+        """The progression of valid positions in each block, or in each run of ``size`` slots
+        (a divisor of the block: a block's parts, which lie in one group of a stride's order
+        and in one tile of a grid's)."""
+        size = self.block if size is None else size
+        pos = self.position.view(-1, size)
+        valid = self.valid.view(-1, size)
         lo = torch.where(valid, pos, _FAR).amin(dim=1)
         hi = torch.where(valid, pos, -_FAR).amax(dim=1)
-        box = None if self.tiles is None else block_boxes(self.tiles, pos, valid, self.block)
+        box = None if self.tiles is None else block_boxes(self.tiles, pos, valid, size)
         # A block of one slot lies in [p, p + 1) for its position p, in any order.
-        whole = self.block == 1 or (self.identity and self.start % self.block == 0)
-        aligned = self.block if whole else None
+        whole = size == 1 or (self.identity and self.start % size == 0)
+        aligned = size if whole else None
         return Spans(lo, hi, self.step, valid.all(dim=1), box, aligned)
 
     def gather(self, x: Tensor, dim: int = -2) -> Tensor:
