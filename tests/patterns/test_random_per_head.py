@@ -17,7 +17,7 @@ from zoo.core.prepare import prepare_call
 from zoo.core.resolve import call_pattern
 from zoo.functional import resolve_pattern
 from zoo.layout.block_layout import specialized, with_heads
-from zoo.patterns import Global, Random, RandomBlocks, made_causal
+from zoo.patterns import FULL, Global, Random, RandomBlocks, made_causal
 from zoo.testing.pattern_views import check_pattern
 
 CPU = torch.device("cpu")
@@ -206,3 +206,29 @@ def test_xformers_declines_a_per_head_pattern_and_auto_runs_it():
     out = zoo.attention(q, k, v, variant="bigbird", block_size=16)  # auto
     want = zoo.attention(q, k, v, variant="bigbird", block_size=16, backend="reference")
     assert (out - want).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("heads", [None, 3], ids=["one_table", "per_head"])
+@pytest.mark.parametrize("q_len,kv_len", [(100, 100), (68, 100), (100, 68)])  # offsets of 8s
+def test_spans_of_a_few_blocks_read_the_drawn_blocks_as_the_rectangles_count(heads, q_len, kv_len):
+    """Where the host knows how many pattern blocks a span touches (aligned frames: a lookup
+    table's squares of the block size or a divisor, a natural order's kernel blocks of a multiple
+    or of neither), the random blocks' state is read from the drawn blocks one by one; the same
+    as the prefix sums' rectangles give (the path for any span, forced by forgetting that the
+    spans align)."""
+    from zoo.layout.frames import build_frame
+    from zoo.patterns.random_blocks import _reach
+
+    random = Random(block_size=8, num_blocks=3, seed=5, per_head=heads is not None)
+    pattern = specialized(random, q_len, kv_len, CPU)
+    if heads is not None:
+        pattern = with_heads(pattern, heads)
+        assert pattern.table.shape[0] == heads
+    for size in (1, 4, 8, 16, 20, 32):
+        frame = build_frame(1, q_len, kv_len, size, size, CPU)
+        q, k = frame.q.spans().column(), frame.k.spans().row()
+        assert _reach(k, 8) == {1: 1, 4: 1, 8: 1, 16: 2, 20: 4, 32: 4}[size]
+        read = pattern.block_state(q, k)
+        counted = pattern.block_state(*(dataclasses.replace(s, aligned=None) for s in (q, k)))
+        assert torch.equal(read, counted), size
+        assert size > 8 or int((read == FULL).sum()) > 0

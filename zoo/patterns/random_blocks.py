@@ -73,6 +73,7 @@ before it sees them all::
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -326,24 +327,48 @@ class RandomBlocks(Pattern):
             drawn = torch.zeros(heads, n + 1, n + 1, dtype=torch.int32, device=table.device)
             drawn[:, 1:].scatter_(2, table + 1, 1)
             drawn[:, :, 0] = 0
-            sums = drawn.cumsum(1).cumsum(2)
+            sums = drawn.cumsum(1, dtype=torch.int32).cumsum(2, dtype=torch.int32)
             self.__dict__["_sums"] = sums if self.heads is not None else sums[0]
         return self.__dict__["_sums"]
 
+    def _drawn(self) -> Tensor:
+        """The [(H,) blocks, blocks + 1] drawn-or-not matrix (the last column takes the -1 slots:
+        no block)."""
+        if "_drawn_blocks" not in self.__dict__:
+            table = self.table if self.heads is not None else self.table[None]
+            heads, n = table.shape[0], table.shape[1]
+            drawn = torch.zeros(heads, n, n + 1, dtype=torch.bool, device=table.device)
+            drawn.scatter_(2, torch.where(table < 0, n, table), True)
+            drawn = drawn[..., :n]
+            self.__dict__["_drawn_blocks"] = drawn if self.heads is not None else drawn[0]
+        return self.__dict__["_drawn_blocks"]
+
     def block_state(self, q: Spans, k: Spans) -> Tensor:
         b, last = self.block_size, self.table.shape[-2] - 1
-        sums = self._drawn_prefix_sums()
         # The rectangle of pattern blocks that the two kernel blocks touch; clamps only keep the
         # indices of empty spans in range (state_from marks those EMPTY anyway).
         q0, q1 = (torch.clamp(q.lo, min=0) // b).clamp(0, last), (q.hi // b).clamp(0, last)
         k0, k1 = (k.lo // b).clamp(0, last), (k.hi // b).clamp(0, last)
-        if self.heads is None:
-            count = sums[q1 + 1, k1 + 1] - sums[q0, k1 + 1] - sums[q1 + 1, k0] + sums[q0, k0]
-        else:  # [H, ...]: one rectangle count per head
-            count = (
-                sums[:, q1 + 1, k1 + 1] - sums[:, q0, k1 + 1] - sums[:, q1 + 1, k0]
-                + sums[:, q0, k0]
-            )  # fmt: skip
+        reach = _reach(q, b), _reach(k, b)
+        if None not in reach and reach[0] * reach[1] <= _MOST_READS:
+            # Spans of a few pattern blocks each, known on the host (a lookup table's squares, a
+            # natural order's kernel blocks): the rectangle's drawn blocks read one by one, not
+            # through the prefix sums of every block pair.
+            drawn = self._drawn()
+            count = torch.zeros((), dtype=torch.int32, device=drawn.device)
+            for dq, dk in itertools.product(range(reach[0]), range(reach[1])):
+                i, j = (q0 + dq).clamp(max=last), (k0 + dk).clamp(max=last)
+                hit = drawn[i, j] if self.heads is None else drawn[:, i, j]
+                count = count + (hit & (q0 + dq <= q1) & (k0 + dk <= k1))
+        else:
+            sums = self._drawn_prefix_sums()
+            if self.heads is None:
+                count = sums[q1 + 1, k1 + 1] - sums[q0, k1 + 1] - sums[q1 + 1, k0] + sums[q0, k0]
+            else:  # [H, ...]: one rectangle count per head
+                count = (
+                    sums[:, q1 + 1, k1 + 1] - sums[:, q0, k1 + 1] - sums[:, q1 + 1, k0]
+                    + sums[:, q0, k0]
+                )  # fmt: skip
         area = (q1 - q0 + 1) * (k1 - k0 + 1)
         some = (q.hi >= 0) & (count > 0)
         state = state_from(some, some & (count == area) & (q.lo >= 0), q, k)
@@ -362,3 +387,21 @@ class RandomBlocks(Pattern):
             for k_block in (k for k in row if k >= 0):
                 mask[rows, k_block * b : (k_block + 1) * b] = True
         return mask
+
+
+# Pattern blocks a rectangle may hold before its drawn blocks are counted by prefix sums.
+_MOST_READS = 16
+
+
+def _reach(spans: Spans, block: int) -> int | None:
+    """The most pattern blocks of ``block`` positions that one of ``spans`` touches, where the
+    host knows it (``Spans.aligned``: each span lies in an aligned run of that many positions);
+    else None."""
+    run = spans.aligned
+    if run is None:
+        return None
+    if block % run == 0:
+        return 1
+    if run % block == 0:
+        return run // block
+    return -(-(run - 1) // block) + 1
