@@ -32,7 +32,6 @@ from torch.nn.functional import scaled_dot_product_attention
 
 import zoo
 import zoo.backends.flex
-import zoo.backends.reference
 import zoo.layout.block_layout
 import zoo.layout.frames
 from zoo.backends import Backend, BlockedBackend, FlexBackend, resolve_backend
@@ -41,6 +40,7 @@ from zoo.backends.xformers import grouped_layout
 from zoo.core.shape_cache import per_shape
 from zoo.functional import prepare_call, resolve_pattern
 from zoo.mechanisms.dispatch import is_mechanism
+from zoo.patterns.compose import dense_on
 
 from .measure import CellSkip, timed_once
 from .routed import selection_ms
@@ -130,7 +130,7 @@ def _build_structures(backend: Backend, call) -> None:
     elif isinstance(backend, BlockedBackend):
         backend.scored_pairs(call)  # every part's frame and layout
     elif call.pattern.kind == "sparse" and backend.name in ("sdpa", "reference"):
-        zoo.backends.reference.dense_mask(call.pattern, call.q_len, call.kv_len, call.device)
+        dense_on(call.pattern, call.q_len, call.kv_len, call.device)
 
 
 def block_density(backend: Backend, call) -> tuple[int | None, float]:

@@ -46,6 +46,34 @@ class DeviceReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class HostCopies:
+    """Records each copy of host data to the tagged device outside the per-shape builders: a
+    CPU tensor's ``.to`` or ``.cuda``, ``torch.tensor`` or ``torch.as_tensor`` asked for the
+    device. On a GPU such a copy from pageable memory waits for the device to finish its queue."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.copies: list[str] = []
+        spied = device_build._DeviceArguments.__torch_function__
+
+        def spy(mode, func, types, args=(), kwargs=None):
+            building = getattr(device_build._STATE, "building", False)
+            if not building and _copies_to_the_device(func, args, kwargs or {}):
+                self.copies.append(func.__name__)
+            return spied(mode, func, types, args, kwargs)
+
+        monkeypatch.setattr(device_build._DeviceArguments, "__torch_function__", spy)
+
+
+def _copies_to_the_device(func, args, kwargs) -> bool:
+    to_device = device_build._without_data(kwargs.get("device")) is not None
+    if func in (torch.tensor, torch.as_tensor):
+        return to_device
+    if func not in (torch.Tensor.to, torch.Tensor.cuda) or isinstance(args[0], Tagged):
+        return False
+    named = any(device_build._without_data(a) is not None for a in args[1:])
+    return func is torch.Tensor.cuda or named or to_device
+
+
 def _stub_kernel(compiled, least, q, k, v, lse=False, **kwargs):
     out = q.new_zeros(*q.shape[:-1], v.shape[-1])
     return (out, q.new_zeros(q.shape[:-1], dtype=torch.float32)) if lse else out
@@ -65,15 +93,17 @@ def tagged(monkeypatch):
 
 @pytest.mark.parametrize("backend", ["flex", "sdpa", "blocked", "auto"])
 @pytest.mark.parametrize("variant", [*VARIANTS, "moba"])
-def test_a_forward_call_on_cuda_reads_no_device_value(variant, backend, tagged):
+def test_a_forward_call_on_cuda_reads_no_device_value(variant, backend, tagged, monkeypatch):
     """Grouped heads, fewer queries than keys with key padding; causal at equal lengths (torch's
-    own lower-right causal mask needs a CUDA runtime to be made)."""
+    own lower-right causal mask needs a CUDA runtime to be made). Nor does it copy host data to
+    the device (MoBA's causal member on sdpa was a q_len x kv_len mask made on the CPU and
+    copied at every call)."""
     if variant == "moba" and backend == "blocked":
         pytest.skip("MoBA's runs by key block read their count (blocked.by_key)")
     q = tagged(torch.randn(2, 4, 150, 16))
     k = tagged(torch.randn(2, 2, 200, 16))
     padding = tagged(torch.zeros(2, 200, dtype=torch.bool))
-    watch = DeviceReads()
+    watch, copies = DeviceReads(), HostCopies(monkeypatch)
     with watch:
         out = zoo.attention(
             q, k, k, variant=variant, backend=backend, key_padding_mask=padding,
@@ -83,6 +113,7 @@ def test_a_forward_call_on_cuda_reads_no_device_value(variant, backend, tagged):
         zoo.attention(k, k, k, variant=variant, backend=backend, causal=True, **params)
     assert out.device.type == "cuda"
     assert watch.reads == [], f"device values read on the host: {watch.reads}"
+    assert copies.copies == [], f"host data copied to the device: {copies.copies}"
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
@@ -108,6 +139,17 @@ def test_the_watch_sees_a_read(tagged):
         bool(x.any())
         x.nonzero()
     assert watch.reads == ["_local_scalar_dense", "nonzero"]
+
+
+def test_the_watch_sees_a_copy_to_the_device(tagged, monkeypatch):
+    copies = HostCopies(monkeypatch)
+    tagged(torch.ones(3)).to("cuda")  # already there: no copy
+    torch.zeros(3, device="cuda")  # made there
+    torch.ones(3).to("cuda")
+    torch.ones(3).cuda()
+    torch.tensor([1, 2], device="cuda")
+    torch.ones(3).to(torch.float64)  # stays on the host
+    assert copies.copies == ["to", "cuda", "tensor"]
 
 
 def test_valid_lens_are_checked_on_the_device(tagged):

@@ -11,6 +11,7 @@ from ..core.autocast import float32_inside
 from ..core.call import AttentionCall
 from ..core.shape_cache import per_shape
 from ..patterns import Pattern, query_positions
+from ..patterns.compose import dense_on
 from .base import (
     FLOATS,
     Backend,
@@ -24,14 +25,8 @@ from .base import (
 
 
 @per_shape(maxsize=64)
-def dense_mask(pattern: Pattern, q_len: int, kv_len: int, device: torch.device) -> Tensor:
-    """The pattern's dense view on a device, built once per shape."""
-    return pattern.dense(q_len, kv_len).to(device)
-
-
-@per_shape(maxsize=64)
 def _every_row_has_key(pattern: Pattern, q_len: int, kv_len: int, device: torch.device) -> bool:
-    return bool(dense_mask(pattern, q_len, kv_len, device).any(dim=-1).all())
+    return bool(dense_on(pattern, q_len, kv_len, device).any(dim=-1).all())
 
 
 def exp_and_mass(scores: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -54,7 +49,7 @@ def attention_mask(call: AttentionCall) -> Tensor:
     if call.pattern.routed:  # chosen by content: (B, H, Lq, Lk), made for this call only
         mask = call.pattern.dense(call.q_len, call.kv_len)
     else:  # (Lq, Lk), or (1, H, Lq, Lk) for a pattern per head, once per shape
-        mask = dense_mask(call.pattern, call.q_len, call.kv_len, call.device)
+        mask = dense_on(call.pattern, call.q_len, call.kv_len, call.device)
         mask = mask if mask.dim() == 4 else mask[None, None]
     keep = key_keep(call)
     return mask if keep is None else mask & keep[:, None, None, :]

@@ -21,6 +21,7 @@ from functools import reduce
 import torch
 from torch import Tensor
 
+from ..core.shape_cache import per_shape
 from .base import EMPTY, FULL, PARTIAL, Pattern, Spans
 
 
@@ -101,7 +102,7 @@ class Union(Pattern):
         return reduce(torch.maximum, (c.block_state(q, k) for c in self.children))
 
     def dense(self, q_len: int, kv_len: int) -> Tensor:
-        return reduce(torch.logical_or, _together([c.dense(q_len, kv_len) for c in self.children]))
+        return reduce(torch.logical_or, _dense_together(self.children, q_len, kv_len))
 
     def causal_form(self) -> Pattern:
         return Union(tuple(c.causal_form() for c in self.children))
@@ -187,7 +188,7 @@ class Intersection(Pattern):
         return reduce(torch.minimum, (c.block_state(q, k) for c in self.children))
 
     def dense(self, q_len: int, kv_len: int) -> Tensor:
-        return reduce(torch.logical_and, _together([c.dense(q_len, kv_len) for c in self.children]))
+        return reduce(torch.logical_and, _dense_together(self.children, q_len, kv_len))
 
     def causal_form(self) -> Pattern:
         return Intersection(tuple(c.causal_form() for c in self.children))
@@ -260,7 +261,7 @@ class Difference(Pattern):
         return torch.where(exclude == FULL, EMPTY, cut).to(torch.int8)
 
     def dense(self, q_len: int, kv_len: int) -> Tensor:
-        include, exclude = _together([p.dense(q_len, kv_len) for p in (self.include, self.exclude)])
+        include, exclude = _dense_together((self.include, self.exclude), q_len, kv_len)
         return include & ~exclude
 
     def causal_form(self) -> Pattern:
@@ -278,8 +279,23 @@ Pattern._union = Union
 Pattern._intersection = Intersection
 
 
-def _together(masks: list[Tensor]) -> list[Tensor]:
-    """Children's dense masks on one device: a fixed child's is on the CPU, a choice by content
-    (MoBA's) on the device of the call's tensors."""
+@per_shape(maxsize=64)
+def dense_on(pattern: Pattern, q_len: int, kv_len: int, device: torch.device) -> Tensor:
+    """A fixed pattern's dense view on a device, built once per shape."""
+    return pattern.dense(q_len, kv_len).to(device)
+
+
+def _dense_together(members: tuple[Pattern, ...], q_len: int, kv_len: int) -> list[Tensor]:
+    """The members' dense masks on one device. A choice by content's (MoBA's) is made for the
+    call where the call's tensors are, and beside one a fixed member's is built there once per
+    shape (made on the CPU and copied at every call, it cost q_len x kv_len of host work and, on
+    a GPU, a copy that waits for the device). Without one, the masks are made where their
+    members keep them (a graph's edges may be on a GPU), the rest moved there."""
+    chosen = {i: m.dense(q_len, kv_len) for i, m in enumerate(members) if m.routed}
+    if chosen:
+        device = next(iter(chosen.values())).device
+        return [chosen[i] if m.routed else dense_on(m, q_len, kv_len, device)
+                for i, m in enumerate(members)]  # fmt: skip
+    masks = [m.dense(q_len, kv_len) for m in members]
     device = next((m.device for m in masks if m.device.type != "cpu"), masks[0].device)
     return [m.to(device) for m in masks]
