@@ -46,22 +46,38 @@ class DeviceReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class HostCopies:
+class HostCopies(TorchDispatchMode):
     """Records each copy of host data to the tagged device outside the per-shape builders: a
-    CPU tensor's ``.to`` or ``.cuda``, ``torch.tensor`` or ``torch.as_tensor`` asked for the
-    device. On a GPU such a copy from pageable memory waits for the device to finish its queue."""
+    CPU tensor's ``.to`` or ``.cuda`` and ``torch.tensor`` or ``torch.as_tensor`` asked for the
+    device (seen where the tagging takes them, before any dispatch), and ``copy_`` of a CPU
+    tensor into a tagged one. On a GPU such a copy from pageable memory waits for the device to
+    finish its queue. Indexing with CPU indices is not watched."""
 
     def __init__(self, monkeypatch) -> None:
+        super().__init__()
         self.copies: list[str] = []
         spied = device_build._DeviceArguments.__torch_function__
 
         def spy(mode, func, types, args=(), kwargs=None):
-            building = getattr(device_build._STATE, "building", False)
-            if not building and _copies_to_the_device(func, args, kwargs or {}):
+            if not _building() and _copies_to_the_device(func, args, kwargs or {}):
                 self.copies.append(func.__name__)
             return spied(mode, func, types, args, kwargs)
 
         monkeypatch.setattr(device_build._DeviceArguments, "__torch_function__", spy)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name == "copy_" and _into_the_device(args) and not _building():
+            self.copies.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _into_the_device(args: tuple) -> bool:
+    return isinstance(args[0], Tagged) and not isinstance(args[1], Tagged)
+
+
+def _building() -> bool:
+    return getattr(device_build._STATE, "building", False)
 
 
 def _copies_to_the_device(func, args, kwargs) -> bool:
@@ -96,15 +112,15 @@ def tagged(monkeypatch):
 def test_a_forward_call_on_cuda_reads_no_device_value(variant, backend, tagged, monkeypatch):
     """Grouped heads, fewer queries than keys with key padding; causal at equal lengths (torch's
     own lower-right causal mask needs a CUDA runtime to be made). Nor does it copy host data to
-    the device (MoBA's causal member on sdpa was a q_len x kv_len mask made on the CPU and
-    copied at every call)."""
+    the device (``HostCopies``; MoBA's causal member on sdpa is a fixed member's mask beside a
+    choice's)."""
     if variant == "moba" and backend == "blocked":
         pytest.skip("MoBA's runs by key block read their count (blocked.by_key)")
     q = tagged(torch.randn(2, 4, 150, 16))
     k = tagged(torch.randn(2, 2, 200, 16))
     padding = tagged(torch.zeros(2, 200, dtype=torch.bool))
     watch, copies = DeviceReads(), HostCopies(monkeypatch)
-    with watch:
+    with watch, copies:
         out = zoo.attention(
             q, k, k, variant=variant, backend=backend, key_padding_mask=padding,
             **small_params(variant),
@@ -143,22 +159,15 @@ def test_the_watch_sees_a_read(tagged):
 
 def test_the_watch_sees_a_copy_to_the_device(tagged, monkeypatch):
     copies = HostCopies(monkeypatch)
-    tagged(torch.ones(3)).to("cuda")  # already there: no copy
-    torch.zeros(3, device="cuda")  # made there
-    torch.ones(3).to("cuda")
-    torch.ones(3).cuda()
-    torch.tensor([1, 2], device="cuda")
-    torch.ones(3).to(torch.float64)  # stays on the host
-    assert copies.copies == ["to", "cuda", "tensor"]
-
-
-def test_valid_lens_are_checked_on_the_device(tagged):
-    """The module's key counts on a GPU: checked by a device-side assertion, not read."""
-    from zoo.modules.multi_head import padding_from_lengths
-
-    watch = DeviceReads()
-    with watch:
-        padding = padding_from_lengths(tagged(torch.tensor([5, 2])), 5)
-    assert watch.reads == [] and padding.device.type == "cuda"
-    with pytest.raises(RuntimeError, match="valid_lens must lie in"):
-        padding_from_lengths(tagged(torch.tensor([6, 2])), 5)  # the assertion fires (values: CPU)
+    with copies:
+        on_device = tagged(torch.ones(3))
+        on_device.to("cuda")  # already there: no copy
+        torch.zeros(3, device="cuda")  # made there
+        torch.ones(3).to(torch.float64)  # stays on the host
+        torch.ones(3).to("cuda")
+        torch.ones(3).to(device="cuda")
+        torch.ones(3).cuda()
+        torch.tensor([1, 2], device="cuda")
+        torch.as_tensor([1, 2], device="cuda")
+        on_device.copy_(torch.ones(3))
+    assert copies.copies == ["to", "to", "cuda", "tensor", "as_tensor", "copy_"]

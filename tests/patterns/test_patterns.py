@@ -119,6 +119,17 @@ def test_frame_gather_places_each_token_in_its_slot(stride, q_len, kv_len):
         assert frame.q.aligned  # the fast path is the one tested here
 
 
+def test_a_frames_spans_of_runs_within_its_blocks():
+    """``spans(size)``: the runs of ``size`` slots in each block, in one group of a stride's
+    order; a size that does not divide the block is refused (its runs would cross groups)."""
+    frame = build_frame(3, 40, 40, 8, 8, CPU)  # groups of 14, 13 and 13, each padded to 16
+    runs = frame.k.spans(4)
+    assert runs.lo[:4].tolist() == [0, 12, 24, 36] and runs.step == 3
+    assert runs.hi[:4].tolist() == [9, 21, 33, 39] and runs.complete[:4].tolist() == [1, 1, 1, 0]
+    with pytest.raises(ValueError, match="size must divide the frame's block of 8, got 5"):
+        frame.q.spans(5)
+
+
 def positions(q_len, kv_len):
     return query_positions(q_len, kv_len)[:, None], torch.arange(kv_len)[None, :]
 

@@ -209,7 +209,7 @@ def test_xformers_declines_a_per_head_pattern_and_auto_runs_it():
 
 
 @pytest.mark.parametrize("heads", [None, 3], ids=["one_table", "per_head"])
-@pytest.mark.parametrize("q_len,kv_len", [(100, 100), (68, 100), (100, 68)])  # offsets of 8s
+@pytest.mark.parametrize("q_len,kv_len", [(100, 100), (100, 260), (260, 100)])  # offsets of 160
 def test_spans_of_a_few_blocks_read_the_drawn_blocks_as_the_rectangles_count(heads, q_len, kv_len):
     """Where the host knows how many pattern blocks a span touches (aligned frames: a lookup
     table's squares of the block size or a divisor, a natural order's kernel blocks of a multiple
@@ -227,7 +227,8 @@ def test_spans_of_a_few_blocks_read_the_drawn_blocks_as_the_rectangles_count(hea
     for size in (1, 4, 8, 16, 20, 32):
         frame = build_frame(1, q_len, kv_len, size, size, CPU)
         q, k = frame.q.spans().column(), frame.k.spans().row()
-        assert _reach(k, 8) == {1: 1, 4: 1, 8: 1, 16: 2, 20: 4, 32: 4}[size]
+        reach = {1: 1, 4: 1, 8: 1, 16: 2, 20: 4, 32: 4}[size]  # the read path, both sides
+        assert _reach(q, 8) == _reach(k, 8) == reach
         read = pattern.block_state(q, k)
         counted = pattern.block_state(*(dataclasses.replace(s, aligned=None) for s in (q, k)))
         assert torch.equal(read, counted), size

@@ -122,10 +122,11 @@ def head_layout(pattern: Pattern, h: int) -> Pattern:
 
 def allowed_pairs(pattern: Pattern, q_len: int, kv_len: int, block: int = 128) -> int:
     """The exact number of allowed pairs, counted block by block: full blocks by size, empty
-    blocks never, partial blocks split into parts of 16 slots that count alike, and only the
-    partial parts evaluated pair by pair. Each disjoint part of the pattern is counted in its own
-    token order, where its blocks are sparse. Counted on the CPU once per shape, whatever mode
-    the caller is in (``explain`` under fake tensors)."""
+    blocks never, partial blocks (of a multiple of 16 slots a side, over 16) cut into squares of
+    16 x 16 slots that are counted the same way, and only the partial squares (or blocks) counted
+    pair by pair. Each disjoint part of the pattern is counted in its own token order, where its
+    blocks are sparse. Counted on the CPU once per shape, whatever mode the caller is in
+    (``explain`` under fake tensors)."""
     if not isinstance(pattern, Pattern):
         raise TypeError(
             f"allowed_pairs takes a zoo Pattern, got {pattern!r} ({type(pattern).__name__}); "
@@ -175,37 +176,36 @@ def _allowed_pairs(pattern: Pattern, q_len: int, kv_len: int, block: int) -> int
     return total
 
 
-# The edge of the parts a partial block is split into before its pairs are evaluated one by one.
-_PART = 16
+# The side of the squares a partial block is cut into before its pairs are counted one by one.
+_SQUARE = 16
 
 
 def _partial_pairs(part: Pattern, frame, q_blocks: Tensor, k_blocks: Tensor, block: int) -> int:
     """The allowed pairs of the PARTIAL blocks (q_blocks[i], k_blocks[i]) of blocks of ``block``
-    slots. Where the block splits into parts of ``_PART`` slots, the pattern's ``block_state``
-    classifies the parts first: full ones count by size, empty ones not at all, and only the
-    partial ones are evaluated pair by pair (a 2-D pattern's rows and columns cross a block in
-    thin lines, so most of a partial block's parts are empty)."""
-    size = _PART if block > _PART and block % _PART == 0 else block
-    per = block // size
-    q_spans, k_spans = frame.q.spans(size), frame.k.spans(size)
-    q_pos, q_ok = frame.q.position.view(-1, size), frame.q.valid.view(-1, size)
-    k_pos, k_ok = frame.k.position.view(-1, size), frame.k.valid.view(-1, size)
-    parts = torch.arange(per)
+    slots. Where a block cuts into squares of ``_SQUARE`` slots a side, the pattern's
+    ``block_state`` classifies the squares first: full ones count by size, empty ones not at
+    all, and only the partial ones are counted pair by pair (a 2-D pattern's rows and columns
+    cross a block in thin lines, so most of a partial block's squares are empty)."""
+    side = _SQUARE if block > _SQUARE and block % _SQUARE == 0 else block
+    per = block // side  # squares per block side
+    q_spans, k_spans = frame.q.spans(side), frame.k.spans(side)
+    q_pos, q_ok = frame.q.position.view(-1, side), frame.q.valid.view(-1, side)
+    k_pos, k_ok = frame.k.position.view(-1, side), frame.k.valid.view(-1, side)
+    within = torch.arange(per)
     total = 0
     for chunk in torch.split(torch.arange(q_blocks.numel()), 1024):
-        qb, kb = q_blocks[chunk], k_blocks[chunk]
+        qs, ks = q_blocks[chunk], k_blocks[chunk]  # the blocks' runs of slots, then the squares'
         if per > 1:
-            qb, kb = qb[:, None] * per + parts, kb[:, None] * per + parts  # the parts' indices
-            q_parts, k_parts = _picked(q_spans, qb[:, :, None]), _picked(k_spans, kb[:, None])
-            state = part.block_state(q_parts, k_parts)
-            total += int(torch.count_nonzero(state == FULL)) * size * size
-            which = state.expand(qb.shape[0], per, per) == PARTIAL
-            qb, kb = qb[:, :, None].expand_as(which)[which], kb[:, None].expand_as(which)[which]
-        for pairs in torch.split(torch.arange(qb.numel()), 1024 * per * per):
-            qp, kp = qb[pairs], kb[pairs]
-            hit = part.allowed(q_pos[qp][:, :, None], k_pos[kp][:, None, :])
-            # count_nonzero: a bool tensor's sum runs several times slower
-            total += int(torch.count_nonzero(hit & q_ok[qp][:, :, None] & k_ok[kp][:, None, :]))
+            qs, ks = qs[:, None] * per + within, ks[:, None] * per + within
+            q_squares, k_squares = _picked(q_spans, qs[:, :, None]), _picked(k_spans, ks[:, None])
+            state = part.block_state(q_squares, k_squares)
+            total += int(torch.count_nonzero(state == FULL)) * side * side
+            which = state.expand(qs.shape[0], per, per) == PARTIAL
+            qs, ks = qs[:, :, None].expand_as(which)[which], ks[:, None].expand_as(which)[which]
+        for pairs in torch.split(torch.arange(qs.numel()), 1024 * per * per):
+            q, k = qs[pairs], ks[pairs]
+            hit = part.allowed(q_pos[q][:, :, None], k_pos[k][:, None, :])
+            total += int(torch.count_nonzero(hit & q_ok[q][:, :, None] & k_ok[k][:, None, :]))
     return total
 
 

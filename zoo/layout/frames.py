@@ -63,6 +63,8 @@ class Axis:
         (a divisor of the block: a block's parts, which lie in one group of a stride's order
         and in one tile of a grid's)."""
         size = self.block if size is None else size
+        if self.block % size:
+            raise ValueError(f"size must divide the frame's block of {self.block}, got {size}")
         pos = self.position.view(-1, size)
         valid = self.valid.view(-1, size)
         lo = torch.where(valid, pos, _FAR).amin(dim=1)

@@ -288,9 +288,9 @@ def dense_on(pattern: Pattern, q_len: int, kv_len: int, device: torch.device) ->
 def _dense_together(members: tuple[Pattern, ...], q_len: int, kv_len: int) -> list[Tensor]:
     """The members' dense masks on one device. A choice by content's (MoBA's) is made for the
     call where the call's tensors are, and beside one a fixed member's is built there once per
-    shape (made on the CPU and copied at every call, it cost q_len x kv_len of host work and, on
-    a GPU, a copy that waits for the device). Without one, the masks are made where their
-    members keep them (a graph's edges may be on a GPU), the rest moved there."""
+    shape (``dense_on``): no host work of q_len x kv_len and no copy to the device per call.
+    Without one, each is made as its member makes it, and moved to the device of any not on the
+    CPU."""
     chosen = {i: m.dense(q_len, kv_len) for i, m in enumerate(members) if m.routed}
     if chosen:
         device = next(iter(chosen.values())).device

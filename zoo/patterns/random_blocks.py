@@ -317,26 +317,20 @@ class RandomBlocks(Pattern):
         return self._hit(self.table, q_pos, kv_pos, h)
 
     def _drawn_prefix_sums(self) -> Tensor:
-        """2-D prefix sums of the [(H,) blocks, blocks] drawn-or-not matrix, for rectangle
-        counts."""
+        """2-D prefix sums of the [(H,) blocks, blocks] drawn-or-not matrix, a zero row and
+        column first, for rectangle counts."""
         if "_sums" not in self.__dict__:
-            table = self.table if self.heads is not None else self.table[None]
-            heads, n = table.shape[0], table.shape[1]
-            # Column 0 of ``drawn`` takes the -1 slots (no block), then serves as the zero
-            # column of the sums.
-            drawn = torch.zeros(heads, n + 1, n + 1, dtype=torch.int32, device=table.device)
-            drawn[:, 1:].scatter_(2, table + 1, 1)
-            drawn[:, :, 0] = 0
-            sums = drawn.cumsum(1, dtype=torch.int32).cumsum(2, dtype=torch.int32)
-            self.__dict__["_sums"] = sums if self.heads is not None else sums[0]
+            drawn = torch.nn.functional.pad(self._drawn().to(torch.int32), (1, 0, 1, 0))
+            sums = drawn.cumsum(-2, dtype=torch.int32).cumsum(-1, dtype=torch.int32)
+            self.__dict__["_sums"] = sums
         return self.__dict__["_sums"]
 
     def _drawn(self) -> Tensor:
-        """The [(H,) blocks, blocks + 1] drawn-or-not matrix (the last column takes the -1 slots:
-        no block)."""
+        """The [(H,) blocks, blocks] drawn-or-not matrix."""
         if "_drawn_blocks" not in self.__dict__:
             table = self.table if self.heads is not None else self.table[None]
             heads, n = table.shape[0], table.shape[1]
+            # a last column takes the -1 slots (no block), then is cut off
             drawn = torch.zeros(heads, n, n + 1, dtype=torch.bool, device=table.device)
             drawn.scatter_(2, torch.where(table < 0, n, table), True)
             drawn = drawn[..., :n]
