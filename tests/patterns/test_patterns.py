@@ -103,6 +103,21 @@ def test_a_difference_keeps_the_full_blocks_that_its_exclude_leaves_whole(causal
     assert torch.equal(state == FULL, exact == FULL)
 
 
+@pytest.mark.parametrize("variant", ["axial_2d", "bigbird"])
+def test_a_compositions_layout_asks_its_partial_blocks_again_on_squares(variant):
+    """A composition's ``block_state`` is not exact: under causal rules an axial pattern's
+    blocks in its tiles that each member cuts may together allow nothing, and BigBird's members
+    may only together fill a block. The layout asks the blocks it calls PARTIAL again on their
+    squares: EMPTY and FULL where the dense mask's blocks are."""
+    n = 4096  # the axial grid 64 x 64 in tiles of 8 x 16: a square of 16 is one grid row
+    part = specialized(resolve_pattern(variant, True, {}), n, n, CPU).parts()[0]
+    frame = build_frame(part.stride, n, n, 128, 128, CPU)
+    asked = part.block_state(frame.q.spans().column(), frame.k.spans().row())
+    state, exact = build_layout(part, frame).state, exact_state(part, frame, n, n)
+    assert not torch.equal(asked, exact)  # the composition alone: some blocks not settled
+    assert torch.equal(state, exact)
+
+
 @pytest.mark.parametrize("stride", [1, 3, 8])
 @pytest.mark.parametrize("q_len,kv_len", [(64, 64), (50, 50), (20, 50), (21, 50)])
 def test_frame_gather_places_each_token_in_its_slot(stride, q_len, kv_len):

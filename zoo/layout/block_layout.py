@@ -4,7 +4,8 @@ The layout of a pattern in a frame is an int8 matrix [query blocks, key blocks] 
 and FULL, from the pattern's ``block_state`` on the blocks' position ranges. It costs
 O((n / block)^2) small integer operations, never O(n^2) pair evaluations: 1M entries at 64K tokens
 with blocks of 64, the same size as the dense block matrix that FlexAttention's ``BlockMask`` builds
-for its backward pass anyway.
+for its backward pass anyway. A pattern whose states are not exact (a composition) is asked again
+on squares of 16 slots a side of the blocks it calls PARTIAL: (block / 16)^2 states more for each.
 """
 
 from __future__ import annotations
@@ -88,9 +89,30 @@ class BlockLayout:
 
 @per_shape(maxsize=256)
 def build_layout(part: Pattern, frame: Frame) -> BlockLayout:
-    """The layout of one part (see ``Pattern.parts``) in its frame."""
+    """The layout of one part (see ``Pattern.parts``) in its frame. Where the part's states are
+    not exact (``Pattern.exact_states``: a composition), each block it calls PARTIAL is asked
+    again on its squares of ``_SQUARE`` slots a side: EMPTY where every square is, FULL where
+    every square is (a causal axial pattern's blocks that its members each cut, together
+    empty)."""
     state = part.block_state(frame.q.spans().column(), frame.k.spans().row())
+    if not part.exact_states and state.dim() == 2:
+        state = _settled(part, frame, state)
     return BlockLayout(state, frame.q.block, frame.k.block)
+
+
+def _settled(part: Pattern, frame: Frame, state: Tensor) -> Tensor:
+    """``state`` with its PARTIAL blocks EMPTY or FULL where all their squares are."""
+    q_blocks, k_blocks = torch.nonzero(state == PARTIAL, as_tuple=True)
+    squares = _Squares(frame)
+    if not squares.cut or q_blocks.numel() == 0:
+        return state
+    state = state.clone()
+    for qb, kb in zip(q_blocks.split(1024), k_blocks.split(1024), strict=True):
+        each = squares.states(part, qb, kb)[0].flatten(1)
+        for settled in (EMPTY, FULL):
+            alike = (each == settled).all(1)
+            state[qb[alike], kb[alike]] = settled
+    return state
 
 
 @per_shape(maxsize=256)
@@ -172,7 +194,7 @@ def _allowed_pairs(pattern: Pattern, q_len: int, kv_len: int, block: int) -> int
     for part, frame, state in _part_states(pattern, q_len, kv_len, block):
         total += int((state == FULL).sum()) * block * block
         q_blocks, k_blocks = torch.nonzero(state == PARTIAL, as_tuple=True)
-        total += _partial_pairs(part, frame, q_blocks, k_blocks, block)
+        total += _partial_pairs(part, frame, q_blocks, k_blocks)
     return total
 
 
@@ -180,30 +202,53 @@ def _allowed_pairs(pattern: Pattern, q_len: int, kv_len: int, block: int) -> int
 _SQUARE = 16
 
 
-def _partial_pairs(part: Pattern, frame, q_blocks: Tensor, k_blocks: Tensor, block: int) -> int:
-    """The allowed pairs of the PARTIAL blocks (q_blocks[i], k_blocks[i]) of blocks of ``block``
-    slots. Where a block cuts into squares of ``_SQUARE`` slots a side, the pattern's
-    ``block_state`` classifies the squares first: full ones count by size, empty ones not at
-    all, and only the partial ones are counted pair by pair (a 2-D pattern's rows and columns
-    cross a block in thin lines, so most of a partial block's squares are empty)."""
-    side = _SQUARE if block > _SQUARE and block % _SQUARE == 0 else block
-    per = block // side  # squares per block side
-    q_spans, k_spans = frame.q.spans(side), frame.k.spans(side)
-    q_pos, q_ok = frame.q.position.view(-1, side), frame.q.valid.view(-1, side)
-    k_pos, k_ok = frame.k.position.view(-1, side), frame.k.valid.view(-1, side)
-    within = torch.arange(per)
+class _Squares:
+    """A frame's blocks cut into squares of ``_SQUARE`` slots a side, on each side where its
+    blocks are a multiple of that over it (else a side's block is its one run)."""
+
+    def __init__(self, frame: Frame) -> None:
+        self.q_side, self.k_side = (_side(axis.block) for axis in (frame.q, frame.k))
+        self.q_per, self.k_per = frame.q.block // self.q_side, frame.k.block // self.k_side
+        self.q, self.k = frame.q.spans(self.q_side), frame.k.spans(self.k_side)
+
+    @property
+    def cut(self) -> bool:
+        return self.q_per * self.k_per > 1
+
+    def states(self, part: Pattern, q_blocks: Tensor, k_blocks: Tensor):
+        """(the part's states of the squares of blocks (q_blocks[i], k_blocks[i]), (C, q_per,
+        k_per); their query and key run indices, (C, q_per, 1) and (C, 1, k_per))."""
+        within = torch.arange(max(self.q_per, self.k_per), device=q_blocks.device)
+        qs = (q_blocks[:, None] * self.q_per + within[: self.q_per])[:, :, None]
+        ks = (k_blocks[:, None] * self.k_per + within[: self.k_per])[:, None, :]
+        state = part.block_state(_picked(self.q, qs), _picked(self.k, ks))
+        return state.expand(q_blocks.shape[0], self.q_per, self.k_per), qs, ks
+
+
+def _side(block: int) -> int:
+    return _SQUARE if block > _SQUARE and block % _SQUARE == 0 else block
+
+
+def _partial_pairs(part: Pattern, frame, q_blocks: Tensor, k_blocks: Tensor) -> int:
+    """The allowed pairs of the PARTIAL blocks (q_blocks[i], k_blocks[i]) of the frame. Where
+    its blocks cut into squares (``_Squares``), the pattern's ``block_state`` classifies the
+    squares first: full ones count by size, empty ones not at all, and only the partial ones are
+    counted pair by pair (a 2-D pattern's rows and columns cross a block in thin lines, so most
+    of a partial block's squares are empty)."""
+    squares = _Squares(frame)
+    q_side, k_side = squares.q_side, squares.k_side
+    q_pos, q_ok = frame.q.position.view(-1, q_side), frame.q.valid.view(-1, q_side)
+    k_pos, k_ok = frame.k.position.view(-1, k_side), frame.k.valid.view(-1, k_side)
     total = 0
-    for chunk in torch.split(torch.arange(q_blocks.numel()), 1024):
-        qs, ks = q_blocks[chunk], k_blocks[chunk]  # the blocks' runs of slots, then the squares'
-        if per > 1:
-            qs, ks = qs[:, None] * per + within, ks[:, None] * per + within
-            q_squares, k_squares = _picked(q_spans, qs[:, :, None]), _picked(k_spans, ks[:, None])
-            state = part.block_state(q_squares, k_squares)
-            total += int(torch.count_nonzero(state == FULL)) * side * side
-            which = state.expand(qs.shape[0], per, per) == PARTIAL
-            qs, ks = qs[:, :, None].expand_as(which)[which], ks[:, None].expand_as(which)[which]
-        for pairs in torch.split(torch.arange(qs.numel()), 1024 * per * per):
-            q, k = qs[pairs], ks[pairs]
+    for qs, ks in zip(q_blocks.split(1024), k_blocks.split(1024), strict=True):
+        # the blocks' runs of slots, then the squares'
+        if squares.cut:
+            state, qs, ks = squares.states(part, qs, ks)
+            total += int(torch.count_nonzero(state == FULL)) * q_side * k_side
+            which = state == PARTIAL
+            qs, ks = qs.expand_as(which)[which], ks.expand_as(which)[which]
+        most = 1024 * squares.q_per * squares.k_per
+        for q, k in zip(qs.split(most), ks.split(most), strict=True):
             hit = part.allowed(q_pos[q][:, :, None], k_pos[k][:, None, :])
             total += int(torch.count_nonzero(hit & q_ok[q][:, :, None] & k_ok[k][:, None, :]))
     return total

@@ -128,6 +128,11 @@ class Pattern:
         and n^2 evaluations once per shape); families override it with formulas on the spans."""
         return derived_block_state(self, q, k)
 
+    # Whether ``block_state`` is exact: FULL and EMPTY wherever every pair or none is allowed.
+    # A composition's is not (two members PARTIAL on a block may allow nothing together), and a
+    # layout then asks it again on squares of the blocks it calls PARTIAL (``build_layout``).
+    exact_states: ClassVar[bool] = True
+
     def dense(self, q_len: int, kv_len: int) -> Tensor:
         """Default dense view: ``allowed`` on the whole grid (families override with their own)."""
         q = query_positions(q_len, kv_len)

@@ -60,6 +60,8 @@ def _flatten(kind: type, children: tuple[Pattern, ...]) -> tuple[Pattern, ...]:
 class Union(Pattern):
     """Pairs allowed by any member."""
 
+    exact_states = False
+
     children: tuple[Pattern, ...]
 
     def __post_init__(self) -> None:
@@ -134,6 +136,8 @@ class Union(Pattern):
 @dataclass(frozen=True)
 class Intersection(Pattern):
     """Pairs allowed by every member."""
+
+    exact_states = False
 
     children: tuple[Pattern, ...]
 
@@ -215,6 +219,8 @@ class Intersection(Pattern):
 @dataclass(frozen=True)
 class Difference(Pattern):
     """Pairs allowed by ``include`` and not by ``exclude``; computed in ``include``'s order."""
+
+    exact_states = False
 
     include: Pattern
     exclude: Pattern
