@@ -109,7 +109,7 @@ def test_a_compositions_layout_asks_its_partial_blocks_again_on_squares(variant)
     blocks in its tiles that each member cuts may together allow nothing, and BigBird's members
     may only together fill a block. The layout asks the blocks it calls PARTIAL again on their
     squares: EMPTY and FULL where the dense mask's blocks are."""
-    n = 4096  # the axial grid 64 x 64 in tiles of 8 x 16: a square of 16 is one grid row
+    n = 4096  # the axial grid 64 x 64 in tiles of 8 x 16: a run of 16 slots is 16 columns of a row
     part = specialized(resolve_pattern(variant, True, {}), n, n, CPU).parts()[0]
     frame = build_frame(part.stride, n, n, 128, 128, CPU)
     asked = part.block_state(frame.q.spans().column(), frame.k.spans().row())

@@ -145,7 +145,11 @@ def _own_orders(
     parts = pattern.parts()
     if len(parts) < 2 or pattern.routed or all(part.stride == 1 for part in parts):
         return None
-    one = sum(_fixed_block_counts(pattern, q_len, kv_len, block, device)[:2])
+    # One call's blocks as the pattern's states say, not settled on squares (build_layout):
+    # every block a strided part touches in the natural order is PARTIAL, and asking each again
+    # would cost more than this choice is worth.
+    frame = flex_frame(pattern, q_len, kv_len, block, device)
+    one = sum(_counts(pattern.block_state(frame.q.spans().column(), frame.k.spans().row()))[:2])
     own = sum(sum(_fixed_block_counts(p, q_len, kv_len, block, device)[:2]) for p in parts)
     return parts if 2 * own <= one else None
 

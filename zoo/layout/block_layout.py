@@ -5,7 +5,8 @@ and FULL, from the pattern's ``block_state`` on the blocks' position ranges. It 
 O((n / block)^2) small integer operations, never O(n^2) pair evaluations: 1M entries at 64K tokens
 with blocks of 64, the same size as the dense block matrix that FlexAttention's ``BlockMask`` builds
 for its backward pass anyway. A pattern whose states are not exact (a composition) is asked again
-on squares of 16 slots a side of the blocks it calls PARTIAL: (block / 16)^2 states more for each.
+on squares of 16 slots a side of the blocks it calls PARTIAL: (block_q / 16) x (block_k / 16)
+states more for each (a side whose block is no multiple of 16 over 16 is not cut).
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def build_layout(part: Pattern, frame: Frame) -> BlockLayout:
     not exact (``Pattern.exact_states``: a composition), each block it calls PARTIAL is asked
     again on its squares of ``_SQUARE`` slots a side: EMPTY where every square is, FULL where
     every square is (a causal axial pattern's blocks that its members each cut, together
-    empty)."""
+    empty). Not a layout drawn per head ([1, H, ...] states), nor one whose blocks are no
+    multiple of 16 over 16 on either side."""
     state = part.block_state(frame.q.spans().column(), frame.k.spans().row())
     if not part.exact_states and state.dim() == 2:
         state = _settled(part, frame, state)
@@ -102,12 +104,14 @@ def build_layout(part: Pattern, frame: Frame) -> BlockLayout:
 
 def _settled(part: Pattern, frame: Frame, state: Tensor) -> Tensor:
     """``state`` with its PARTIAL blocks EMPTY or FULL where all their squares are."""
+    if _side(frame.q.block) == frame.q.block and _side(frame.k.block) == frame.k.block:
+        return state  # no block cuts into squares
     q_blocks, k_blocks = torch.nonzero(state == PARTIAL, as_tuple=True)
-    squares = _Squares(frame)
-    if not squares.cut or q_blocks.numel() == 0:
+    if q_blocks.numel() == 0:
         return state
+    squares = _Squares(frame)
     state = state.clone()
-    for qb, kb in zip(q_blocks.split(1024), k_blocks.split(1024), strict=True):
+    for qb, kb in zip(q_blocks.split(8192), k_blocks.split(8192), strict=True):
         each = squares.states(part, qb, kb)[0].flatten(1)
         for settled in (EMPTY, FULL):
             alike = (each == settled).all(1)

@@ -128,9 +128,10 @@ class Pattern:
         and n^2 evaluations once per shape); families override it with formulas on the spans."""
         return derived_block_state(self, q, k)
 
-    # Whether ``block_state`` is exact: FULL and EMPTY wherever every pair or none is allowed.
-    # A composition's is not (two members PARTIAL on a block may allow nothing together), and a
-    # layout then asks it again on squares of the blocks it calls PARTIAL (``build_layout``).
+    # False where ``block_state`` may say PARTIAL for a block that is EMPTY or FULL, as a
+    # composition's does (two members PARTIAL on a block may allow nothing together): a layout
+    # then asks it again on squares of the blocks it calls PARTIAL (``build_layout``). True
+    # asks nothing more; the states stay sound either way.
     exact_states: ClassVar[bool] = True
 
     def dense(self, q_len: int, kv_len: int) -> Tensor:
