@@ -11,6 +11,7 @@ states more for each (a side whose block is no multiple of 16 over 16 is not cut
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -104,12 +105,12 @@ def build_layout(part: Pattern, frame: Frame) -> BlockLayout:
 
 def _settled(part: Pattern, frame: Frame, state: Tensor) -> Tensor:
     """``state`` with its PARTIAL blocks EMPTY or FULL where all their squares are."""
-    if _side(frame.q.block) == frame.q.block and _side(frame.k.block) == frame.k.block:
-        return state  # no block cuts into squares
+    squares = _Squares(frame)
+    if not squares.cut:
+        return state
     q_blocks, k_blocks = torch.nonzero(state == PARTIAL, as_tuple=True)
     if q_blocks.numel() == 0:
         return state
-    squares = _Squares(frame)
     state = state.clone()
     for qb, kb in zip(q_blocks.split(8192), k_blocks.split(8192), strict=True):
         each = squares.states(part, qb, kb)[0].flatten(1)
@@ -211,13 +212,18 @@ class _Squares:
     blocks are a multiple of that over it (else a side's block is its one run)."""
 
     def __init__(self, frame: Frame) -> None:
+        self.frame = frame
         self.q_side, self.k_side = (_side(axis.block) for axis in (frame.q, frame.k))
         self.q_per, self.k_per = frame.q.block // self.q_side, frame.k.block // self.k_side
-        self.q, self.k = frame.q.spans(self.q_side), frame.k.spans(self.k_side)
 
     @property
     def cut(self) -> bool:
         return self.q_per * self.k_per > 1
+
+    @functools.cached_property
+    def spans(self) -> tuple[Spans, Spans]:
+        """The squares' query and key runs (made on first use)."""
+        return self.frame.q.spans(self.q_side), self.frame.k.spans(self.k_side)
 
     def states(self, part: Pattern, q_blocks: Tensor, k_blocks: Tensor):
         """(the part's states of the squares of blocks (q_blocks[i], k_blocks[i]), (C, q_per,
@@ -225,7 +231,8 @@ class _Squares:
         within = torch.arange(max(self.q_per, self.k_per), device=q_blocks.device)
         qs = (q_blocks[:, None] * self.q_per + within[: self.q_per])[:, :, None]
         ks = (k_blocks[:, None] * self.k_per + within[: self.k_per])[:, None, :]
-        state = part.block_state(_picked(self.q, qs), _picked(self.k, ks))
+        q_runs, k_runs = self.spans
+        state = part.block_state(_picked(q_runs, qs), _picked(k_runs, ks))
         return state.expand(q_blocks.shape[0], self.q_per, self.k_per), qs, ks
 
 
