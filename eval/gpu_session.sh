@@ -366,7 +366,7 @@ all)
         config=eval/configs/bench_goals_gpu.yaml
         [[ $name != goals ]] && config=eval/configs/bench_goals_${name}_gpu.yaml
         run_stage "$name" "$(share_of "$name")" "$OUT/bench-$name.log" \
-            "$PY" -m eval bench "$config" "out=$WORK/bench-$name"
+            "$PY" -m eval bench "$config" "out=$WORK/bench-$name" plots=false
         collect
     done
     # What the kernel of symbolic lengths costs, which the zoo's flex runs from its second length
@@ -374,7 +374,7 @@ all)
     # H200. auto, flex_static (compiled per length) and flex_standard side by side, forward.
     run_stage divisible "$(share_of divisible)" "$OUT/bench-divisible.log" \
         "$PY" -m eval bench eval/configs/bench_divisible_gpu.yaml "out=$WORK/bench-divisible" \
-        'lengths=[8192,16384]' 'passes=[fwd]'
+        'lengths=[8192,16384]' 'passes=[fwd]' plots=false
     collect
     # The host time the zoo's call adds around a stubbed kernel on this machine's host, with
     # CUDA tensors (25-33 us on a 2-core EPYC before call plans, 6-7 us with them); MoBA's too,
@@ -456,7 +456,7 @@ bench)
     name=${1:?"bench NAME [key=value ...]"}
     shift
     timeout -s INT "$LIMIT" "$PY" -m eval bench "${BENCH_CONFIG:-eval/configs/bench.yaml}" \
-        "out=/tmp/bench-$name" "$@" 2>&1 |
+        "out=/tmp/bench-$name" plots=false "$@" 2>&1 |
         tee "$OUT/bench-$name.log"
     cp "/tmp/bench-$name/bench.json" "$OUT/bench-$name.json"
     ;;

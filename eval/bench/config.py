@@ -51,6 +51,9 @@ class BenchConfig:
     seed: int = 0
     threads: int = 0  # CPU threads for torch; 0 keeps torch's default
     fit_points: int = 3  # the largest successful lengths an exponent is fitted over
+    # time-*.png and memory-*.png beside bench.md; false: none (a second each on a CPU; a run that
+    # keeps only bench.json, such as a GPU session's, draws them later with ``bench-report``)
+    plots: bool = True
     # name -> {backend: a registered backend, and its constructor's options}: a backend built
     # with options, listed in ``backends`` by this name (blocked computing in bfloat16, say);
     # ``compiled_call: true`` runs each of its cells' calls under torch.compile (``CompiledCall``)

@@ -20,12 +20,13 @@ absolute for unit-scale tensors, relative for larger ones (gradients). TOLERANCE
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import statistics
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -73,6 +74,19 @@ def failed_cell(error: Exception, **cell: object) -> dict:
     """A cell that raised, recorded with its ``failure`` so that a run goes on and keeps what
     the others measured."""
     return {**cell, **failure(error)}
+
+
+@contextlib.contextmanager
+def older_objects_frozen() -> Iterator[None]:
+    """Within, a collection (``free_memory``) skips the objects that existed before (``gc.freeze``):
+    none of them is a cell's garbage, and after the imports of torch and Inductor a full
+    collection scans so many that it cost more than a small cell's timing."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def free_memory(device: torch.device) -> None:

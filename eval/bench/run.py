@@ -9,9 +9,10 @@ goes on; after an out-of-memory, longer lengths of that series are skipped. With
 eval/configs/bench.yaml runs on CUDA and eval/configs/bench_cpu.yaml elsewhere.
 
 Writes ``bench.json`` (header and cells, rewritten after every point), ``bench.md`` and PNG plots
-under ``out``; see eval/bench/cell.py for the cell fields and eval/bench/report.py for the derived
-figures. A sweep run in pieces (one command each) becomes one report with ``python -m eval
-bench-report`` (eval/bench/merge.py).
+(``plots=false``: none; ``bench-report`` draws them from bench.json) under ``out``; see
+eval/bench/cell.py for the cell fields and eval/bench/report.py for the derived figures. A sweep
+run in pieces (one command each) becomes one report with ``python -m eval bench-report``
+(eval/bench/merge.py).
 """
 
 from __future__ import annotations
@@ -134,19 +135,25 @@ def _run(sweep: Sweep, source: str, argv: list[str]) -> Path:
     header["wall_seconds"] = round(time.perf_counter() - started, 1)
     header["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     header["load_average_end"] = _load_average()
-    write_report(out, header, cells, config.fit_points)
+    write_report(out, header, cells, config.fit_points, draw=config.plots)
     return out
 
 
 def write_report(
-    out: Path, header: dict[str, Any], cells: list[dict], fit_points: int, complete: bool = True
+    out: Path,
+    header: dict[str, Any],
+    cells: list[dict],
+    fit_points: int,
+    complete: bool = True,
+    draw: bool = True,
 ) -> None:
     """The report of a sweep's cells, for ``bench`` and ``bench-report`` alike: fits the exponents,
-    checks the goals, draws the plots, writes bench.json and bench.md under ``out`` and prints the
-    exponents and goals. ``complete`` is false for cells of a sweep that was interrupted."""
+    checks the goals, draws the plots (unless ``draw`` is false), writes bench.json and bench.md
+    under ``out`` and prints the exponents and goals. ``complete`` is false for cells of a sweep
+    that was interrupted."""
     exps = report.exponents(cells, fit_points)
     goals = report.goals(cells, exps, header["device_type"])
-    pictures = plots.plot_all(cells, out)
+    pictures = plots.plot_all(cells, out) if draw else []
     write_json(out / "bench.json", header, cells, complete=complete, exponents=exps, goals=goals)
     text = markdown.render(header, cells, exps, goals, pictures, complete)
     (out / "bench.md").write_text(text)

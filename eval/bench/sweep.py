@@ -21,7 +21,7 @@ from . import report
 from .cell import Settings, measure_cell, new_record
 from .config import BenchConfig, CompiledCall, backend_instances
 from .impls import Point, SdpaDense, ZooImpl, clear_zoo_caches, variant_peer
-from .measure import free_memory, is_oom
+from .measure import free_memory, is_oom, older_objects_frozen
 from .routed import chosen_pairs, is_routed
 
 
@@ -171,21 +171,22 @@ def run_cells(sweep: Sweep, save: Callable[[list[dict]], None]) -> list[dict[str
     runner = Runner(Settings(config.warmup, config.repeats, 1e3 * config.min_time_s))
     total = len(config.lengths) * len(config.causal) * len(config.passes) * len(impls)
     cells: list[dict[str, Any]] = []
-    for n in sorted(config.lengths):
-        for causal in config.causal:
-            base = random_inputs(sweep, n)
-            for pass_ in config.passes:
-                point = make_point(sweep, n, causal, pass_ == "fwd+bwd", base)
-                dense = None
-                for impl in impls:
-                    cell = runner.run(impl, point)
-                    if impl.name == "sdpa_dense":
-                        dense = cell
-                    report.realize(cell, dense)
-                    cells.append(cell)
-                    print(progress(len(cells), total, cell), flush=True)
-                    save(cells)
-                del point
-                free_memory(sweep.device)
-            del base
+    with older_objects_frozen():
+        for n in sorted(config.lengths):
+            for causal in config.causal:
+                base = random_inputs(sweep, n)
+                for pass_ in config.passes:
+                    point = make_point(sweep, n, causal, pass_ == "fwd+bwd", base)
+                    dense = None
+                    for impl in impls:
+                        cell = runner.run(impl, point)
+                        if impl.name == "sdpa_dense":
+                            dense = cell
+                        report.realize(cell, dense)
+                        cells.append(cell)
+                        print(progress(len(cells), total, cell), flush=True)
+                        save(cells)
+                    del point
+                    free_memory(sweep.device)
+                del base
     return cells

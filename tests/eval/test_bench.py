@@ -42,6 +42,7 @@ def write_config(tmp_path, **settings) -> str:
         "params": SMALL,
         "out": str(tmp_path / "out"),
         "threads": 2,
+        "plots": False,  # a second a figure; drawn where a test looks at them
     }
     config.update(settings)
     path = tmp_path / "bench.yaml"
@@ -57,10 +58,11 @@ def read_cells(tmp_path) -> tuple[dict, list[dict]]:
 def test_main_writes_json_markdown_and_plots_with_checked_cells(tmp_path, capsys):
     # The flex peer compiles a kernel per cell (seconds each on a CPU with a cold cache); its cells
     # are checked in test_flex_peer_draws_a_mask_per_head_for_a_pattern_per_head.
-    path = write_config(tmp_path)
+    path = write_config(tmp_path, plots=True)
     assert bench.main([path]) == 0
     out = tmp_path / "out"
     assert (out / "bench.md").exists() and (out / "time-fwd-noncausal.png").exists()
+    assert "## Plots" in (out / "bench.md").read_text()
     header, cells = read_cells(tmp_path)
     for key in ("device", "device_type", "torch", "triton", "cuda", "config", "command"):
         assert key in header
@@ -82,6 +84,17 @@ def test_main_writes_json_markdown_and_plots_with_checked_cells(tmp_path, capsys
     text = (out / "bench.md").read_text()
     assert "## Goals" in text and "## Fitted exponents" in text and "O(n·w·d)" in text
     assert capsys.readouterr().out.count("[10/10]") == 1  # one progress line per cell
+
+
+def test_plots_false_draws_no_figure(tmp_path):
+    """``plots=false`` (a GPU session's stages, which keep bench.json only): the report without
+    figures, its cells as with them."""
+    path = write_config(tmp_path, variants=["local"], backends=["sdpa"], peers=[], lengths=[64])
+    assert bench.main([path]) == 0
+    out = tmp_path / "out"
+    assert not list(out.glob("*.png"))
+    assert "## Plots" not in (out / "bench.md").read_text()
+    assert [c["status"] for c in read_cells(tmp_path)[1]] == ["ok"]
 
 
 def test_a_sweep_stopped_within_a_point_keeps_its_measured_cells(tmp_path, monkeypatch):

@@ -79,6 +79,7 @@ def test_the_benchmark_times_mechanisms_on_auto_and_says_why_elsewhere(tmp_path)
         "params": {"linformer": {"max_len": 128, "proj_len": 16}, "nystrom": {"num_landmarks": 8}},
         "out": str(tmp_path / "out"),
         "threads": 2,
+        "plots": False,
     }
     path = tmp_path / "bench.yaml"
     path.write_text(yaml.safe_dump(config))
