@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -119,13 +121,14 @@ def attention(
     score, 0 * NaN in the weighted sum of values). Non-finite data that must not be read is
     padding: pass it as such.
 
-    A call without dropout, an additive score, weights, a cache, a graph, a
-    pattern chosen by content or an encoding with learned parameters, on plain tensors that hold
-    data, with the backend given by name, is checked and resolved once per signature (variant,
-    options, the shapes, dtypes and devices of q, k, v and the padding mask, whether it records
-    gradients): later calls
-    of that signature run the plan the first one kept (``zoo.core.call_plans``), with little host
-    work around the kernel.
+    A call without dropout, an additive score, weights, a cache, a graph, a pattern chosen by
+    content or an encoding with learned parameters, on plain tensors that hold data, with the
+    backend given by name, is checked and resolved once per signature (variant, options, the
+    shapes, dtypes and devices of q, k, v and the padding mask, whether it records gradients):
+    later calls of that signature run the plan the first one kept (``zoo.core.call_plans``), with
+    little host work around the kernel. A call with a cache (no padding mask, dropout or additive
+    score) is checked once per signature and cache built alike (variant, parameters, heads,
+    batch); its later steps check only what the cache holds.
 
     Under ``torch.compile`` (``fullgraph=True`` works for every variant on sdpa, flex, blocked
     and auto) the pattern, its block layout, masks and the auto choice are built once per shape
@@ -138,19 +141,27 @@ def attention(
     if cache is None or cache.keys.dtype != torch.float32:  # a float32 cache keeps float32 keys
         q, k, v = autocast_inputs(q, k, v)
     plain = (
-        cp_group is None and cache is None and score is None and edge_index is None
-        and not return_weights and not isinstance(dropout_p, bool)
-        and isinstance(dropout_p, int | float) and dropout_p == 0
+        cp_group is None and score is None and edge_index is None and not return_weights
+        and not isinstance(dropout_p, bool) and isinstance(dropout_p, int | float)
+        and dropout_p == 0
     )  # fmt: skip
-    key = None
-    if plain:  # a later call of a signature runs the first one's plan (``zoo.core.call_plans``)
-        key = call_plans.signature(
+    key, made_in = None, 0
+    if plain and cache is None:  # a later call of a signature runs the first one's plan
+        key = call_plans.signature(  # (``zoo.core.call_plans``)
             q, k, v, variant, backend, causal, scale, pos, key_padding_mask, params
         )
         plan = None if key is None else call_plans.find(key)
         if plan is not None:
             new_call()
             return plan(q, k, v, key_padding_mask)
+        made_in = call_plans.generation()
+    elif plain and key_padding_mask is None:  # a decoding step: likewise, on a cache built alike
+        key = call_plans.step_signature(
+            q, k, v, cache, variant, backend, causal, scale, pos, params
+        )
+        step = None if key is None else call_plans.find(key)
+        if step is not None:
+            return step(q, k, v, cache)
         made_in = call_plans.generation()
     if cp_group is not None:  # one sequence sharded over the group's ranks
         _check_shardable_options(cache, return_weights, edge_index)
@@ -186,11 +197,14 @@ def attention(
             raise ValueError("edge_index (a graph) is not available with a cache")
         if return_weights:
             raise ValueError("return_weights is not available with a cache")
-        return _cached_attention(
-            q, k, v, cache, variant=variant, backend=backend, causal=causal,
-            key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale, score=score,
-            pos=pos, params=concrete_params(params),
+        step = _cached_step(
+            q, k, v, cache, variant=variant, backend=backend, causal=causal, dropout_p=dropout_p,
+            scale=scale, score=score, pos=pos, params=concrete_params(params),
         )  # fmt: skip
+        out = step(q, k, v, cache, key_padding_mask)
+        if key is not None:  # once it has run
+            call_plans.keep(key, step, made_in)
+        return out
     call = prepare_call(  # makes the parameters concrete itself
         q,
         k,
@@ -259,25 +273,32 @@ def _check_cached_call(q, k, v, cache: object, variant, causal, params: dict) ->
         raise ValueError(f"cache holds {cache.batch_size} sequences, q has {q.shape[0]}")
 
 
-def _cached_attention(q, k, v, cache: KVCache, *, variant, backend, causal, key_padding_mask,
-                      dropout_p, scale, score, pos, params) -> Tensor:  # fmt: skip
-    """``attention`` with a cache: checked here, computed by ``zoo.decoding.decode``."""
+def _cached_step(q, k, v, cache: KVCache, *, variant, backend, causal, dropout_p, scale, score,
+                 pos, params) -> Callable[..., Tensor]:  # fmt: skip
+    """``attention`` with a cache, checked (the call's options, the cache's signature and batch,
+    q, k and v's shapes): the rest of the call, ``step(q, k, v, cache, key_padding_mask=None)``,
+    computed by ``zoo.decoding.decode``. The plan of a step signature (``zoo.core.call_plans``)."""
     _check_cached_call(q, k, v, cache, variant, causal, params)
-    if key_padding_mask is None:  # every row adds the whole call: the cache's own constant
-        counts = cache.whole_counts(q.shape[2])
-    else:
-        counts = counts_from_padding(key_padding_mask, q.shape[0], q.shape[2], q.device).to(
-            q.device
-        )
-    cache.check_step(k, v, counts, None)
-    new_call()
     score = call_score(score, scale, q)
     dropout_p = check_dropout(dropout_p)
     chosen = decode_backend(backend, score, dropout_p, cache, recording_device(cache, q, k, v))
-    return cache_attention(
-        q, k, v, cache, counts=counts, encoding=attention_encoding(pos, q, k, causal),
-        score=score, dropout_p=dropout_p, backend=chosen, full=key_padding_mask is None,
-    )  # fmt: skip
+    encoding = attention_encoding(pos, q, k, causal)
+
+    def step(q: Tensor, k: Tensor, v: Tensor, cache: KVCache, key_padding_mask=None) -> Tensor:
+        if key_padding_mask is None:  # every row adds the whole call: the cache's own constant
+            counts = cache.whole_counts(q.shape[2])
+        else:
+            counts = counts_from_padding(key_padding_mask, q.shape[0], q.shape[2], q.device).to(
+                q.device
+            )
+        cache.check_step(k, v, counts, None)
+        new_call()
+        return cache_attention(
+            q, k, v, cache, counts=counts, encoding=encoding, score=score, dropout_p=dropout_p,
+            backend=chosen, full=key_padding_mask is None,
+        )  # fmt: skip
+
+    return step
 
 
 def dense_mask(

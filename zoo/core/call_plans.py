@@ -9,16 +9,24 @@ gradients. On a GPU that work is host time, which at a few thousand tokens is lo
 sparse kernel. A plan (``Backend.call_plan``) is the call's computation with everything but q, k
 and v fixed; the first call of a signature makes it, later ones run it directly.
 
-Only plain calls have a signature: no dropout, additive score, weights, cache, graph, sharding
-or ``torch.compile`` tracing (a traced call is made once per graph anyway), a backend given by
-name, and q, k and v plain tensors that hold data (fake and meta tensors take the checked path,
-which builds on the device under the caller's mode). Key padding is data: its shape, dtype and
-device are in the signature, and a plan takes the mask with q, k and v (checked and applied as
-the checked path does; the backend reads it per call). A positional encoding
-is part of the signature (a name, or an instance by identity): a rotary one turns q and k in
-the plan (at positions found once), a bias is in the backend's plan; one with learned
-parameters (a T5 table) has no plan. A pattern chosen by content (MoBA) binds to each call's
-data and has no plan either (``zoo.core.prepare.plan_of`` makes the plans).
+Only plain calls have a signature: no dropout, additive score, weights, graph, sharding or
+``torch.compile`` tracing (a traced call is made once per graph anyway), a backend given by name,
+and q, k and v plain tensors that hold data (fake and meta tensors take the checked path, which
+builds on the device under the caller's mode). Key padding is data: its shape, dtype and device are
+in the signature, and a plan takes the mask with q, k and v (checked and applied as the checked
+path does; the backend reads it per call). A positional encoding is part of the signature (a name,
+or an instance by identity): a rotary one turns q and k in the plan (at positions found once), a
+bias is in the backend's plan; one with learned parameters (a T5 table) has no plan. A pattern
+chosen by content (MoBA) binds to each call's data and has no plan either
+(``zoo.core.prepare.plan_of`` makes the plans).
+
+A decoding step (a call with a ``KVCache``, ``zoo.decoding``; plain as above, and no key padding)
+has a plan too: its checks (the cache built for this variant, its parameters, heads and batch; the
+backend that decodes; the score and the encoding) depend on its signature, what the cache was built
+for and its batch (``step_signature``). Its plan (``zoo.functional``'s ``_cached_step``) runs the
+rest, which reads and writes the cache at each step: the bound check, the step itself (MoBA's
+choice and a T5 table's bias included, made per step as unplanned) and the new lengths. One plan
+serves every cache built alike (a model's layers), and holds none of them.
 
 The plans are least recently used first out (``MAX_PLANS``: a plan per layer where each layer
 has an encoding instance of its own, for a few lengths). A plan holds its structures (a flex
@@ -81,6 +89,24 @@ def signature(
     except TypeError:  # a parameter given as a list, say: no signature
         return None
     return key
+
+
+def step_signature(
+    q: Any, k: Any, v: Any, cache: Any, variant: Any, backend: Any, causal: Any, scale: Any,
+    pos: Any, params: dict,
+) -> tuple | None:  # fmt: skip
+    """A decoding step's signature (a call with a cache and no padding mask; the caller has
+    checked the other options off): the call's own, what the cache was built for
+    (``KVCache.signature_key``) and its batch, and whether the cache's stores record gradients.
+    None where the call has no signature, or the cache no key (then the call is checked)."""
+    cache_key = getattr(cache, "signature_key", None)
+    if cache_key is None:
+        return None
+    call = signature(q, k, v, variant, backend, causal, scale, pos, None, params)
+    if call is None:
+        return None
+    tracked = torch.is_grad_enabled() and (cache.keys.requires_grad or cache.values.requires_grad)
+    return ("step", call, cache_key, cache.batch_size, tracked)
 
 
 def find(key: tuple) -> PlannedCall | None:

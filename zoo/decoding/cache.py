@@ -59,7 +59,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..core.arguments import check_int
+from ..core.arguments import check_int, typed
 from ..core.autocast import autocast_on
 from ..core.device_build import can_read_values, has_no_data, refuse_where
 from ..core.shape_cache import per_shape
@@ -74,6 +74,25 @@ def cache_signature(variant: object, params: dict, num_kv_heads: int) -> dict[st
     """What a cache is built for (a variant with its resolved parameters, and the key/value
     heads): a call for anything else is refused."""
     return {"variant": variant, "params": dict(params), "num_kv_heads": num_kv_heads}
+
+
+def _hashable(signature: dict[str, object]) -> tuple | None:
+    """A cache's signature as a key (``zoo.core.call_plans``' step plans: a call planned on one
+    cache runs its plan only on a cache built for the same), its values typed (``typed``; a
+    list's items too: registry defaults come as lists); None where a parameter is no key."""
+    params = tuple(sorted((name, _typed(value)) for name, value in signature["params"].items()))
+    key = (_typed(signature["variant"]), params, signature["num_kv_heads"])
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _typed(value: object) -> object:
+    if isinstance(value, list):
+        return tuple(_typed(item) for item in value), list
+    return typed(value)
 
 
 @per_shape(maxsize=64)
@@ -107,6 +126,7 @@ class KVCache:
         static: bool = False,
     ) -> None:
         self.pattern, self.signature, self.max_len = pattern, dict(signature), max_len
+        self.signature_key = _hashable(self.signature)
         self.static = static
         self.host_pattern = host_pattern
         self._pins = host_ints(plan.pinned)  # the pinned positions, increasing, on the host
