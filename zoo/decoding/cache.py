@@ -504,7 +504,7 @@ class KVCache:
                 (self._lengths + counts <= self.max_len).all(),
                 f"step too long: past the cache's max_len={self.max_len} (zoo KVCache)",
             )
-        elif (on_host or longest + steps > self.max_len) and bool(
+        elif longest + steps > self.max_len and bool(  # the host's bound holds: nothing to read
             ((after := self._lengths + counts) > self.max_len).any()
         ):
             row = int(torch.argmax((after > self.max_len).int()))
