@@ -126,9 +126,11 @@ def attention(
     backend given by name, is checked and resolved once per signature (variant, options, the
     shapes, dtypes and devices of q, k, v and the padding mask, whether it records gradients):
     later calls of that signature run the plan the first one kept (``zoo.core.call_plans``), with
-    little host work around the kernel. A call with a cache (no padding mask, dropout or additive
-    score) is checked once per signature and cache built alike (variant, parameters, heads,
-    batch); its later steps check only what the cache holds.
+    little host work around the kernel. A one-token step with a cache (no padding mask, dropout or
+    additive score; plain tensors, the backend by name, not traced) is checked once per
+    signature and cache built alike (variant, parameters, heads, batch): later steps check only
+    what the cache holds (a pattern chosen by content and a learned encoding included, made per
+    step as before).
 
     Under ``torch.compile`` (``fullgraph=True`` works for every variant on sdpa, flex, blocked
     and auto) the pattern, its block layout, masks and the auto choice are built once per shape
@@ -197,11 +199,10 @@ def attention(
             raise ValueError("edge_index (a graph) is not available with a cache")
         if return_weights:
             raise ValueError("return_weights is not available with a cache")
-        step = _cached_step(
-            q, k, v, cache, variant=variant, backend=backend, causal=causal, dropout_p=dropout_p,
-            scale=scale, score=score, pos=pos, params=concrete_params(params),
+        out, step = _cached_step(
+            q, k, v, cache, key_padding_mask, variant=variant, backend=backend, causal=causal,
+            dropout_p=dropout_p, scale=scale, score=score, pos=pos, params=concrete_params(params),
         )  # fmt: skip
-        out = step(q, k, v, cache, key_padding_mask)
         if key is not None:  # once it has run
             call_plans.keep(key, step, made_in)
         return out
@@ -273,32 +274,41 @@ def _check_cached_call(q, k, v, cache: object, variant, causal, params: dict) ->
         raise ValueError(f"cache holds {cache.batch_size} sequences, q has {q.shape[0]}")
 
 
-def _cached_step(q, k, v, cache: KVCache, *, variant, backend, causal, dropout_p, scale, score,
-                 pos, params) -> Callable[..., Tensor]:  # fmt: skip
-    """``attention`` with a cache, checked (the call's options, the cache's signature and batch,
-    q, k and v's shapes): the rest of the call, ``step(q, k, v, cache, key_padding_mask=None)``,
-    computed by ``zoo.decoding.decode``. The plan of a step signature (``zoo.core.call_plans``)."""
+def _cached_step(
+    q, k, v, cache: KVCache, key_padding_mask, *, variant, backend, causal, dropout_p, scale,
+    score, pos, params,
+) -> tuple[Tensor, Callable[..., Tensor]]:  # fmt: skip
+    """``attention`` with a cache: checked here, computed by ``zoo.decoding.decode``. Returns the
+    output and the plan of a later one-token step of this signature (``zoo.core.call_plans``):
+    ``step(q, k, v, cache)``, which checks only what the cache holds."""
     _check_cached_call(q, k, v, cache, variant, causal, params)
+    if key_padding_mask is None:  # every row adds the whole call: the cache's own constant
+        counts = cache.whole_counts(q.shape[2])
+    else:
+        counts = counts_from_padding(key_padding_mask, q.shape[0], q.shape[2], q.device).to(
+            q.device
+        )
+    cache.check_step(k, v, counts, None)
+    new_call()
     score = call_score(score, scale, q)
     dropout_p = check_dropout(dropout_p)
     chosen = decode_backend(backend, score, dropout_p, cache, recording_device(cache, q, k, v))
     encoding = attention_encoding(pos, q, k, causal)
 
-    def step(q: Tensor, k: Tensor, v: Tensor, cache: KVCache, key_padding_mask=None) -> Tensor:
-        if key_padding_mask is None:  # every row adds the whole call: the cache's own constant
-            counts = cache.whole_counts(q.shape[2])
-        else:
-            counts = counts_from_padding(key_padding_mask, q.shape[0], q.shape[2], q.device).to(
-                q.device
-            )
+    def step(q: Tensor, k: Tensor, v: Tensor, cache: KVCache) -> Tensor:
+        counts = cache.whole_counts(q.shape[2])
         cache.check_step(k, v, counts, None)
         new_call()
         return cache_attention(
             q, k, v, cache, counts=counts, encoding=encoding, score=score, dropout_p=dropout_p,
-            backend=chosen, full=key_padding_mask is None,
+            backend=chosen, full=True,
         )  # fmt: skip
 
-    return step
+    out = cache_attention(
+        q, k, v, cache, counts=counts, encoding=encoding, score=score, dropout_p=dropout_p,
+        backend=chosen, full=key_padding_mask is None,
+    )  # fmt: skip
+    return out, step
 
 
 def dense_mask(

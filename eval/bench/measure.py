@@ -80,7 +80,12 @@ def failed_cell(error: Exception, **cell: object) -> dict:
 def older_objects_frozen() -> Iterator[None]:
     """Within, a collection (``free_memory``) skips the objects that existed before (``gc.freeze``):
     none of them is a cell's garbage, and after the imports of torch and Inductor a full
-    collection scans so many that it cost more than a small cell's timing."""
+    collection scans so many that it cost more than a small cell's timing. Garbage among those
+    older objects waits for the end. Within a freeze already made (by the caller), nothing
+    changes: its objects stay frozen after."""
+    if gc.get_freeze_count():
+        yield
+        return
     gc.collect()
     gc.freeze()
     try:

@@ -90,6 +90,15 @@ def test_a_plan_serves_every_cache_built_alike_and_no_other():
         step(cache(batch=3))
 
 
+def test_a_prefill_keeps_no_plan():
+    """A prompt's length seldom comes again: its call is checked and keeps nothing (a plan per
+    length would push the forward's plans, which hold block masks, out of the shared LRU)."""
+    cache = zoo.new_cache("causal", batch_size=2, max_len=64, num_kv_heads=2, head_dim=8)
+    for t in (20, 7):
+        zoo.attention(*_qkv(t), variant="causal", causal=True, cache=cache)
+    assert not call_plans._PLANS
+
+
 def test_the_cache_bound_is_checked_at_every_planned_step():
     cache = zoo.new_cache("causal", batch_size=2, max_len=3, num_kv_heads=2, head_dim=8)
     for _ in range(3):

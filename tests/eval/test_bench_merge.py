@@ -21,7 +21,7 @@ def pieces(tmp_path_factory):
     """Piece a: local with the dense peer at n = 64, 128; piece b: block_local without it at
     n = 64, 256. Returns the two bench.json paths."""
     root = tmp_path_factory.mktemp("pieces")
-    path = write_config(root, backends=["blocked"], plots=True)  # as bench-report draws them
+    path = write_config(root, backends=["blocked"], plots=True)  # re-rendered reports draw
     split = {
         "a": ["variants=[local]", "lengths=[64,128]"],
         "b": ["variants=[block_local]", "lengths=[64,256]", "peers=[]"],

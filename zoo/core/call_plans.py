@@ -20,13 +20,16 @@ bias is in the backend's plan; one with learned parameters (a T5 table) has no p
 chosen by content (MoBA) binds to each call's data and has no plan either
 (``zoo.core.prepare.plan_of`` makes the plans).
 
-A decoding step (a call with a ``KVCache``, ``zoo.decoding``; plain as above, and no key padding)
-has a plan too: its checks (the cache built for this variant, its parameters, heads and batch; the
-backend that decodes; the score and the encoding) depend on its signature, what the cache was built
-for and its batch (``step_signature``). Its plan (``zoo.functional``'s ``_cached_step``) runs the
-rest, which reads and writes the cache at each step: the bound check, the step itself (MoBA's
-choice and a T5 table's bias included, made per step as unplanned) and the new lengths. One plan
-serves every cache built alike (a model's layers), and holds none of them.
+A one-token decoding step (a call with a ``KVCache``, ``zoo.decoding``; plain as above, and no key
+padding) has a plan too: its checks (the cache built for this variant, its parameters, heads and
+batch; the backend that decodes, for where the step records gradients; the score and the encoding)
+depend on its signature, what the cache was built for, its batch and whether its stores record
+gradients (``step_signature``). Its plan (``zoo.functional``'s ``_cached_step``) runs the rest,
+which reads and writes the cache at each step: the bound check (which also refuses new keys of
+another dtype or device than the cache's, so the plan's choice of backend holds), the step itself
+(MoBA's choice and a T5 table's bias included, made per step as unplanned) and the new lengths.
+One plan serves every cache built alike (a model's layers), and holds none of them; it holds the
+registered decoding backend it chose, not a copy.
 
 The plans are least recently used first out (``MAX_PLANS``: a plan per layer where each layer
 has an encoding instance of its own, for a few lengths). A plan holds its structures (a flex
@@ -55,10 +58,12 @@ from .arguments import typed
 
 # (q, k, v, key_padding_mask or None) -> the output
 PlannedCall = Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]
+# (q, k, v, the KVCache) -> the output
+StepPlan = Callable[[Tensor, Tensor, Tensor, Any], Tensor]
 
 MAX_PLANS = 256
 
-_PLANS: OrderedDict[tuple, PlannedCall] = OrderedDict()
+_PLANS: OrderedDict[tuple, PlannedCall | StepPlan] = OrderedDict()
 _LOCK = threading.Lock()
 _GENERATION = [0]  # how many times the plans were cleared
 
@@ -95,21 +100,22 @@ def step_signature(
     q: Any, k: Any, v: Any, cache: Any, variant: Any, backend: Any, causal: Any, scale: Any,
     pos: Any, params: dict,
 ) -> tuple | None:  # fmt: skip
-    """A decoding step's signature (a call with a cache and no padding mask; the caller has
-    checked the other options off): the call's own, what the cache was built for
+    """A one-token decoding step's signature (a call with a cache and no padding mask; the
+    caller has checked the other options off): the call's own, what the cache was built for
     (``KVCache.signature_key``) and its batch, and whether the cache's stores record gradients.
-    None where the call has no signature, or the cache no key (then the call is checked)."""
+    None where the call has no signature, is longer than a token (a prefill), or the cache has
+    no key: the call is then checked."""
     cache_key = getattr(cache, "signature_key", None)
     if cache_key is None:
         return None
     call = signature(q, k, v, variant, backend, causal, scale, pos, None, params)
-    if call is None:
+    if call is None or q.shape[2] != 1:  # a prefill's length seldom comes again
         return None
     tracked = torch.is_grad_enabled() and (cache.keys.requires_grad or cache.values.requires_grad)
     return ("step", call, cache_key, cache.batch_size, tracked)
 
 
-def find(key: tuple) -> PlannedCall | None:
+def find(key: tuple) -> PlannedCall | StepPlan | None:
     """The plan of this signature, or None."""
     plan = _PLANS.get(key)
     if plan is not None:
@@ -124,7 +130,7 @@ def generation() -> int:
     return _GENERATION[0]
 
 
-def keep(key: tuple, plan: PlannedCall, made_in: int) -> None:
+def keep(key: tuple, plan: PlannedCall | StepPlan, made_in: int) -> None:
     """Keep the plan of a signature, unless the plans were cleared since ``made_in``
     (``generation()`` before the call resolved its names)."""
     with _LOCK:
