@@ -61,6 +61,14 @@ needs_cxx = pytest.mark.skipif(CXX_MISSING, reason=CXX_REASON)
 _NO_GPU = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU; this machine has none")
 
 
+def pairwise(cases: list[tuple], kept: list[tuple]) -> list:
+    """``cases`` for ``pytest.mark.parametrize``, those not in ``kept`` marked
+    ``slow`` (the whole matrix; CI runs ``kept``, ZOO_SLOW=1 all): for a test whose cases each
+    compile for seconds on a CPU, ``kept`` holds each value of every option at least once."""
+    assert all(case in cases for case in kept), kept
+    return [case if case in kept else pytest.param(*case, marks=pytest.mark.slow) for case in cases]
+
+
 def subprocess_timeout(seconds: float) -> float:
     """A time-out for a test's subprocess that holds under load: ``seconds``, what the command may
     take on an idle 2-core machine, times ZOO_TEST_TIMEOUT_SCALE if set (e.g. 4 on a slow or busy

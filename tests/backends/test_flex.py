@@ -14,6 +14,7 @@ from helpers import (
     check_against_reference,
     gpu,
     padding_mask,
+    pairwise,
     random_qkv,
     small_params,
 )
@@ -194,9 +195,16 @@ def test_block_counts_are_those_of_the_dense_mask(variant, params, n, monkeypatc
     assert backend.scored_pairs(call) == round((full + partial) * block**2)
 
 
-@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
-@pytest.mark.parametrize("shape", [(300, 300), (200, 333)])
+# Each compiled case compiles a flex kernel for the CPU (5-7 s): CI compiles each shape and each
+# causal once; eager runs every case.
+@pytest.mark.parametrize(
+    ("shape", "causal", "compile"),
+    pairwise(
+        [(s, c, m) for s in ((300, 300), (200, 333)) for c in (False, True) for m in (False, True)],
+        [*((s, c, False) for s in ((300, 300), (200, 333)) for c in (False, True)),
+         ((300, 300), True, True), ((200, 333), False, True)],
+    ),
+)  # fmt: skip
 def test_a_strided_pattern_of_one_part_runs_regrouped(compile, causal, shape):
     """Strided without its band (one part) runs with its tokens regrouped by position mod the
     stride, where its blocks are whole (none partial where they are full of tokens; in the
@@ -214,9 +222,14 @@ def test_a_strided_pattern_of_one_part_runs_regrouped(compile, causal, shape):
     assert FlexBackend(compile=False).block_counts(call) == (256.0, 0.0, 16384)
 
 
-@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
-@pytest.mark.parametrize("pos", [None, "alibi"])
+@pytest.mark.parametrize(
+    ("pos", "causal", "compile"),
+    pairwise(
+        [(p, c, m) for p in (None, "alibi") for c in (False, True) for m in (False, True)],
+        [*((p, c, False) for p in (None, "alibi") for c in (False, True)),
+         ("alibi", True, True), (None, False, True)],
+    ),
+)  # fmt: skip
 def test_parts_in_their_own_orders_merge_to_the_reference(compile, causal, pos):
     """``strided`` with its band (two parts: the band natural, the strided keys regrouped by
     position mod the stride) runs each part in its own order and merges them by log-sum-exp:
