@@ -10,7 +10,7 @@ from unittest import mock
 
 import pytest
 import torch
-from helpers import FIXED_VARIANTS, cache_params
+from helpers import FIXED_VARIANTS, cache_params, skip_without_fake_cuda
 
 import zoo
 from zoo.backends import clear_caches
@@ -146,3 +146,26 @@ def test_a_step_recording_gradients_gets_its_own_plan():
     with mock.patch(CHECKS, wraps=zoo.functional._check_cached_call) as checks:
         zoo.attention(*_qkv(1), variant="causal", causal=True, cache=cache)
     assert checks.call_count == 1 and len(call_plans._PLANS) == 3
+
+
+@pytest.mark.parametrize("variant", ["causal", "sliding_window", "bigbird", "moba"])
+def test_a_step_plan_runs_on_fake_cuda_tensors(variant):
+    """The plan a checked step returns, run for later steps on CUDA tensors faked on a machine
+    without a GPU (fake tensors get no plan through ``attention``, so it is made here as
+    ``attention`` makes it): no device mix, no device value read (a fake tensor has none), the
+    output on the cache's device."""
+    skip_without_fake_cuda()
+    from zoo.functional import _cached_step
+    from zoo.testing.fake_cuda import fake_cuda
+
+    params = cache_params(variant, 64)
+    with fake_cuda(), torch.device("cuda"), torch.no_grad():
+        cache = zoo.new_cache(variant, batch_size=2, max_len=64, num_kv_heads=2, head_dim=8,
+                              num_heads=4, device="cuda", **params)  # fmt: skip
+        zoo.attention(*_qkv(20), variant=variant, causal=True, cache=cache, pos="rope", **params)
+        _, step = _cached_step(
+            *_qkv(1), cache, None, variant=variant, backend="auto", causal=True, dropout_p=0.0,
+            scale=None, score=None, pos="rope", params=params,
+        )  # fmt: skip
+        outs = [step(*_qkv(1), cache) for _ in range(3)]
+    assert all(out.device.type == "cuda" and out.shape == (2, 4, 1, 8) for out in outs)
