@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from ..core import fused as fused_graphs
 from ..core.call import AttentionCall
 from ..core.call_plans import PlannedCall
 from ..core.fused import fused
@@ -141,9 +142,24 @@ class DecodeStep:
         (``zoo.core.fused``), where eagerly the pattern's operations were 20 to 50 launches a
         step (BigBird's tables, MoBA's chosen blocks). Not a functools.cached_property, whose
         lock (Python 3.11) dynamo cannot trace: a compiled step would break its graph there."""
+        return self.mask_within(None)
+
+    def mask_within(self, width: int | None) -> Tensor:
+        """``mask`` for a backend that reads only the first ``width`` key slots (all where
+        None): computed eagerly, over those slots only, not over every slot of the store (a
+        cache that keeps every position has max_len of them: MoBA's step on a CPU spent most
+        of its time asking the pattern about empty slots); as one compiled graph (a GPU,
+        ``fused``), over the whole store, one shape per cache, and cut after (one fused pass
+        over the store is cheap there; a width per step would be graphs more)."""
+        key_pos, slots_ok = self.key_pos, self.slots_ok
+        cut = width is not None and width < key_pos.shape[1]
+        if cut and not fused_graphs.fuses(self.q_pos):  # looked up when called (tests force it)
+            key_pos = key_pos[:, :width]
+            slots_ok = None if slots_ok is None else slots_ok[:, :width]
         pattern = self.pattern
         heads = self.q.shape[1] if pattern.routed or pattern.per_head else 1
-        return _step_mask(self.q_pos, self.key_pos, self.slots_ok, self.valid, pattern, heads)
+        mask = _step_mask(self.q_pos, key_pos, slots_ok, self.valid, pattern, heads)
+        return mask[..., :width] if cut else mask
 
 
 @fused

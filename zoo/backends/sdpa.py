@@ -132,9 +132,7 @@ def sdpa_decode(step: DecodeStep, split_keys: bool = True) -> Tensor:
                 q, keys, values, dropout_p=dropout_p, scale=scale,
                 enable_gqa=concrete(q.shape[1] // keys.shape[1]) > 1,
             )  # fmt: skip
-    mask = step.mask
-    if mask.shape[-1] > keys.shape[2]:
-        mask = mask[..., : keys.shape[2]]
+    mask = step.mask_within(keys.shape[2])
     most = step.most_allowed
     gathered = None
     if q.shape[2] == 1 and most is not None:

@@ -86,6 +86,14 @@ class RunningBlockSums:
         self.sums.transpose(1, 2).index_put_((rows, blocks), sign * added, accumulate=True)
         self.counts.index_put_((rows, blocks), sign * kept.long(), accumulate=True)
 
+    @torch.no_grad()
+    def add_at(self, slot: int, keys: Tensor) -> None:
+        """``add`` for keys (B, H_kv, D) written at one slot of every row, a slot the host
+        knows (``KVCache.write``'s step at a host position): no index tensor."""
+        block = slot // self.block
+        self.sums[:, :, block] += keys.float()
+        self.counts[:, block] += 1
+
     def clone(self) -> RunningBlockSums:
         twin = copy.copy(self)
         twin.sums, twin.counts = self.sums.clone(), self.counts.clone()

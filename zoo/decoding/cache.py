@@ -530,8 +530,9 @@ class KVCache:
             )
 
     def write(
-        self, k: Tensor, v: Tensor, positions: Tensor, valid: Tensor, every_kept: bool = False
-    ) -> None:
+        self, k: Tensor, v: Tensor, positions: Tensor, valid: Tensor, every_kept: bool = False,
+        position: int | None = None,
+    ) -> None:  # fmt: skip
         """Store the valid new keys k, v (B, H_kv, t, D) at their positions (B, t), as far as the
         plan keeps them: a ring slot takes the last of the positions that map to it. In place,
         or into new tensors when autograd needs the earlier ones. ``every_kept``: the host knows
@@ -542,16 +543,24 @@ class KVCache:
         where the plan keeps it nowhere) with the value that slot ends with, the call's last
         token kept there or the slot's old key, so tokens sharing a slot write the same value. A
         token of one step writes its own slot; a longer call finds each slot's last token with a
-        scatter of token indices (O(B * slots) small ints)."""
+        scatter of token indices (O(B * slots) small ints).
+
+        ``position``: the host knows that every row's one token (a step) sits there, so its slot
+        is found on the host and written by slice copies, with no index tensor (eagerly, and
+        where no gradient is recorded: the indexed writes were most of a step's own host time on
+        a CPU, and on a GPU each index tensor is a kernel launch)."""
         B, t = positions.shape
+        tracked = k.requires_grad or v.requires_grad or self.keys.requires_grad
+        grad = torch.is_grad_enabled() and tracked
+        if position is not None and not grad and not torch.compiler.is_compiling():
+            self._write_at(k[:, :, 0], v[:, :, 0], position)
+            return
         slots = self.plan.slots
         # (B, t), -1: not kept; a kept position of a prefix is its own slot
         keeps_itself = every_kept and self.plan.kept_at_position
         slot = positions if keeps_itself else self.plan.slot(positions)
         kept, target = (valid, slot) if every_kept else (valid & (slot >= 0), slot.clamp(min=0))
         rows = self._row_index().expand(B, t)
-        tracked = k.requires_grad or v.requires_grad or self.keys.requires_grad
-        grad = torch.is_grad_enabled() and tracked
         canonical = None
         if t == 1:  # a step: each row's one token, kept or not, ends its slot (no other shares it)
             new = None if every_kept else kept  # None: every token is new to its slot
@@ -590,6 +599,26 @@ class KVCache:
         if new is not None:
             written = torch.where(new, written, self.slot_pos[rows, target])
         self.slot_pos[rows, target] = written
+
+    def _write_at(self, k: Tensor, v: Tensor, position: int) -> None:
+        """k, v (B, H_kv, D): every row's key and value at ``position``, into its slot if the
+        plan keeps it (``write``)."""
+        slot = self.host_slot(position)
+        if slot < 0:
+            return
+        self.keys[:, :, slot] = k
+        self.values[:, :, slot] = v
+        self.slot_pos[:, slot].fill_(position)
+        for sums in self._block_sums.values():
+            sums.add_at(slot, k)
+
+    def host_slot(self, position: int) -> int:
+        """``Retention.slot`` of one position known on the host (-1: not kept), from the pins
+        the cache holds on the host."""
+        index = bisect_left(self._pins, position)
+        if index < len(self._pins) and self._pins[index] == position:
+            return index
+        return len(self._pins) + position % self.plan.ring if self.plan.ring else -1
 
 
 def _put(store: Tensor, rows: Tensor, slots: Tensor, new: Tensor) -> Tensor:

@@ -242,8 +242,10 @@ def cache_attention(
     # and its own keys, and is written after.
     write_first = t == 1 or cache.plan.ring == 0
     every_kept = full and cache.plan.keeps_below(after)  # known here: no token to leave out
+    # every row's one token at a position the host knows: written at a slot found on the host
+    position = longest if t == 1 and even and full else None
     if write_first:
-        cache.write(k, v, positions, valid, every_kept)
+        cache.write(k, v, positions, valid, every_kept, position)
         keys, values, key_pos = cache.keys, cache.values, cache.slot_pos
         key_ok = None  # those holding a position (``DecodeStep.key_ok``, made where read)
         width = cache.plan.slots if cache.static else cache.slots_used(after)
