@@ -76,7 +76,8 @@ def test_a_step_written_at_a_slot_the_host_finds_equals_the_indexed_write(varian
     holds (``KVCache.host_slot``), by slice copies; the same steps written through index
     tensors (the path of rows of different lengths) leave the same cache bit for bit (keys,
     values, slots' positions, lengths, MoBA's block sums) and give the same outputs, past the
-    ring's wrap and up to max_len."""
+    ring's wrap and up to max_len; with spare ring slots, a rollback by an int (the host's
+    bound kept) and a clone in the middle."""
     from zoo.decoding.cache import KVCache
 
     write = KVCache.write
@@ -96,12 +97,20 @@ def test_a_step_written_at_a_slot_the_host_finds_equals_the_indexed_write(varian
     for on in (True, False):
         host["on"] = on
         cache = zoo.new_cache(variant, batch_size=2, max_len=max_len, num_kv_heads=2,
-                              head_dim=8, num_heads=4, dtype=torch.float64, **params)  # fmt: skip
+                              head_dim=8, num_heads=4, dtype=torch.float64, rollback=3,
+                              **params)  # fmt: skip
         steps = [zoo.attention(q[:, :, :7], k[:, :, :7], v[:, :, :7], cache=cache, **kw)]
-        for i in range(7, max_len):
+        i, forked = 7, False
+        while i < max_len:
             part = slice(i, i + 1)
             steps.append(zoo.attention(q[:, :, part], k[:, :, part], v[:, :, part], cache=cache,
                                        **kw))  # fmt: skip
+            i += 1
+            if i == 30 and not forked:  # 2 of the tokens from 28 rejected (the host keeps its
+                # bound: the steps after it take the host's slot too), then a fork
+                cache.rollback(2)
+                i, steps, forked = 28, steps[:-2], True
+                cache = cache.clone()
         caches.append(cache)
         outs.append(torch.cat(steps, 2))
     fast, indexed = caches
@@ -147,23 +156,21 @@ def _bare_cache(plan):
 def test_an_eager_steps_mask_asks_the_pattern_about_the_slots_in_use_only(monkeypatch):
     """MoBA's cache keeps every position (max_len slots): an eager step on sdpa asks the pattern
     about the slots the host knows in use, not about the whole store (on a CPU that was most of
-    the step's time); compiled as on a GPU, the mask is one graph over the whole store (one
-    shape per cache), cut to the same slots. Both give the reference."""
+    the step's time); where the mask is one compiled graph (a GPU: ``fused`` says so, stood in
+    for here, the graph run eagerly), it is asked about the whole store (one shape per cache)
+    and cut to the same slots. Both give the reference."""
+    import types
+
     from zoo.backends import base
-    from zoo.core import fused
 
     seen = []
-    step_mask = base._step_mask
+    step_mask = base._step_mask.fn  # eager: what the graph computes, without compiling it
 
-    class Spy:
-        def __init__(self):
-            self.fn = step_mask.fn
+    def spy(q_pos, key_pos, *rest):
+        seen.append(key_pos.shape[1])
+        return step_mask(q_pos, key_pos, *rest)
 
-        def __call__(self, q_pos, key_pos, *rest):
-            seen.append(key_pos.shape[1])
-            return step_mask(q_pos, key_pos, *rest)
-
-    monkeypatch.setattr(base, "_step_mask", Spy())
+    monkeypatch.setattr(base, "_step_mask", spy)
     kw = dict(variant="moba", causal=True, block_size=16, top_k=2, backend="sdpa")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 2, 40, 8, generator=g)
@@ -171,8 +178,7 @@ def test_an_eager_steps_mask_asks_the_pattern_about_the_slots_in_use_only(monkey
     for compiled in (False, True):
         seen.clear()
         with monkeypatch.context() as m:
-            if compiled:
-                m.setattr(fused, "fuses", lambda t: not torch.compiler.is_compiling())
+            m.setattr(base, "fused_graphs", types.SimpleNamespace(fuses=lambda t, c=compiled: c))
             cache = zoo.new_cache("moba", batch_size=1, max_len=256, num_kv_heads=2,
                                   head_dim=8, num_heads=2, block_size=16, top_k=2)  # fmt: skip
             outs = [zoo.attention(x[:, :, :30], x[:, :, :30], x[:, :, :30], cache=cache, **kw)]
@@ -180,8 +186,7 @@ def test_an_eager_steps_mask_asks_the_pattern_about_the_slots_in_use_only(monkey
                 step = x[:, :, i : i + 1]
                 outs.append(zoo.attention(step, step, step, cache=cache, **kw))
         assert torch.allclose(torch.cat(outs, 2), want, atol=1e-5)
-        asked = seen[-10:]  # the steps' masks
-        assert asked == ([256] * 10 if compiled else list(range(31, 41))), asked
+        assert seen[-10:] == ([256] * 10 if compiled else list(range(31, 41))), seen
 
 
 def test_a_module_step_without_valid_lens_masks_no_padding_column():

@@ -42,9 +42,11 @@ A step reads no device value on the host (no ``.item()``, ``nonzero`` or boolean
 each is a synchronisation). What the host needs it keeps itself: ``longest``, an upper bound of the
 rows' lengths that each call raises by its length (exact, with ``even``, while every call adds all
 its tokens to every row), from which the slots in use and the keys a query may attend follow
-(``zoo.decoding.bounds``); a write puts each new key in its slot with ``plan.slot`` computed on the
-device. The checks that read values (a step past ``max_len``, ``positions``) read them where that
-costs no device synchronisation: tensors on the CPU, or a step that the host bound cannot clear;
+(``zoo.decoding.bounds``). A write puts each new key in its slot: a step of rows of one length at
+the slot the host finds from that bound and the pins it keeps (``host_slot``), by slice copies;
+any other call at slots ``plan.slot`` computes on the device. The checks that read values (a step
+past ``max_len``, ``positions``) read them where that costs no device synchronisation: tensors on
+the CPU, or a step that the host bound cannot clear;
 ``positions`` on a GPU are checked by a device-side assertion (``torch._assert_async``).
 """
 
