@@ -189,10 +189,10 @@ def without_cudnn(q: Tensor) -> contextlib.AbstractContextManager:
     Only while the math backend stays enabled, which runs every step (a dtype or head size that
     neither FlashAttention nor the efficient kernel takes): a caller who turned it off keeps
     cuDNN, so that no step is left without a kernel. The flag is the process's, as
-    ``sdpa_kernel`` sets it; cuDNN's alone is turned off for the call and on again after (torch's
-    ``sdpa_kernel`` context, which sets every backend's, took 28 us of host time per step on a
-    CPU, against 1 us for this). Eager only: under ``torch.compile`` the flags cannot be read,
-    and the call is left as it is."""
+    ``sdpa_kernel`` sets it; cuDNN's alone is turned off for the call and on again after, not
+    through torch's ``sdpa_kernel`` context, which sets every backend's flag in far more host
+    time per step (eval/results/decode-step-ops-cpu). Eager only: under ``torch.compile`` the
+    flags cannot be read, and the call is left as it is."""
     if q.device.type != "cuda" or torch.compiler.is_compiling():
         return contextlib.nullcontext()
     cuda = torch.backends.cuda

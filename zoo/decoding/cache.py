@@ -549,8 +549,8 @@ class KVCache:
 
         ``position``: the host knows that every row's one token (a step) sits there, so its slot
         is found on the host and written by slice copies, with no index tensor (eagerly, and
-        where no gradient is recorded: the indexed writes were most of a step's own host time on
-        a CPU, and on a GPU each index tensor is a kernel launch)."""
+        where no gradient is recorded: the indexed writes were the largest part of a step's own
+        host time on a CPU, and on a GPU each index tensor is a kernel launch)."""
         B, t = positions.shape
         tracked = k.requires_grad or v.requires_grad or self.keys.requires_grad
         grad = torch.is_grad_enabled() and tracked
