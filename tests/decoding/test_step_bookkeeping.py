@@ -43,14 +43,20 @@ class Launches(TorchDispatchMode):
         return any(self.kernel in (frame.line or "") for frame in traceback.extract_stack())
 
 
-@pytest.mark.parametrize("variant", ["causal", "full", "sliding_window", "longformer"])
+@pytest.mark.parametrize(
+    "variant", ["causal", "full", "sliding_window", "longformer", "block_local"]
+)
 def test_a_steps_bookkeeping_launches_few_operations(variant):
     """Rows of one length: the step's positions, its key and value copied into the slot the
     host finds, the slot's position set, the lengths' advance; 5, for a ring or pinned slots
     alike. Before: 12 for causal (counts, offsets twice, valid, the slot's clamp, row indices,
     slots in use), 12 for sliding_window and 15 for longformer; then 5, 6 and 9 with the slot
-    computed on the device and written through index tensors."""
-    params = {"sliding_window": {"window_size": 16}, "longformer": {"window_size": 16}}
+    computed on the device and written through index tensors. A block-local query attends its
+    block so far, the ring's first slots: read without a mask (22 operations with one)."""
+    params = {
+        "sliding_window": {"window_size": 16}, "longformer": {"window_size": 16},
+        "block_local": {"block_size": 16},
+    }  # fmt: skip
     kwargs = dict(variant=variant, causal=True, **params.get(variant, {}))
     cache = zoo.new_cache(variant, batch_size=4, max_len=256, num_kv_heads=2, head_dim=16,
                           num_heads=4, **params.get(variant, {}))  # fmt: skip
@@ -123,6 +129,68 @@ def test_a_step_written_at_a_slot_the_host_finds_equals_the_indexed_write(varian
     assert fast._block_sums or variant != "moba"
     want = zoo.attention(q, k, v, variant=variant, causal=True, **params)
     assert torch.allclose(outs[0], want, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("variant", [v for v in FIXED_VARIANTS if v not in GRAPH_VARIANTS])
+def test_latest_runs_claim_only_queries_that_attend_exactly_their_latest_keys(variant):
+    """``latest_runs`` against the dense mask: True only where a query's allowed keys are
+    exactly its latest ones (sound for every variant), and exact for block_local and the
+    windows, whose queries all attend such runs."""
+    from zoo.decoding.bounds import latest_runs, query_bounds
+
+    length = 64
+    params = cache_params(variant, length)
+    pattern = specialized(resolve_pattern(variant, True, params), length, length, "cpu")
+    if pattern.per_head:
+        pytest.skip("a pattern drawn per head has no runs of one layout")
+    runs = latest_runs(pattern, length)
+    dense = zoo.dense_mask(variant, length, causal=True, **params)
+    count = query_bounds(pattern, length)[1]
+    keys = torch.arange(length)
+    for p in range(length):
+        latest = (keys > p - count[p]) & (keys <= p)
+        truth = bool(count[p] > 0) and torch.equal(dense[p], latest)
+        assert not runs[p] or truth, (variant, p)
+        if variant in ("block_local", "sliding_window", "local", "causal"):
+            assert runs[p] == truth, (variant, p)
+
+
+@pytest.mark.parametrize("rollback", [0, 3])
+def test_a_block_local_step_reads_its_blocks_first_slots_without_a_mask(rollback, monkeypatch):
+    """Rows of one length: a block-local query attends its block so far, held in the ring's
+    first slots, and sdpa reads those alone, unmasked, at every step across several blocks; with
+    spare ring slots (``rollback=3``) the block no longer starts at slot 0 and the step takes
+    the mask. Both equal one causal forward."""
+    from zoo.backends import base, sdpa
+
+    widths, masks = [], []
+    used_prefix, mask_within = sdpa.used_prefix, base.DecodeStep.mask_within
+
+    def read(width, *rest):
+        widths.append(width)
+        return used_prefix(width, *rest)
+
+    def masked(step, width):
+        masks.append(width)
+        return mask_within(step, width)
+
+    kw = dict(variant="block_local", causal=True, block_size=8, backend="sdpa")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 40, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    cache = zoo.new_cache("block_local", batch_size=2, max_len=40, num_kv_heads=2, head_dim=8,
+                          dtype=torch.float64, block_size=8, rollback=rollback)  # fmt: skip
+    outs = [zoo.attention(q[:, :, :5], k[:, :, :5], v[:, :, :5], cache=cache, **kw)]
+    monkeypatch.setattr(sdpa, "used_prefix", read)
+    monkeypatch.setattr(base.DecodeStep, "mask_within", masked)
+    for i in range(5, 40):
+        part = slice(i, i + 1)
+        outs.append(zoo.attention(q[:, :, part], k[:, :, part], v[:, :, part], cache=cache, **kw))
+    want = zoo.attention(q, k, v, variant="block_local", causal=True, block_size=8)
+    assert torch.allclose(torch.cat(outs, 2), want, atol=1e-10, rtol=0)
+    if rollback:
+        assert masks, "a block that does not start at slot 0 is read with the mask"
+    else:
+        assert widths == [i % 8 + 1 for i in range(5, 40)] and not masks, (widths, masks)
 
 
 def test_the_slot_the_host_finds_is_the_plans_slot():

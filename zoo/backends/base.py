@@ -117,11 +117,11 @@ class DecodeStep:
     score: object
     dropout_p: float
     # What the host knows of the step, read from no device value (``zoo.decoding.decode``):
-    # how many of the first key slots the rows' tokens may occupy (the later ones are empty;
-    # None: not known), a bound of the keys any query may attend (None: not known), and whether
-    # every query attends every slot in use (no mask needed). The keys stay the whole store: a
-    # backend that compiles per shape (flex) sees one shape per cache, one that does not (sdpa)
-    # cuts them.
+    # how many of the first key slots its queries may attend (the later ones are empty or hold
+    # keys none of them attends; None: not known), a bound of the keys any query may attend
+    # (None: not known), and whether every query attends every slot in use (no mask needed).
+    # The keys stay the whole store: a backend that compiles per shape (flex) sees one shape per
+    # cache, one that does not (sdpa) cuts them.
     slots_in_use: int | None = None
     most_allowed: int | None = None
     every_allowed: bool = False

@@ -15,6 +15,9 @@ once per pattern and length on the CPU:
   every key a later query may attend (``zoo.patterns.retention``), each in a slot of its own, so
   these count the cache's allowed slots too: a step packs them to the most (``sdpa``), and a
   query whose fewest equals the slots in use attends all of them (no mask).
+- ``latest_runs``: for a fixed pattern of one layout, whether a query at n attends exactly its
+  latest keys (as many as ``query_bounds`` counts): a cache that holds them in its first slots
+  (a block-local ring at a block's start) is then read there without a mask.
 - ``routed_most``: for a pattern chosen by content, the most keys its choice can hold, from the
   family's ``most_keys`` (MoBA: ``top_k`` blocks of ``block_size``, its own among them, only up
   to the query where the host knows its position), or None.
@@ -31,7 +34,7 @@ from ..core.device_build import on_host
 from ..core.shape_cache import per_shape
 from ..layout.block_layout import build_layout
 from ..layout.frames import build_frame
-from ..patterns import FULL, PARTIAL, Pattern
+from ..patterns import FULL, PARTIAL, Pattern, Spans
 from ..patterns.compose import Intersection, Union
 
 BLOCK = 64  # positions per block of the counting grid
@@ -75,11 +78,35 @@ def query_bounds(pattern: Pattern, length: int) -> tuple[Tensor, Tensor]:
     return total.amax(0).cummax(0).values, total.amin(0)
 
 
+@per_shape(maxsize=64)
+def latest_runs(pattern: Pattern, length: int) -> Tensor:
+    """(length,) bool on the CPU: True at n where a query at n attends exactly its least[n]
+    latest positions, n - least[n] + 1 .. n (``query_bounds``' fewest, the exact count for a
+    pattern of one layout): a block-local query's own block so far, a window's keys. The
+    pattern's ``block_state`` on that one run of keys says FULL, and the count says nothing
+    else is allowed; a family whose formula says PARTIAL there is left out (sound, not exact).
+    ``pattern`` is fixed, of one layout for every head, specialised to ``length``, on the
+    CPU."""
+    _, least = query_bounds(pattern, length)
+    query = torch.arange(length)
+    complete = torch.ones(length, dtype=torch.bool)
+    state = pattern.block_state(
+        Spans(query, query, 1, complete), Spans(query - least + 1, query, 1, complete)
+    )
+    return (state == FULL) & (least > 0)
+
+
 def host_ints(t: Tensor) -> array:
     """A real CPU tensor's values as a compact array of Python ints, read outside the caller's
     modes (a fake mode would make the tensor fake, its values unreadable)."""
     with on_host():
         return array("q", t.tolist())
+
+
+def host_bools(t: Tensor) -> bytes:
+    """A real CPU bool tensor's values as bytes (0 or 1 each), read as ``host_ints`` reads."""
+    with on_host():
+        return bytes(t.to(torch.uint8).tolist())
 
 
 def routed_most(pattern: Pattern, position: int | None = None) -> int | None:

@@ -69,7 +69,7 @@ from ..layout.block_layout import with_heads
 from ..patterns import Pattern
 from ..patterns.retention import Retention, retention
 from .block_sums import RunningBlockSums
-from .bounds import host_ints, query_bounds
+from .bounds import host_bools, host_ints, latest_runs, query_bounds
 
 
 def cache_signature(variant: object, params: dict, num_kv_heads: int) -> dict[str, object]:
@@ -149,6 +149,7 @@ class KVCache:
         self._mark_static(self.keys, self.values, self.slot_pos, self._lengths)
         self._block_sums: dict[int, RunningBlockSums] = {}  # by block size, made on first use
         self._bounds: dict[int, tuple[array, array] | None] = {}  # by query heads
+        self._runs: bytes | None = None  # ``reads_first_slots``' table, made on first use
         self._static_most: dict[int, int | None] = {}  # by query heads (``static_most``)
         self._constants: dict[tuple, Tensor] = {}  # by what and shape (``_constant``)
 
@@ -377,6 +378,21 @@ class KVCache:
                 most, least = query_bounds(host, self.max_len)
                 self._bounds[heads] = host_ints(most), host_ints(least)
         return self._bounds[heads]
+
+    def reads_first_slots(self, position: int, count: int) -> bool:
+        """Whether a query at ``position`` (every row's) attends exactly the cache's first
+        ``count`` slots: a cache of a ring only, whose slot 0 holds the first of the query's
+        ``count`` latest positions, for a pattern whose query there attends exactly those
+        (``zoo.decoding.bounds.latest_runs``, computed on first use). A block-local query at a
+        block's start onwards, say: its step then reads those slots without a mask."""
+        ring = self.plan.ring
+        if self._pins or not ring or count > ring or (position - count + 1) % ring:
+            return False
+        if self._runs is None:
+            host = self.host_pattern
+            usable = host is not None and not host.routed and not host.per_head
+            self._runs = host_bools(latest_runs(host, self.max_len)) if usable else b""
+        return position < len(self._runs) and bool(self._runs[position])
 
     @property
     def batch_size(self) -> int:

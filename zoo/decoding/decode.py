@@ -23,9 +23,10 @@ filled), the most keys a query may attend, and whether it attends every slot in 
   kernel sees only them; for a pattern chosen by content (MoBA), each query head's own chosen keys,
   where those copies are fewer than half of what the kernel would read in place. A window cache, all
   of it allowed, goes in as it is, and a step whose query attends every slot in use (full or causal
-  attention, a full window) runs without a mask. MoBA scores its blocks from sums the cache keeps
-  (``KVCache.key_block_sums``), so a step reads the chosen keys and one mean per block, not every
-  key.
+  attention, a full window) runs without a mask, as does a block-local step over its block's
+  slots, which the ring holds first (``KVCache.reads_first_slots``). MoBA scores its blocks from
+  sums the cache keeps (``KVCache.key_block_sums``), so a step reads the chosen keys and one mean
+  per block, not every key.
 - ``flex``: FlexAttention with a block mask over the step's query rows and the cache's slots, its
   mask_mod reading the slots' absolute positions (``zoo.backends.flex_decode``). Named by
   ``backend="flex"`` or a ``FlexBackend`` (its block size and ``compile`` apply; ``compile=False``
@@ -256,7 +257,7 @@ def cache_attention(
         width = None  # the call's own keys come after the slots
     most, every = None, False
     if t == 1:  # what the host knows of this step's one query per row
-        most, every = _host_bounds(cache, pattern, q.shape[1], after, width, even and full)
+        most, every, width = _host_bounds(cache, pattern, q.shape[1], after, width, even and full)
     if pattern.routed:  # chosen here from the cache's keys, slot j at position j (retention)
         pattern = pattern.bind(  # a cache with a ring has no block sums (key_block_sums)
             RouteInputs(q, keys, key_pos < 0 if key_ok is None else ~key_ok, causal=True,
@@ -276,18 +277,24 @@ def cache_attention(
 
 def _host_bounds(
     cache: KVCache, pattern: Pattern, heads: int, after: int, width: int, even: bool
-) -> tuple[int | None, bool]:
+) -> tuple[int | None, bool, int]:
     """(the most keys a query of a one-token step may attend, whether each attends every slot in
-    use), for rows of at most ``after`` tokens once the step is written, in the first ``width``
-    slots; ``even``: every row holds exactly ``after`` (its query at position after - 1)."""
+    use, the slots in use), for rows of at most ``after`` tokens once the step is written, in the
+    first ``width`` slots; ``even``: every row holds exactly ``after`` (its query at position
+    after - 1). Where the query attends exactly the cache's first slots (a block-local ring at a
+    block's start: ``KVCache.reads_first_slots``), those are the slots in use, every one
+    attended."""
     if pattern.routed:
         most = routed_most(cache.pattern, after - 1 if even else None)
-        return (None if most is None else min(most, width)), False
+        return (None if most is None else min(most, width)), False, width
     if cache.static:  # one bound for every step (its shapes never change)
-        return cache.static_most(heads, width), False
+        return cache.static_most(heads, width), False, width
     bounds = cache.query_bounds(heads)
     if bounds is None or after == 0:
-        return None, False
+        return None, False, width
     most, least = bounds
-    every = even and least[after - 1] == width  # that many allowed keys fill the slots
-    return min(most[after - 1], width), every
+    count = least[after - 1]
+    if even and 0 < count < width and cache.reads_first_slots(after - 1, count):
+        return count, True, count
+    every = even and count == width  # that many allowed keys fill the slots
+    return min(most[after - 1], width), every, width
