@@ -177,6 +177,25 @@ def test_outside_graph_marks_as_torch_does():
     assert {k: v for k, v in vars(marked).items()} == {k: v for k, v in vars(by_torch).items()}
 
 
+def test_two_builders_of_equal_arguments_in_one_traced_frame_give_their_own_results():
+    """A decoding cache's two tables, both built from (pattern, max_len): ``query_bounds``'
+    (most, least), then ``latest_runs``' runs, in one function under torch.compile. Each
+    builder's own closure marked for dynamo (one code object) gave the second call the first
+    one's result, and the block-local step of a compiled module failed."""
+    torch._dynamo.reset()
+    cache = zoo.new_cache("block_local", batch_size=2, max_len=64, num_kv_heads=1, head_dim=8,
+                          block_size=8)  # fmt: skip
+    seen = {}
+
+    def tables(x):
+        seen["bounds"] = cache.query_bounds(1)
+        seen["first slots"] = cache.reads_first_slots(8, 1)
+        return x + 1
+
+    torch.compile(tables, backend="eager")(torch.ones(2))
+    assert seen["first slots"] is True and len(seen["bounds"]) == 2
+
+
 def test_a_builder_under_a_fake_mode_keeps_real_tensors(limits):
     """Under a fake mode (torch.export's non-strict tracing makes one), a builder still makes
     real tensors: cached fake ones would be what every later eager call gets."""

@@ -55,6 +55,26 @@ def test_compiled_steps_stop_compiling_and_equal_eager(variant):
     assert counter.frame_count == settled, (settled, counter.frame_count)
 
 
+def test_compiled_steps_of_rows_of_one_length_equal_eager():
+    """Rows of one length take the host's shortcuts (the slot found on the host; a block-local
+    query's block read from the ring's first slots, a table built on first use): under
+    torch.compile too, each step equals the eager module's (the table's build once failed
+    inside a traced step: ``zoo.core.shape_cache``)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    attn = zoo.create_attention("block_local", dim=32, num_heads=4, num_kv_heads=2, causal=True,
+                                block_size=8).eval()  # fmt: skip
+    compiled = torch.compile(attn, backend="eager")
+    x = torch.randn(2, 18, 32)
+    with torch.no_grad():
+        mine, theirs = attn.new_cache(2, 32), attn.new_cache(2, 32)
+        compiled(x[:, :13], cache=mine)
+        attn(x[:, :13], cache=theirs)
+        for i in range(13, 18):  # across a block's start
+            got = compiled(x[:, i : i + 1], cache=mine)
+            assert torch.equal(got, attn(x[:, i : i + 1], cache=theirs)), i
+
+
 # flex named for a static cache (auto takes sdpa: zoo.decoding.decode): these, on flex's eager
 # kernel here, trace the same step as one graph; the GPU test below lowers it with Inductor.
 FLEX_STATIC = ["causal", "sliding_window", "longformer"]

@@ -331,23 +331,28 @@ def per_shape(maxsize: int) -> Callable[[F], F]:
 
     def decorate(builder: F) -> F:
         cache = _ShapeCache(builder, maxsize)
-
-        def build_outside(*args: object) -> str:
-            return cache.name(args)
-
-        outside_graph(build_outside)
+        key = id(cache)
 
         @functools.wraps(builder)
         def lookup(*args: object) -> Any:
             if not torch.compiler.is_compiling():
                 return cache.get(args).result
-            return getattr(_BUILT, build_outside(*(_index(a) for a in args)))
+            return getattr(_BUILT, _built_name(key, *(_index(a) for a in args)))
 
         lookup.cache_clear = cache.clear  # type: ignore[attr-defined]
         lookup.cache_info = cache.info  # type: ignore[attr-defined]
         return lookup  # type: ignore[return-value]
 
     return decorate
+
+
+@outside_graph
+def _built_name(key: int, *args: object) -> str:
+    """The name under which the traced code reads builder ``key``'s result for ``args``, built
+    at trace time. One function for every builder, the builder named among its arguments: dynamo
+    took the constant results of two builders' own closures, one code object called with equal
+    arguments, for one (a block-local step's two tables, 2026-11-29)."""
+    return _CACHES[key].name(args)
 
 
 def set_limits(*, max_bytes: int | None = None) -> None:
