@@ -52,7 +52,7 @@ def test_a_steps_bookkeeping_launches_few_operations(variant):
     alike. Before: 12 for causal (counts, offsets twice, valid, the slot's clamp, row indices,
     slots in use), 12 for sliding_window and 15 for longformer; then 5, 6 and 9 with the slot
     computed on the device and written through index tensors. A block-local query attends its
-    block so far, the ring's first slots: read without a mask (22 operations with one)."""
+    block so far, the ring's first slots: read without a mask (21 operations with the mask)."""
     params = {
         "sliding_window": {"window_size": 16}, "longformer": {"window_size": 16},
         "block_local": {"block_size": 16},
