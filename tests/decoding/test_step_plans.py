@@ -148,7 +148,10 @@ def test_a_step_recording_gradients_gets_its_own_plan():
     assert checks.call_count == 1 and len(call_plans._PLANS) == 3
 
 
-@pytest.mark.parametrize("variant", ["causal", "sliding_window", "bigbird", "moba"])
+# block_local: its block read from the ring's first slots; longformer: a slot found among pins
+@pytest.mark.parametrize(
+    "variant", ["causal", "sliding_window", "bigbird", "moba", "block_local", "longformer"]
+)
 def test_a_step_plan_runs_on_fake_cuda_tensors(variant):
     """The plan a checked step returns, run for later steps on CUDA tensors faked on a machine
     without a GPU (fake tensors get no plan through ``attention``, so it is made here as
