@@ -205,8 +205,13 @@ def test_default_names_and_reregistering() -> None:
             TypeError,
             r"backend must be 'auto', a name from zoo.list_backends\(\).*got 3 \(int\)",
         ),
+        (  # was accepted, then failed at the model's first forward asking for edge_index
+            lambda: zoo_hf.register("graph"),
+            ValueError,
+            "variant 'graph' reads a graph per call.*does not pass to its attention",
+        ),
     ],
-    ids=["variant", "parameter", "backend", "option", "backend_type"],
+    ids=["variant", "parameter", "backend", "option", "backend_type", "graph"],
 )
 def test_bad_registrations_name_the_fix(call, error, message) -> None:
     with pytest.raises(error, match=message):

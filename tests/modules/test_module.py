@@ -30,7 +30,8 @@ def test_the_quick_start_snippet():
 
 
 def test_full_variant_equals_torch_multihead_attention():
-    """Projections and the head split match nn.MultiheadAttention with the same weights."""
+    """Projections and the head split match nn.MultiheadAttention with the same weights, at
+    every real position (a padded position of x is read as zeros, its own query too)."""
     ours = zoo.MultiHeadAttention(32, 4, variant="full")
     theirs = torch.nn.MultiheadAttention(32, 4, batch_first=True)
     with torch.no_grad():
@@ -44,7 +45,9 @@ def test_full_variant_equals_torch_multihead_attention():
     pad = torch.zeros(2, 20, dtype=torch.bool)
     pad[1, 15:] = True
     expected, _ = theirs(x, x, x, key_padding_mask=pad)
-    torch.testing.assert_close(ours(x, key_padding_mask=pad), expected, rtol=1e-5, atol=1e-5)
+    got = ours(x, key_padding_mask=pad)
+    torch.testing.assert_close(got[~pad], expected[~pad], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours(x), theirs(x, x, x)[0], rtol=1e-5, atol=1e-5)
 
 
 def test_cross_attention_with_another_width_and_length():
@@ -122,3 +125,60 @@ def test_module_options_and_pattern_parameters_mix_in_create_attention():
     _, weights = attn(torch.randn(1, 8, 16), return_weights=True)
     assert (weights[0, 0] > 0).sum(1).tolist() == [1, 2, 3, 3, 3, 3, 3, 3]
     assert "window_size=2" in repr(attn)
+
+
+@pytest.mark.parametrize(
+    ("pos", "sizes", "message"),
+    [
+        (
+            "alibi",
+            dict(dim=64, num_heads=8),
+            "was built for 8 heads, but the module has num_heads=4",
+        ),
+        ("t5", dict(dim=32, num_heads=2), "was built for 2 heads, but the module has num_heads=4"),
+        (
+            "sinusoidal",
+            dict(dim=16, num_heads=4),
+            "was built for dim=16, but the module has dim=32",
+        ),
+    ],
+)
+def test_an_encoding_built_for_other_sizes_is_refused_when_the_module_is_built(pos, sizes, message):
+    """A cached step had used a bias for 8 heads on 4 (its first 4 slopes, silently) or failed
+    with an IndexError; the uncached call refused it at every forward."""
+    encoding = zoo.build_encoding(pos, **sizes)
+    with pytest.raises(ValueError, match=message):
+        zoo.MultiHeadAttention(32, 4, pos=encoding, causal=True)
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_padding_holding_nan_leaves_every_gradient_finite(cross):
+    """Padding may hold anything: the projections' weight gradients sum their input over every
+    position, so NaN at a padded one made them all NaN (0 * NaN), as in a cached prefill it
+    did not. The real rows are unchanged."""
+    torch.manual_seed(0)
+    module = zoo.MultiHeadAttention(
+        16, 2, variant="local", window_size=3, kv_dim=8 if cross else None
+    )
+    x = torch.randn(2, 7, 16)
+    source = torch.randn(2, 9, 8) if cross else x
+    lens = torch.tensor([source.shape[1], 4])
+    context = {"context": source} if cross else {}
+    want = module(x, valid_lens=lens, **context).detach()
+    source[1, 4:] = float("nan")
+    out = module(x, valid_lens=lens, **context)
+    real = slice(None) if cross else slice(0, 4)
+    torch.testing.assert_close(out[:, real], want[:, real], rtol=0, atol=1e-6)
+    out[:, real].sum().backward()
+    for name, parameter in module.named_parameters():
+        assert parameter.grad.isfinite().all(), name
+
+
+def test_positions_that_are_not_an_integer_tensor_are_refused_naming_them():
+    module = zoo.MultiHeadAttention(16, 2, causal=True)
+    cache = module.new_cache(1, 8)
+    x = torch.randn(1, 2, 16)
+    for positions, shown in (([[0, 1]], "list"), (torch.tensor([[False, True]]), "torch.bool")):
+        with pytest.raises(TypeError, match=f"positions must be an integer tensor .*got .*{shown}"):
+            module(x, cache=cache, positions=positions)
+    module(x, cache=cache, positions=torch.tensor([[0, 1]]))  # the same call, rightly typed

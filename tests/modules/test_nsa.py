@@ -22,7 +22,9 @@ def softmax_rows(scores, allowed):
 
 
 def dense_nsa(m, x, padding):
-    """NSA from its definition, one (sequence, head) at a time, with m's parameters."""
+    """NSA from its definition, one (sequence, head) at a time, with m's parameters; padded
+    positions read as zeros (they may hold anything)."""
+    x = x.masked_fill(padding[:, :, None], 0)
     B, n, _ = x.shape
     hd, group = m.head_dim, m.num_heads // m.num_kv_heads
     q = F.linear(x, m.q_proj.weight, m.q_proj.bias).view(B, n, m.num_heads, hd)
@@ -109,7 +111,9 @@ def test_module_equals_the_dense_definition(backend, learned):
     module = make(learned, backend)
     x, padding = inputs()
     got = module(x, key_padding_mask=padding)
-    p_cmp = module.compressed_branch(*_qkv(module, x), padding)[1]
+    p_cmp = module.compressed_branch(*_qkv(module, x.masked_fill(padding[..., None], 0)), padding)[
+        1
+    ]
     want, chosen = dense_nsa(module, x, padding)
     picks = module.choose(p_cmp, L, padding)
     assert torch.equal(picks_mask(picks, chosen.shape[-1]).expand_as(chosen), chosen)
@@ -231,3 +235,15 @@ def test_a_bad_key_padding_mask_names_what_it_must_be(padding, error, match):
     x, _ = inputs()
     with pytest.raises(error, match=match):
         make()(x, key_padding_mask=padding)
+
+
+def test_padding_holding_nan_leaves_every_gradient_finite():
+    """The projections' weight gradients sum x over every position: NaN in a padded one made
+    them NaN (0 * NaN) although no real row read it."""
+    module = make()
+    x = torch.randn(2, L, DIM, dtype=torch.float64)
+    x[1, 30:] = float("nan")
+    out = module(x, valid_lens=torch.tensor([L, 30]))
+    torch.cat([out[0], out[1, :30]]).sum().backward()
+    for name, parameter in module.named_parameters():
+        assert parameter.grad.isfinite().all(), name

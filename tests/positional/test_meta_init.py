@@ -38,3 +38,18 @@ def test_an_alibi_encoding_built_in_inference_mode_moves_and_casts():
         encoding = AlibiEncoding(dim=48, num_heads=12)
     encoding.to("cpu").float()
     assert encoding.slopes.tolist() == pytest.approx(alibi_slopes(12))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_alibi_slopes_stay_at_least_float32_when_a_model_is_cast(dtype):
+    """In bfloat16 the biases of distances 256 and 257 were equal (-64.0) and 3000's was -752
+    for -750: a cast to a narrower float leaves the slopes float32; float64 keeps them wide."""
+    module = zoo.MultiHeadAttention(32, 4, pos="alibi", causal=True).to(dtype)
+    slopes = module.pos.slopes
+    assert slopes.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    distances = torch.tensor([256, 257, 3000])
+    bias = module.pos.bias(torch.tensor(0), distances, torch.zeros(3, dtype=torch.long))
+    assert bias.tolist() == [-64.0, -64.25, -750.0]
+    with torch.inference_mode():  # a cast of a model built there is written there too
+        inferred = zoo.MultiHeadAttention(32, 4, pos="alibi", causal=True)
+    assert inferred.to(dtype).pos.slopes.dtype == slopes.dtype

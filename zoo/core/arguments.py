@@ -18,6 +18,11 @@ def typed(value: object) -> object:
     return value, type(value)
 
 
+def is_integer_dtype(dtype: object) -> bool:
+    """Whether ``dtype`` holds integers (counts, positions, indices): not float, complex or bool."""
+    return not (dtype.is_floating_point or dtype.is_complex or str(dtype) == "torch.bool")
+
+
 def close_matches(name: str, known: Iterable[str], cutoff: float = 0.5) -> list[str]:
     """The known names closest to a misspelt one, best first (at most three)."""
     return difflib.get_close_matches(name, sorted(known), n=3, cutoff=cutoff)

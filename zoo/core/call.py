@@ -197,6 +197,13 @@ def check_dropout(dropout_p: object) -> float:
     return check_probability("dropout_p", dropout_p)
 
 
+def unread_padded_inputs(x: Tensor, padding: Tensor) -> Tensor:
+    """A module's input x (B, L, width) with zeros where ``padding`` (B, L) is True, before its
+    projections: their weight gradients sum x over every position, and 0 * NaN at a padded one
+    would make them NaN (padding may hold anything, as ``unread_padding`` says)."""
+    return x.masked_fill(padding[:, :, None], 0)
+
+
 def unread_padding(x: Tensor, key_padding_mask: Tensor) -> Tensor:
     """k or v (B, H, Lk, D) with zeros at padded keys, before any backend or routed choice reads
     them: padding may hold anything (NaN, inf, uninitialised memory), and kernels that add -inf

@@ -52,6 +52,24 @@ def build_encoding(
     return get_encoding_spec(name).build(dim=dim, num_heads=num_heads, causal=causal, **params)
 
 
+def check_encoding_sizes(pos: PositionalEncoding, *, dim: int, num_heads: int) -> None:
+    """Refuse an encoding instance built for another module's sizes, when the module is built:
+    a bias for other heads, a table of another width, a rotation its heads cannot take. A
+    module's cached steps then need not check it at every step."""
+    if pos.kind == "bias" and pos.num_heads != num_heads:
+        raise ValueError(
+            f"pos={pos.name!r} was built for {pos.num_heads} heads, but the module has "
+            f"num_heads={num_heads}; build it with num_heads={num_heads}"
+        )
+    if pos.kind == "embed" and pos.dim != dim:
+        raise ValueError(
+            f"pos={pos.name!r} was built for dim={pos.dim}, but the module has dim={dim}; "
+            f"build it with dim={dim}"
+        )
+    if pos.kind == "rotate":
+        pos.check(q_len=1, kv_len=1, head_dim=dim // num_heads)
+
+
 @per_shape(64)  # built outside a compiled graph, as the per-shape structures
 def _shared_encoding(
     name: str, dim: int, num_heads: int, causal: bool, device: torch.device

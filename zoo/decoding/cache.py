@@ -61,7 +61,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..core.arguments import check_int, typed
+from ..core.arguments import check_int, is_integer_dtype, typed
 from ..core.autocast import autocast_on
 from ..core.device_build import can_read_values, has_no_data, refuse_where
 from ..core.shape_cache import per_shape
@@ -266,8 +266,7 @@ class KVCache:
         if (
             not isinstance(value, Tensor)
             or tuple(value.shape) != want
-            or value.is_floating_point()
-            or value.dtype == torch.bool
+            or not is_integer_dtype(value.dtype)
             or value.device != device
         ):
             shown = (
@@ -506,6 +505,12 @@ class KVCache:
         steps = k.shape[2]
         if positions is not None:
             want_shape = (self.batch_size, steps)
+            if not isinstance(positions, Tensor) or not is_integer_dtype(positions.dtype):
+                shown = positions.dtype if isinstance(positions, Tensor) else type(positions)
+                raise TypeError(
+                    f"positions must be an integer tensor of shape (batch, t) = {want_shape}, "
+                    f"the absolute positions of the call's tokens, got {shown}"
+                )
             if tuple(positions.shape) != want_shape:
                 raise ValueError(
                     f"positions must have shape (batch, t) = {want_shape}, got "

@@ -14,6 +14,7 @@ from einops import rearrange
 from torch import Tensor
 
 from ..core.arguments import check_bool, check_int
+from ..core.call import unread_padded_inputs
 from ..core.device_build import can_read_values, refuse_where
 from ..core.scores import DotProduct
 from ..functional import resolve_pattern, resolved_params
@@ -204,9 +205,7 @@ def module_step(
     if module.pos.kind == "embed":
         x = embed_at(module.pos, x, cache, counts, valid_lens is None)
     if padding is not None:
-        # Padding columns may hold NaN: zeroing q, k and v after the projections keeps it from
-        # the outputs, but the projections' weight gradients sum x over every column (0 * NaN).
-        x = x.masked_fill(padding[:, :, None], 0.0)
+        x = unread_padded_inputs(x, padding)
     q = rearrange(module.q_proj(x), "b l (h d) -> b h l d", h=module.num_heads)
     k = rearrange(module.k_proj(x), "b l (h d) -> b h l d", h=module.num_kv_heads)
     v = rearrange(module.v_proj(x), "b l (h d) -> b h l d", h=module.num_kv_heads)

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from ..backends import backend_named
 from ..functional import attention, resolve_pattern
 from ..patterns import Intersection, Local, Pattern
+from ..patterns.graph import reads_graph
 
 # AttentionInterface and AttentionMaskInterface with the mask builders of masking_utils (4.53),
 # model.set_attn_implementation (4.54). Sliding-window cache layers that drop keys (4.56) and
@@ -291,6 +292,12 @@ def register(
         options=("name", "backend"),
         options_of="zoo.integrations.transformers.register",
     )
+    if reads_graph(pattern):
+        raise ValueError(
+            f"variant {variant!r} reads a graph per call (edge_index), which a transformers "
+            "model does not pass to its attention; use zoo.MultiHeadAttention(variant='graph') "
+            "in your own model, or register a fixed pattern"
+        )
     backend_named(backend)  # a name, "auto" or a Backend; anything else named in a TypeError
     if name is None:
         shown = [f"{k}={v!r}" for k, v in sorted(params.items())]

@@ -9,9 +9,11 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from ..backends import Backend, backend_named
-from ..core.arguments import check_bool, check_int, check_probability
+from ..core.arguments import check_bool, check_int, check_probability, is_integer_dtype
 from ..core.autocast import autocast_on
+from ..core.call import check_key_padding_mask, unread_padded_inputs
 from ..core.device_build import can_read_values
+from ..core.prepare import check_encoding_sizes
 from ..core.scores import AdditiveScore
 from ..decoding.cache import KVCache
 from ..decoding.generation import module_step, new_cache
@@ -47,7 +49,7 @@ def check_valid_lens(valid_lens: object, batch: int | None = None) -> Tensor:
             f"sequence), got {type(valid_lens).__name__}"
         )
     dtype = valid_lens.dtype
-    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+    if not is_integer_dtype(dtype):
         raise TypeError(
             f"valid_lens must have an integer dtype (torch.long, say), got dtype {dtype}: it "
             "counts the valid keys of each sequence"
@@ -106,8 +108,11 @@ class MultiHeadAttention(nn.Module):
     ``context`` (B, Lk, kv_dim) makes it cross-attention: queries from x, keys and values from
     context, aligned to the context's end when the lengths differ (see ``zoo.patterns.base``).
     ``key_padding_mask`` (B, Lk) is True at padding; ``valid_lens`` (B,) counts the valid keys
-    instead. ``return_weights=True`` returns (output, weights (B, H, Lq, Lk)); that call runs on
-    the reference backend, which computes the same attention densely and keeps the weights.
+    instead. Padded positions may hold anything (NaN too): the module reads them as zeros, so no
+    real row's output and no gradient sees what they hold; in self-attention a padded
+    position's own output is computed from that zero input. ``return_weights=True`` returns
+    (output, weights (B, H, Lq, Lk)); that call runs on the reference backend, which computes
+    the same attention densely and keeps the weights.
     ``edge_index`` is the graph of variant ``graph``, per call (``zoo.attention`` lists its forms).
     ``valid_lens`` may also be a list of ints, e.g. ``[3, 4]``.
 
@@ -194,6 +199,7 @@ class MultiHeadAttention(nn.Module):
         self.pos = build_encoding(
             pos, dim=dim, num_heads=num_heads, causal=causal, **(pos_params or {})
         )
+        check_encoding_sizes(self.pos, dim=dim, num_heads=num_heads)
         if self.mechanism is not None:
             check_encoding(f"mechanism {self.mechanism.name!r}", self.pos)
         if self.pos.kind == "embed" and kv_dim != dim:
@@ -293,6 +299,12 @@ class MultiHeadAttention(nn.Module):
         if self.pos.kind == "embed":  # each sequence from its own position 0
             x = self.pos.embed(x)
             source = x if context is None else self.pos.embed(context)
+        if key_padding_mask is not None:
+            key_padding_mask = check_key_padding_mask(
+                key_padding_mask, source.shape[0], source.shape[1], x.device
+            )
+            source = unread_padded_inputs(source, key_padding_mask)
+            x = source if context is None else x
         q, k, v = self._heads(x, source)
         if context is None and key_padding_mask is not None and self._summarises_queries():
             q = q.masked_fill(key_padding_mask[:, None, :, None], 0)  # padding may hold NaN

@@ -37,7 +37,12 @@ from torch import Tensor, nn
 
 from ..backends import Backend, backend_named, resolve_backend
 from ..core.arguments import check_bool, check_int
-from ..core.call import AttentionCall, check_key_padding_mask, unread_padding
+from ..core.call import (
+    AttentionCall,
+    check_key_padding_mask,
+    unread_padded_inputs,
+    unread_padding,
+)
 from ..core.scores import DotProduct
 from ..functional import attention
 from ..patterns import Causal, ChosenBlocks, Intersection, Pattern, Spans
@@ -190,6 +195,8 @@ class NativeSparseAttention(nn.Module):
         key_padding_mask = check_key_padding_mask(
             key_padding_mask, x.shape[0], x.shape[1], x.device
         )
+        if key_padding_mask is not None:
+            x = unread_padded_inputs(x, key_padding_mask)
         q = rearrange(self.q_proj(x), "b l (h d) -> b h l d", h=self.num_heads)
         k = rearrange(self.k_proj(x), "b l (h d) -> b h l d", h=self.num_kv_heads)
         v = rearrange(self.v_proj(x), "b l (h d) -> b h l d", h=self.num_kv_heads)

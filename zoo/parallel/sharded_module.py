@@ -15,6 +15,7 @@ import torch.distributed as dist
 from einops import rearrange
 from torch import Tensor, nn
 
+from ..core.call import unread_padded_inputs
 from .sharded import check_group
 from .shards import ShardLayout, check_order
 
@@ -56,6 +57,9 @@ def sharded_forward(
             key_padding_mask = positions[None, :] >= valid_lens.to(x.device)[:, None]
         if module.pos.kind == "embed":
             x = _embedded(module.pos, x, layout, rank)
+    fits = isinstance(key_padding_mask, Tensor) and key_padding_mask.dtype == torch.bool
+    if fits and tuple(key_padding_mask.shape) == tuple(x.shape[:2]):  # else refused by the call
+        x = unread_padded_inputs(x, key_padding_mask.to(x.device))
     q, k, v = module._heads(x, x)
     out = module._attend(q, k, v, key_padding_mask, False, None)
     return module.out_proj(rearrange(out, "b h l d -> b l (h d)"))  # (B, s, dim)

@@ -17,11 +17,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..core.arguments import is_integer_dtype
+
 
 def _checked(edges: object, name: str, nodes: int) -> Tensor:
     if not isinstance(edges, Tensor):
         raise TypeError(f"{name} must be an int tensor of shape (2, E), got {type(edges).__name__}")
-    if edges.is_floating_point() or edges.is_complex() or edges.dtype == torch.bool:
+    if not is_integer_dtype(edges.dtype):
         raise TypeError(f"{name} must hold integer node indices, got dtype {edges.dtype}")
     if edges.dim() != 2 or edges.shape[0] != 2:
         raise ValueError(

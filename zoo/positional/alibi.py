@@ -35,9 +35,9 @@ class AlibiEncoding(PositionalEncoding):
     The symmetric ``|i - j|`` form is the one for bidirectional attention. Under a causal mask only
     pairs with ``j <= i`` are kept, where it equals the paper's causal form ``-slope_h * (i - j)``,
     so one formula serves both and ``causal`` changes nothing here. The slopes (see
-    ``alibi_slopes``) are a float32 buffer, ``slopes``, of shape (num_heads,); backends whose
-    kernels take ALiBi natively (flash-attention's ``alibi_slopes``) can pass it on. No
-    parameters.
+    ``alibi_slopes``) are a buffer, ``slopes``, of shape (num_heads,): float32, in a bfloat16 or
+    float16 model too (float64 in a float64 one); backends whose kernels take ALiBi natively
+    (flash-attention's ``alibi_slopes``) can pass it on. No parameters.
     """
 
     name = "alibi"
@@ -49,14 +49,19 @@ class AlibiEncoding(PositionalEncoding):
         self.register_buffer("slopes", torch.tensor(alibi_slopes(num_heads)), persistent=False)
 
     def _apply(self, fn, recurse: bool = True):
-        """Moves and casts as any module, then sets the slopes' values again: a function of the
+        """Moves as any module, then sets the slopes' values again, in float32: a function of the
         heads alone, and not in the state dict (checkpoints without it load strictly), so a
         model built on the meta device and materialised with ``to_empty`` would otherwise hold
-        uninitialised memory there."""
+        uninitialised memory there. A cast to a narrower float (``model.to(torch.bfloat16)``)
+        leaves them float32: in bfloat16 the biases of distances 256 and 257 would be equal;
+        ``model.double()`` makes them float64."""
         out = super()._apply(fn, recurse)
         slopes = self.slopes
         if slopes.device.type != "meta":
             values = torch.tensor(alibi_slopes(self.num_heads), device=slopes.device)
+            if slopes.dtype not in (torch.float32, torch.float64):
+                self.slopes = values
+                return out
             # an inference tensor (built under inference_mode) is written in that mode
             with torch.no_grad(), torch.inference_mode(torch.is_inference(slopes)):
                 slopes.copy_(values.to(slopes.dtype))
