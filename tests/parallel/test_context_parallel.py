@@ -323,6 +323,44 @@ def _check_wide(rank: int, world: int, group) -> list[str]:
     return failures
 
 
+def _check_frozen(rank: int, world: int, group) -> list[str]:
+    """Wide rows where k and v record no gradient: only q does, or only a T5 table. The rank that
+    ships wide rows had recorded its swaps and the others had not (nothing of theirs recorded
+    gradients), so one rank's backward waited for the others' messages forever. Now every
+    backward ends, and dq and the table's all-reduced gradient equal the one-process call's."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v, grad = (
+        torch.randn(BATCH, heads, WIDE_LENGTH, HEAD_DIM, generator=g, dtype=torch.float64)
+        for heads in (HEADS, KV_HEADS, KV_HEADS, HEADS)
+    )
+    failures = []
+    for learning in ("q", "t5"):
+        torch.manual_seed(0)
+        t5 = zoo.build_encoding("t5", dim=HEADS * HEAD_DIM, num_heads=HEADS).double()
+        kwargs = dict(variant="longformer", pos=t5 if learning == "t5" else None,
+                      **WIDE_VARIANTS["longformer"])  # fmt: skip
+        whole_q = q.clone().requires_grad_(learning == "q")
+        reference = zoo.attention(whole_q, k, v, backend="reference", **kwargs)
+        reference.backward(grad)
+        wanted = whole_q.grad if learning == "q" else t5.weight.grad.clone()
+        t5.zero_grad()
+        mine = [shard(t, rank, world) for t in (q, k, v)]
+        mine[0].requires_grad_(learning == "q")
+        out = zoo.parallel.context_parallel_attention(
+            *mine, group=group, plan_block=WIDE_BLOCK, **kwargs
+        )
+        out.backward(shard(grad, rank, world))
+        if learning == "q":
+            got, wanted = mine[0].grad, shard(wanted, rank, world)
+        else:
+            got = t5.weight.grad
+            dist.all_reduce(got, group=group)
+        errors = [_error(out, shard(reference.detach(), rank, world)), _error(got, wanted)]
+        if max(errors) > TOLERANCE:
+            failures.append(f"rank {rank}: only {learning} learning: |error| out, grad = {errors}")
+    return failures
+
+
 @dataclass(frozen=True)
 class _BrokenOnRankZero(zoo.patterns.Local):
     """A window whose specialisation fails on rank 0 alone."""
@@ -390,6 +428,22 @@ def _check_errors(rank: int, world: int, group) -> list[str]:
             failures.append(f"rank {rank}: fails on one rank: {error}")
     else:
         failures.append(f"rank {rank}: fails on one rank: no error raised")
+    # The module's own work before the call, failing on some ranks only (a learned table that
+    # the last shard's positions pass), or unchecked when sharded (lengths past the sequence).
+    x = torch.randn(BATCH, LENGTH, 16, dtype=torch.float64)
+    for name, pos_params, valid_lens, words in (
+        ("learned too short", {"max_len": LENGTH - 1}, None, f"max_len={LENGTH - 1}"),
+        ("valid_lens past L", None, torch.tensor([LENGTH + 5, 3]), f"lie in [0, {LENGTH}]"),
+    ):
+        module = zoo.MultiHeadAttention(16, 4, variant="local", window_size=3, pos="learned",
+                                        pos_params=pos_params, cp_group=group).double()  # fmt: skip
+        try:
+            module(shard(x, rank, world, dim=1), valid_lens=valid_lens)
+        except ValueError as error:
+            if words not in str(error):
+                failures.append(f"rank {rank}: module, {name}: {words!r} not in: {error}")
+        else:
+            failures.append(f"rank {rank}: module, {name}: no error raised")
     try:
         shard_stats(*mine, group=group, variant="local", window_size=7, plan_block=-4)
     except ValueError as error:
@@ -519,6 +573,7 @@ CHECKS = {
     "flex": _check_flex,
     "routed": _check_routed,
     "wide": _check_wide,
+    "frozen": _check_frozen,
     "errors": _check_errors,
     "explain": _check_explain,
     "module": _check_module,
@@ -572,11 +627,11 @@ def test_every_check_holds_on_every_rank(world, tmp_path):
     """One group of processes runs every check of CHECKS on each rank (a process start costs
     seconds): ``matches``, every fixed variant equals the one-process call forward and backward;
     ``overlap``, the interior rows run while the exchange is in flight; ``flex``, flex's forward
-    equals it; ``wide``, wide rows computed where their keys are; ``errors``, bad calls raise on
-    every rank before any exchange; ``explain``, its bytes and pairs equal counts from the dense
-    mask; ``module``, the module on shards equals one process. One test per world size, not one
-    per check: a module fixture shared by tests was set up again by each pytest-xdist worker
-    that ran one of them."""
+    equals it; ``wide``, wide rows computed where their keys are; ``frozen``, also where k and v
+    record no gradient; ``errors``, bad calls raise on every rank before any exchange;
+    ``explain``, its bytes and pairs equal counts from the dense mask; ``module``, the module on
+    shards equals one process. One test per world size, not one per check: a module fixture
+    shared by tests was set up again by each pytest-xdist worker that ran one of them."""
     found = _outcome(world, tmp_path)
     failed = [f"{name}: {failure}" for name, failures in found.items() for failure in failures]
     assert not failed, "\n".join(failed)

@@ -44,11 +44,12 @@ from ..core.call import (
     unread_padding,
 )
 from ..core.scores import DotProduct
+from ..core.valid_lens import check_valid_lens
 from ..functional import attention
 from ..patterns import Causal, ChosenBlocks, Intersection, Pattern, Spans
 from ..patterns.base import state_from
 from ..patterns.routed import top_blocks
-from .multi_head import check_valid_lens, padding_of
+from .multi_head import padding_of
 
 
 @dataclass(frozen=True)

@@ -271,6 +271,28 @@ class SwapRows(torch.autograd.Function):
         return (grad_after, None, None, None, None, *returned.values())
 
 
+class _Tie(torch.autograd.Function):
+    """``after`` (a zero token), recorded for autograd wherever one of ``tensors`` records
+    gradients; its backward passes the gradient to ``after`` only. The ``SwapRows`` that take it
+    are then recorded on every rank of a call that records gradients, also where this rank's
+    swaps hold nothing that does (its k and v frozen, only q or a bias's table learning): a rank
+    that had not recorded them left the others waiting for its backward's messages."""
+
+    @staticmethod
+    def forward(ctx, after: Tensor, *tensors: Tensor) -> Tensor:
+        ctx.count = len(tensors)
+        return after.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, *(None,) * ctx.count
+
+
+def tie(after: Tensor, tensors: tuple[Tensor, ...]) -> Tensor:
+    """``after``, recorded wherever any of ``tensors`` records gradients (``_Tie``)."""
+    return _Tie.apply(after, *tensors)
+
+
 def swap_rows(
     after: Tensor, outgoing: dict[int, Tensor], shapes: dict[int, tuple], dtype, group
 ) -> tuple[Tensor, dict[int, Tensor]]:

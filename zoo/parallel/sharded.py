@@ -29,12 +29,14 @@ only the wide rows merge partials (the house's one merge, ``zoo.backends.lse_mer
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..backends import Backend, resolve_backend
 from ..core.arguments import check_bool, check_int
@@ -48,7 +50,7 @@ from ..core.shape_cache import per_shape
 from ..mechanisms.dispatch import is_mechanism
 from ..patterns import Pattern, reads_graph
 from .at_positions import AtPositions, at_global
-from .exchange import finish_keys, gather_padding, in_order, start_keys
+from .exchange import finish_keys, gather_padding, in_order, start_keys, tie
 from .exchange_plan import (
     PLAN_BLOCK,
     CallPlan,
@@ -98,6 +100,22 @@ def on_q_device(function: Callable) -> Callable:
     return on_device
 
 
+# An error a caller found on this rank before the call (``sharded_forward``: a learned table too
+# short for the rank's positions, lengths out of range): the call's agreement raises it on every
+# rank, where raising it at once would leave the others waiting in theirs.
+_FOUND_BEFORE: ContextVar[Exception | None] = ContextVar("zoo_cp_found_before", default=None)
+
+
+@contextmanager
+def raised_by_the_call(problem: Exception | None) -> Iterator[None]:
+    """Within it, a sharded call raises ``problem`` (if any) on every rank of its group."""
+    token = _FOUND_BEFORE.set(problem)
+    try:
+        yield
+    finally:
+        _FOUND_BEFORE.reset(token)
+
+
 @on_q_device
 def context_parallel_attention(
     q: Tensor,
@@ -127,7 +145,7 @@ def context_parallel_attention(
     on a CPU a split measured no gain and costs a copy of the queries and the output."""
     check_group(group, q)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    problem, setup = None, None
+    problem, setup = _FOUND_BEFORE.get(), None
     try:
         # Checked here, so that every rank raises it: a plan_block below 1 was read as 1, and
         # 8.0 failed deep inside the plan (an IndexError, or one of repeat_interleave's).
@@ -136,8 +154,9 @@ def context_parallel_attention(
             check_bool("overlap", overlap)
         setup = _setup(q, k, v, variant, causal, key_padding_mask, pos, order, params, world)
     except Exception as error:  # any error: raised on one rank alone, the others would wait
-        problem = error
-    fingerprint = _fingerprint(q, k, v, key_padding_mask, variant, causal, pos, order, params)
+        problem = error if problem is None else problem
+    fingerprint = _fingerprint(q, k, v, key_padding_mask, variant, causal, pos, order, params,
+                               score)  # fmt: skip
     options = (("plan_block", plan_block), ("backend", str(backend)))
     _agree(group, fingerprint + options, problem)
     pattern, encoding, padding = setup
@@ -195,6 +214,7 @@ def context_parallel_attention(
     parts += [run(index, call, fetched) for index, call in waiting]
     if plan is not None and plan.ships:
         bias = encoding.bias if encoding is not None and encoding.kind == "bias" else None
+        token = tie(token, _differentiable(q, k, v, score, encoding))
         wide_out, token = wide_attention(
             q, k, v, padding, pattern=pattern, plan=plan, rank=rank, after=token, group=group,
             scale=scale, score=score, bias=bias,
@@ -326,8 +346,19 @@ def _setup(q, k, v, variant, causal, key_padding_mask, pos, order, params, world
     return pattern, encoding, padding
 
 
-def _fingerprint(q, k, v, padding, variant, causal, pos, order, params) -> tuple:
+def _differentiable(q, k, v, score, pos) -> tuple[Tensor, ...]:
+    """The call's tensors that may record gradients: q, k, v, the score's and encoding's
+    parameters (an additive score's weights, T5's table)."""
+    modules = [m for m in (score, pos) if isinstance(m, nn.Module)]
+    tensors = (q, k, v, *(p for m in modules for p in m.parameters()))
+    return tuple(t for t in tensors if isinstance(t, Tensor))
+
+
+def _fingerprint(q, k, v, padding, variant, causal, pos, order, params, score) -> tuple:
     """What every rank must agree on, by field: a rank that differs is named with the field."""
+    recording = torch.is_grad_enabled() and any(
+        t.requires_grad for t in _differentiable(q, k, v, score, pos)
+    )
     return (
         ("q shape", _shape(q)), ("k shape", _shape(k)), ("v shape", _shape(v)),
         ("dtype", str(getattr(q, "dtype", None))),
@@ -335,6 +366,7 @@ def _fingerprint(q, k, v, padding, variant, causal, pos, order, params) -> tuple
         ("variant", _name(variant)), ("causal", causal), ("cp_order", order),
         ("parameters", repr(sorted(params.items()))),
         ("pos", pos if pos is None or isinstance(pos, str) else type(pos).__name__),
+        ("records gradients", recording),
     )  # fmt: skip
 
 

@@ -16,7 +16,8 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from ..core.call import unread_padded_inputs
-from .sharded import check_group
+from ..core.valid_lens import padding_from_lengths
+from .sharded import check_group, raised_by_the_call
 from .shards import ShardLayout, check_order
 
 
@@ -47,21 +48,28 @@ def sharded_forward(
         if given:
             raise ValueError(f"{name}: not available with cp_group: {why}")
     check_group(module.cp_group, x)
-    # A shard the order cannot cut is left to the attention call, which agrees with every rank
-    # before it raises (raising here on one rank would leave the others waiting).
+    # What fails here (a shard the order cannot cut, lengths out of range, a learned table too
+    # short) is raised by the attention call, which agrees with every rank before it raises:
+    # raising here on one rank would leave the others waiting.
+    problem = None
     if check_order(module.cp_order, x.shape[1]) is None:
         rank, world = dist.get_rank(module.cp_group), dist.get_world_size(module.cp_group)
         layout = ShardLayout(world, x.shape[1], module.cp_order)
         positions = layout.positions(rank).to(x.device)
-        if valid_lens is not None:  # lengths of the whole sequences
-            key_padding_mask = positions[None, :] >= valid_lens.to(x.device)[:, None]
-        if module.pos.kind == "embed":
-            x = _embedded(module.pos, x, layout, rank)
+        try:
+            if valid_lens is not None:  # lengths of the whole sequences: this shard's columns
+                whole = padding_from_lengths(valid_lens.to(x.device), world * x.shape[1])
+                key_padding_mask = whole[:, positions]
+            if module.pos.kind == "embed":
+                x = _embedded(module.pos, x, layout, rank)
+        except (ValueError, TypeError) as error:
+            problem = error
     fits = isinstance(key_padding_mask, Tensor) and key_padding_mask.dtype == torch.bool
     if fits and tuple(key_padding_mask.shape) == tuple(x.shape[:2]):  # else refused by the call
         x = unread_padded_inputs(x, key_padding_mask.to(x.device))
     q, k, v = module._heads(x, x)
-    out = module._attend(q, k, v, key_padding_mask, False, None)
+    with raised_by_the_call(problem):
+        out = module._attend(q, k, v, key_padding_mask, False, None)
     return module.out_proj(rearrange(out, "b h l d -> b l (h d)"))  # (B, s, dim)
 
 
