@@ -14,7 +14,7 @@ import torch
 
 import zoo
 import zoo.registry
-from zoo.registry import Registry
+from zoo.registry import Registry, RegistryWarning
 
 
 def write(tmp_path: Path, text: str, name: str = "mine.yaml") -> Path:
@@ -113,14 +113,37 @@ def test_a_module_without_the_name_or_with_a_missing_import(tmp_path, monkeypatc
         """
         variants:
           a: {pattern: "half_there:band", description: d}
-          b: {pattern: "there:bnad", description: d}
         """,
     )
     registry = Registry()
     registry.load(path)
     messages = {n: e.message for n, e in registry.unavailable["variants"].items()}
     assert "it imports 'no_such_dependency', which is not installed" in messages["a"]
-    assert "has no attribute 'bnad'; the part after the colon must name one" in messages["b"]
+    # A module that imports but lacks the name: a misspelling, which the strict load raises
+    # (it was recorded as unavailable, silently, until the entry's first use).
+    misspelt = write(
+        tmp_path, 'variants:\n  b: {pattern: "there:bnad", description: d}\n', "b.yaml"
+    )
+    with pytest.raises(
+        ValueError, match=r"variant 'b': .*has no attribute 'bnad'; did you mean 'band'"
+    ):
+        Registry().load(misspelt)
+    with pytest.warns(RegistryWarning, match="has no attribute 'bnad'"):
+        assert Registry().load(misspelt, strict=False) == ["b"]
+
+
+@pytest.mark.parametrize("field", ["mechanism", "encoding", "module"])
+@pytest.mark.parametrize("value", ["5", "null", "[linear]", "{a: 1}"])
+def test_a_class_field_that_is_not_a_string_names_the_field(tmp_path, field, value):
+    """It failed deep inside ("argument of type 'int' is not iterable", "unhashable type:
+    'list'"), and a ZOO_REGISTRY file with ``module: 5`` broke every zoo call with an
+    AttributeError."""
+    section = {"mechanism": "mechanisms", "encoding": "positional", "module": "modules"}[field]
+    path = write(tmp_path, f"{section}:\n  m9: {{{field}: {value}, description: d}}\n")
+    with pytest.raises(ValueError, match=rf"'m9': '{field}' must be a string .*got "):
+        Registry().load(path)
+    with pytest.warns(RegistryWarning, match=rf"'{field}' must be a string"):
+        Registry().load(path, strict=False)
 
 
 def test_the_cli_runs_with_an_entry_that_does_not_import(tmp_path):

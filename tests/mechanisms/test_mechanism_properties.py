@@ -93,6 +93,23 @@ def test_nystrom_with_a_landmark_per_token_and_an_exact_inverse_is_softmax_atten
     assert (many - exact).abs().max() < 1e-8
 
 
+def test_nystrom_is_the_same_however_many_padded_keys_follow():
+    """Fewer keys than landmarks: m had been min(num_landmarks, Lq, Lk), Lk counting padded
+    keys, so each padded key added a landmark and re-cut the query segments (0.6 apart at 5
+    padded keys). The same 10 valid keys now give the same output behind 0 to 90 of them."""
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(2, 2, n, 8, generator=g, dtype=torch.float64) for n in (100, 10, 10))
+    want = zoo.attention(q, k, v, variant="nystrom", num_landmarks=64)
+    for pad in (1, 5, 54, 90):
+        filler = torch.full((2, 2, pad, 8), float("nan"), dtype=torch.float64)
+        mask = torch.arange(10 + pad)[None, :].expand(2, -1) >= 10
+        got = zoo.attention(
+            q, torch.cat([k, filler], 2), torch.cat([v, filler], 2), variant="nystrom",
+            num_landmarks=64, key_padding_mask=mask,
+        )  # fmt: skip
+        assert (got - want).abs().max() < 1e-12, pad
+
+
 def test_newton_schulz_converges_to_the_pseudo_inverse():
     generator = torch.Generator().manual_seed(7)
     a = torch.softmax(torch.randn(3, 8, 8, generator=generator, dtype=torch.float64) * 2, -1)

@@ -75,7 +75,7 @@ def oracle_nystrom(mech, q, k, v, causal, mask, scale):
     floor(i·m / L)), query segments over all query rows; a segment with no valid key drops its
     landmark."""
     n_q, n_k = q.shape[2], k.shape[2]
-    m = min(mech.num_landmarks, n_q, n_k)
+    m = min(mech.num_landmarks, n_q)  # not bounded by n_k, which counts padded keys
     keep = torch.ones(k.shape[0], n_k, dtype=torch.bool) if mask is None else ~mask
     q_keep = torch.ones(q.shape[0], n_q, dtype=torch.bool)
     outs = []

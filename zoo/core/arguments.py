@@ -100,10 +100,13 @@ def import_object(reference: str, what: str) -> object:
             reference,
         ) from error
     if not hasattr(module, attribute):
-        raise NotImportable(
+        # The module imports: a misspelt name, not a package missing here (a ValueError, which
+        # a strict registry load raises, where NotImportable would defer it to its first use).
+        public = [name for name in vars(module) if not name.startswith("_")]
+        raise ValueError(
             f"{what} {reference!r}: module {module_name!r} ({getattr(module, '__file__', '?')}) "
-            f"has no attribute {attribute!r}; the part after the colon must name one",
-            reference,
+            f"has no attribute {attribute!r}{did_you_mean(close_matches(attribute, public))}; "
+            "the part after the colon must name one"
         )
     return getattr(module, attribute)
 

@@ -10,7 +10,9 @@ softmax matrix is approximated through them::
 with s the score scale and pinv the Moore-Penrose inverse by ``pinv_iterations`` steps of the
 iteration of the reference implementation (Razavi et al., 2014): Z0 = Aᵀ / (‖A‖₁‖A‖∞), then
 Z <- Z (13I - AZ (15I - AZ (7I - AZ))) / 4. O(n·m·D + m³). With m = n every landmark is one
-token and, with an exact inverse, out = softmax(s·QKᵀ) V. m is min(num_landmarks, Lq, Lk).
+token and, with an exact inverse, out = softmax(s·QKᵀ) V. m is min(num_landmarks, Lq): not
+bounded by Lk, which counts padded keys; with fewer valid keys than m each is a landmark of its
+own and the empty segments are dropped (below).
 
 Padded keys contribute nothing, whatever they hold and however many there are: the key segments
 are cut over each sequence's valid keys (position i among them, of L valid: floor(i·m / L)), key
@@ -79,7 +81,7 @@ def nystrom_attention(
     key_padding_mask: Tensor | None = None,
 ) -> Tensor:
     """The formula above, with ``inverse`` for pinv (tests pass ``torch.linalg.pinv``)."""
-    m = min(num_landmarks, q.shape[2], k.shape[2])
+    m = min(num_landmarks, q.shape[2])  # not by Lk: padded keys would change the segments
     keep = None if key_padding_mask is None else ~key_padding_mask  # (B, Lk)
     q_marks, _ = segment_means(q, m, None)
     k_marks, k_present = segment_means(k, m, keep)

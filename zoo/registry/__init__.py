@@ -34,7 +34,8 @@ error naming the file, the entry and the fix.
 Variants and mechanisms share one namespace (``variant=`` takes either), so a name may not be
 both. An entry whose ``package.module:name`` does not import (a package not installed, or not on
 sys.path) does not stop the rest of the file: the registry records it as unavailable, listings
-leave it out (``zoo list`` marks it), and only using it raises the error.
+leave it out (``zoo list`` marks it), and only using it raises the error. A module that imports
+but lacks the name is a misspelling, an error as any other.
 
 A bad file named in ``ZOO_REGISTRY`` does not break the zoo's own variants, which every call
 needs (the variable is read on the registry's first use, by any call). Each problem is a
@@ -202,6 +203,11 @@ def check_entry(section: str, name: str, entry: object, source: str) -> dict[str
             raise ValueError(f"{where}: {suggest('key', str(key), keys, 'the registry docs')}")
     if required not in entry:
         raise ValueError(f"{where}: needs {required!r} ({REQUIRED_HELP[required]})")
+    named = entry[required]
+    if required != "pattern" and (not isinstance(named, str) or not named):  # a pattern composes
+        raise ValueError(
+            f"{where}: {required!r} must be a string ({REQUIRED_HELP[required]}), got {named!r}"
+        )
     for key in ("description", "paper", "complexity"):
         if not isinstance(entry.get(key, ""), str):
             raise ValueError(f"{where}: {key!r} must be a string, got {entry[key]!r}")
