@@ -155,37 +155,49 @@ def measure(config: DecodeConfig, variant: str, n: int, device, dtype) -> list[d
         if backend == "flex" and device.type != "cuda":
             cells.append({**cell, "ms": None, "status": "skipped: compiled flex is CUDA-only here"})
             continue
-        if backend != "auto":  # its own check against the reference, on another copy
-            twin = cache.clone()
-            got = zoo.attention(q, k, v, cache=cache.clone(), backend=BACKENDS[backend], **kw)
-            ref = zoo.attention(q, k, v, cache=twin, backend="reference", **kw)
-            cell["error"] = float((got.float() - ref.float()).abs().max())
-        else:
-            cell["error"] = error
-        several = len(config.backends) * len(config.compile) > 1
-        timed = cache.clone() if several else cache  # each its own steps
-
-        def step(backend=BACKENDS[backend], timed=timed):
-            return zoo.attention(q, k, v, cache=timed, backend=backend, **kw)
-
-        if compiled:  # the warm-up steps compile (twice: then the lengths are dynamic; once
-            # with a static cache, whose steps keep their shapes)
-            dynamic = False if config.static_cache else None
-            step = torch.compile(step, mode=config.compile_mode, dynamic=dynamic)
-        cell["ms"] = _timed(step, device, config.warmup, config.repeats)
-        if compiled:  # its own output, against the reference on a copy of its cache
-            twin = timed.clone()
-            ref = zoo.attention(q, k, v, cache=twin, backend="reference", **kw)
-            cell["error"] = float((step().float() - ref.float()).abs().max())
-        if config.profile:
-            cell["profile"] = profile_calls(step, device, 0, config.profile)
-        if resolve_pattern(variant, True, dict(params)).routed:  # at goals' middle timed step
-            middle = n + 1 + config.warmup + config.repeats // 2
-            cell["keys_read"] = routed_keys_read(variant, params, q, timed, kv_heads, middle)
-        cells.append(cell)
+        try:  # a cell that fails is recorded under its own name (a compiled step's as such)
+            cells.append(_step_cell({**cell}, config, backend, compiled, cache, q, k, v, kw, error))
+        except Exception as failed:
+            cells.append(failed_cell(failed, **cell))
     for peer in config.peers:
         cells.append(_peer(peer, config, variant, params, n, device, dtype, gen, q))
     return cells
+
+
+def _step_cell(cell, config, backend, compiled, cache, q, k, v, kw, error) -> dict:
+    """One (backend, compiled) cell of ``measure``: its check, its time, its profile; ``error``
+    is sdpa's against the reference, auto's check."""
+    variant, n, device = kw["variant"], cell["n"], q.device
+    params = {key: value for key, value in kw.items() if key not in ("variant", "causal")}
+    if backend != "auto":  # its own check against the reference, on another copy
+        twin = cache.clone()
+        got = zoo.attention(q, k, v, cache=cache.clone(), backend=BACKENDS[backend], **kw)
+        ref = zoo.attention(q, k, v, cache=twin, backend="reference", **kw)
+        cell["error"] = float((got.float() - ref.float()).abs().max())
+    else:
+        cell["error"] = error
+    several = len(config.backends) * len(config.compile) > 1
+    timed = cache.clone() if several else cache  # each its own steps
+
+    def step(backend=BACKENDS[backend], timed=timed):
+        return zoo.attention(q, k, v, cache=timed, backend=backend, **kw)
+
+    if compiled:  # the warm-up steps compile (twice: then the lengths are dynamic; once
+        # with a static cache, whose steps keep their shapes)
+        dynamic = False if config.static_cache else None
+        step = torch.compile(step, mode=config.compile_mode, dynamic=dynamic)
+    cell["ms"] = _timed(step, device, config.warmup, config.repeats)
+    if compiled:  # its own output, against the reference on a copy of its cache
+        twin = timed.clone()
+        ref = zoo.attention(q, k, v, cache=twin, backend="reference", **kw)
+        cell["error"] = float((step().float() - ref.float()).abs().max())
+    if config.profile:
+        cell["profile"] = profile_calls(step, device, 0, config.profile)
+    if resolve_pattern(variant, True, dict(params)).routed:  # at goals' middle timed step
+        middle = n + 1 + config.warmup + config.repeats // 2
+        kv_heads = config.kv_heads or config.heads
+        cell["keys_read"] = routed_keys_read(variant, params, q, timed, kv_heads, middle)
+    return cell
 
 
 def routed_keys_read(

@@ -417,7 +417,10 @@ def goal_c(folders: list[Path], bandwidth: float | None, problems: list[str]) ->
                 if not ms:
                     if c["impl"] in kind:
                         why = c.get("reason") or c.get("status") or "no time"
-                        broken.setdefault(key, {})[kind[c["impl"]]] = str(why)[:80]
+                        # one line: a reason's newline would break the summary's table row
+                        broken.setdefault(key, {})[kind[c["impl"]]] = " ".join(str(why).split())[
+                            :80
+                        ]
                     continue
                 if c["impl"] == "sdpa_dense":
                     sdpa_ms[key] = min(sdpa_ms.get(key, ms), ms)
@@ -808,6 +811,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(options) - {"bandwidth_tbs", "summary", "goals"}
     if unknown or not folders:
         print(f"error: unknown options {sorted(unknown)} or no OUT folder", file=sys.stderr)
+        return 2
+    missing = [str(folder) for folder in folders if not folder.is_dir()]
+    if missing:  # a misspelt folder read as one where nothing was measured
+        print(f"error: no such OUT folder: {', '.join(missing)}", file=sys.stderr)
         return 2
     try:
         bandwidth = float(options["bandwidth_tbs"]) if "bandwidth_tbs" in options else None

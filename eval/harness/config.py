@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
@@ -29,6 +30,10 @@ def _suggest(key: str, known: list[str]) -> str:
     close = difflib.get_close_matches(key, known, n=2, cutoff=0.5)
     hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
     return f"{hint} (known keys: {', '.join(known)})"
+
+
+# A number with an exponent and no dot before it, which YAML 1.1 reads as a string.
+EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 def _check_type(value: Any, annotation: Any, where: str) -> Any:
@@ -60,6 +65,8 @@ def _check_type(value: Any, annotation: Any, where: str) -> Any:
         return {k: _check_type(v, item, f"{where}: {k}") for k, v in value.items()}
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if annotation is float and isinstance(value, str) and EXPONENT.fullmatch(value):
+        return float(value)  # YAML 1.1 (PyYAML) reads 1e-3 as a string: it needs 1.0e-3
     if annotation in (int, float, str, bool):
         if (isinstance(value, bool) and annotation is not bool) or not isinstance(
             value, annotation

@@ -316,13 +316,17 @@ def chance_line(records: list[dict[str, Any]]) -> str:
     return f"Chance (always the most frequent training target): {', '.join(parts)}.\n\n"
 
 
-def write_report(results: str | Path, out: str | Path | None = None) -> str:
-    """Write report.md, results.csv and the plots next to the results; returns the markdown."""
+def write_report(
+    results: str | Path, out: str | Path | None = None, best_of: list[str] | None = None
+) -> str:
+    """Write report.md, results.csv and the plots next to the results; returns the markdown.
+    ``best_of``: the choice's rule, the run's config's (else the last record's, see
+    ``eval.harness.selection``)."""
     results = Path(results)
     out = Path(out) if out is not None else results.parent
     out.mkdir(parents=True, exist_ok=True)
     records = read_results(results)
-    sweeps = choose(records)
+    sweeps = choose(records, best_of)
     chosen = [r for sweep in sweeps for r in sweep.chosen]
     chosen_keys = {r["cell"]["key"] for r in chosen}
     with (out / "results.csv").open("w", newline="") as f:
@@ -372,5 +376,10 @@ def main(argv: list[str] | None = None) -> int:
         "--out", default=None, help="directory for the report (default: next to results)"
     )
     args = parser.parse_args(argv)
-    print(write_report(args.results, args.out))
+    results = Path(args.results)
+    if results.is_dir() and (results / "results.jsonl").is_file():  # the run's out folder
+        results = results / "results.jsonl"
+    if not results.is_file():
+        parser.error(f"results: no such file: {args.results} (the results.jsonl of a run)")
+    print(write_report(results, args.out))
     return 0

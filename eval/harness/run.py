@@ -338,6 +338,11 @@ def check_until(train: dict[str, Any], where: str) -> None:
     """``until``, ``max_steps`` and ``check_every`` of a train section make sense together."""
     if train["until"] not in ("steps", "learned"):
         raise ConfigError(f"{where}.until must be 'steps' or 'learned', got {train['until']!r}")
+    if train["until"] == "steps" and train["max_steps"]:  # it was dropped without a word
+        raise ConfigError(
+            f"{where}.max_steps is the budget of until: learned, but until is 'steps' (train "
+            f"exactly steps={train['steps']}): set until: learned, or leave max_steps out"
+        )
     if train["until"] == "learned" and train["max_steps"] < train["steps"]:
         raise ConfigError(
             f"{where}.until: learned needs max_steps >= steps (the budget), got max_steps "
@@ -714,5 +719,5 @@ def main(argv: list[str] | None = None) -> int:
         from .report import write_report
 
         results = results_file(config)
-        print(write_report(results, results.parent))
+        print(write_report(results, results.parent, config.best_of))
     return status

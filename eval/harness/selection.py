@@ -11,6 +11,11 @@ in the results and in the report's sweep table, the chosen one marked.
 Accuracy is measured on the evaluation sequences the report also shows, as Zoology selects on
 its validation accuracy: the chosen score is the best of a handful, slightly optimistic.
 
+The records of one results file are chosen by one rule, ``best_of``: the config's where the run
+writes its report, else that of the last record written (the latest run's). A run again with
+another ``best_of`` trains nothing and changes the choice; each record keeps the rule it was
+trained under, and records of two rules were once split into two sweeps of one cell.
+
 How long a cell trained (``train.until``, ``max_steps``, ``check_every``) is not part of its
 setting: a cell trained again with ``train.until=learned`` (to train a "not learned" cell further)
 is the same candidate, and its latest record in the file replaces the earlier one.
@@ -62,6 +67,14 @@ def latest(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list({r["cell"]["key"]: r for r in records}.values())
 
 
+def rule_of(records: list[dict[str, Any]], best_of: list[str] | None = None) -> tuple[str, ...]:
+    """The choice's rule for ``records`` (see the module docstring): ``best_of``, else the last
+    record's, else "lr"."""
+    if best_of is None:
+        best_of = records[-1].get("best_of", ["lr"]) if records else ["lr"]
+    return tuple(sorted(best_of))
+
+
 def latest_runs(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each candidate's latest record: as ``latest``, and of the records of one cell trained for
     different lengths (``TRAINING_LENGTH``), the one written last."""
@@ -72,7 +85,6 @@ def latest_runs(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             *(cell.get(k) for k in IDENTITY),
             setting_of(cell),
             json.dumps(cell.get("train", {}).get("lr")),
-            json.dumps(record.get("best_of", ["lr"]), sort_keys=True),
         )
         last[candidate] = (position, record)
     return [record for _, record in sorted(last.values(), key=lambda item: item[0])]
@@ -84,12 +96,13 @@ def accuracy_at_train_length(record: dict[str, Any]) -> float | None:
     return (record.get("accuracy") or {}).get(str(record["cell"]["train_len"]))
 
 
-def choose(records: list[dict[str, Any]]) -> list[Sweep]:
-    """The sweeps in ``records`` (each cell's latest record), each with its chosen records."""
+def choose(records: list[dict[str, Any]], best_of: list[str] | None = None) -> list[Sweep]:
+    """The sweeps in ``records`` (each cell's latest record), each with its chosen records, by
+    the rule ``best_of`` (``rule_of``)."""
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    best_of = rule_of(records, best_of)
     for record in latest_runs(records):
         cell = record["cell"]
-        best_of = tuple(sorted(record.get("best_of", ["lr"])))
         key = (
             cell["task"],
             cell["train_len"],
@@ -132,6 +145,8 @@ def choose(records: list[dict[str, Any]]) -> list[Sweep]:
     return sweeps
 
 
-def chosen_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def chosen_records(
+    records: list[dict[str, Any]], best_of: list[str] | None = None
+) -> list[dict[str, Any]]:
     """The records the protocol reports: each sweep's chosen ones."""
-    return [r for sweep in choose(records) for r in sweep.chosen]
+    return [r for sweep in choose(records, best_of) for r in sweep.chosen]

@@ -82,6 +82,26 @@ def test_a_compiled_step_is_checked_on_its_own_output(tmp_path, monkeypatch):
     assert eager["error"] < 1e-5 and compiled["error"] == pytest.approx(1.0, abs=1e-4)
 
 
+def test_a_compiled_step_that_fails_is_named_as_compiled(tmp_path, monkeypatch):
+    """Its failure was recorded as the eager step's ("zoo:causal"), which the goals then read
+    as eager, their summary hiding the compiled step's failure; the eager cell lost its time."""
+    import eval.bench.decode as decode
+
+    def broken(step, **kwargs):
+        def run():
+            raise RuntimeError("Inductor failed\nline two")
+
+        return run
+
+    monkeypatch.setattr(decode.torch, "compile", broken)
+    argv = [*TINY, "variants=[causal]", "peers=[]", "compile=[false,true]"]
+    assert main([*argv, f"out={tmp_path}"]) == 0
+    eager, compiled = json.loads((tmp_path / "bench-decode.json").read_text())["cells"]
+    assert eager["impl"] == "zoo:causal" and eager["ms"] > 0
+    assert compiled["impl"] == "zoo:causal+compile" and compiled["status"] == "error"
+    assert "Inductor failed" in compiled["reason"]
+
+
 @needs_cxx
 def test_static_caches_time_steps_of_one_shape(tmp_path, capsys):
     """``static_cache=true``: the caches are static (every slot read, masked), their steps

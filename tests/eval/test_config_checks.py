@@ -166,3 +166,15 @@ def test_the_other_commands_with_a_list_of_arguments_take_options_among_them(mon
     )
     assert auto_table.main(["a.json", "--out", "t.json", "b.json"]) == 0
     assert seen == [(["extrapolation", "listops"], True), (["a.json", "b.json"], "t.json")]
+
+
+def test_the_report_of_a_missing_results_file_says_so(tmp_path, capsys):
+    """A missing file ended in a 25-line traceback (FileNotFoundError), the run's folder in an
+    IsADirectoryError; the folder now stands for its results.jsonl."""
+    from eval.harness.report import main
+
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "results.jsonl")])
+    assert "results: no such file" in capsys.readouterr().err
+    (tmp_path / "results.jsonl").write_text("")
+    assert main([str(tmp_path)]) == 0

@@ -231,6 +231,13 @@ def test_goal_e_from_the_cell_or_from_the_dense_peer(tmp_path):
     assert goal.verdict == "not held" and "lowest 0.5 at 64K non-causal fwd" in goal.summary
 
 
+def test_a_folder_that_does_not_exist_is_refused(tmp_path, capsys):
+    """It was made, and summarised as one where nothing was measured (exit 0)."""
+    assert goals.main([str(tmp_path), str(tmp_path / "typo")]) == 2
+    assert f"no such OUT folder: {tmp_path / 'typo'}" in capsys.readouterr().err
+    assert not (tmp_path / "typo").exists()
+
+
 def test_summary_first_lines_tests_stages_and_unreadable_files(tmp_path):
     (tmp_path / "gpu-tests.txt").write_text("....F\n= 1 failed, 41 passed, 3 skipped in 9.1s =\n")
     (tmp_path / "stages.tsv").write_text(

@@ -93,6 +93,37 @@ def test_seeds_are_averaged_unless_best_of_names_them():
     assert (sweep.chosen_lr, sweep.chosen_seed) == (1e-3, 0) and len(sweep.chosen) == 1
 
 
+def test_one_rule_chooses_for_every_record_the_configs_or_the_latest_runs():
+    """A run again with best_of [lr, seed] trained nothing, and its report still averaged the
+    seeds (each record keeps the rule it was trained under); with a third seed trained under
+    the new rule, one cell became two sweeps of one setting, the best seed of one of them
+    named (seed 2 at 0.884 where seed 0 had 0.947)."""
+    old = [record("local", 1e-2, seed, acc) for seed, acc in ((0, 0.947), (1, 0.803))]
+    (sweep,) = choose(old, best_of=["lr", "seed"])  # the config's rule, given by the run
+    assert (sweep.chosen_seed, sweep.scores[1e-2]) == (0, 0.947)
+    mixed = [*old, record("local", 1e-2, 2, 0.884, best_of=["lr", "seed"])]
+    (sweep,) = choose(mixed)  # no rule given: the last record's
+    assert (sweep.chosen_seed, sweep.scores[1e-2]) == (0, 0.947)
+    (sweep,) = choose(mixed, best_of=["lr"])
+    assert sweep.chosen_seed is None and sweep.scores[1e-2] == pytest.approx(
+        (0.947 + 0.803 + 0.884) / 3
+    )
+
+
+def test_max_steps_without_until_learned_is_refused():
+    """It was dropped from the cell without a word: a finished sweep ran nothing."""
+    with pytest.raises(ConfigError, match="max_steps is the budget of until: learned"):
+        check_names(load_config(RunConfig, None, ["train.max_steps=10"]), "test")
+
+
+def test_a_learning_rate_written_1e_3_is_a_number():
+    """YAML 1.1 reads 1e-3 (no dot) as a string: it was refused as 'must be float'."""
+    config = load_config(RunConfig, None, ["train.lr=[1e-3, 2.5E-2]"])
+    assert config.train.lr == [0.001, 0.025]
+    with pytest.raises(ConfigError, match="lr must be"):
+        load_config(RunConfig, None, ["train.lr=fast"])
+
+
 def test_every_candidate_failing_shows_the_failures():
     (sweep,) = choose([record(lr=1e-3, status="failed"), record(lr=1e-2, status="failed")])
     assert sweep.chosen_lr is None and len(sweep.chosen) == 2
