@@ -156,7 +156,10 @@ def measure(config: DecodeConfig, variant: str, n: int, device, dtype) -> list[d
             cells.append({**cell, "ms": None, "status": "skipped: compiled flex is CUDA-only here"})
             continue
         try:  # a cell that fails is recorded under its own name (a compiled step's as such)
-            cells.append(_step_cell({**cell}, config, backend, compiled, cache, q, k, v, kw, error))
+            measured = _step_cell(
+                {**cell}, config, backend, compiled, cache, (q, k, v), params, error
+            )
+            cells.append(measured)
         except Exception as failed:
             cells.append(failed_cell(failed, **cell))
     for peer in config.peers:
@@ -164,11 +167,11 @@ def measure(config: DecodeConfig, variant: str, n: int, device, dtype) -> list[d
     return cells
 
 
-def _step_cell(cell, config, backend, compiled, cache, q, k, v, kw, error) -> dict:
+def _step_cell(cell, config, backend, compiled, cache, qkv, params, error) -> dict:
     """One (backend, compiled) cell of ``measure``: its check, its time, its profile; ``error``
     is sdpa's against the reference, auto's check."""
-    variant, n, device = kw["variant"], cell["n"], q.device
-    params = {key: value for key, value in kw.items() if key not in ("variant", "causal")}
+    (q, k, v), variant, n, device = qkv, cell["variant"], cell["n"], qkv[0].device
+    kw = dict(variant=variant, causal=True, **params)
     if backend != "auto":  # its own check against the reference, on another copy
         twin = cache.clone()
         got = zoo.attention(q, k, v, cache=cache.clone(), backend=BACKENDS[backend], **kw)

@@ -56,11 +56,7 @@ def check_encoding_sizes(pos: PositionalEncoding, *, dim: int, num_heads: int) -
     """Refuse an encoding instance built for another module's sizes, when the module is built:
     a bias for other heads, a table of another width, a rotation its heads cannot take. A
     module's cached steps then need not check it at every step."""
-    if pos.kind == "bias" and pos.num_heads != num_heads:
-        raise ValueError(
-            f"pos={pos.name!r} was built for {pos.num_heads} heads, but the module has "
-            f"num_heads={num_heads}; build it with num_heads={num_heads}"
-        )
+    _check_bias_heads(pos, num_heads, f"the module has num_heads={num_heads}")
     if pos.kind == "embed" and pos.dim != dim:
         raise ValueError(
             f"pos={pos.name!r} was built for dim={pos.dim}, but the module has dim={dim}; "
@@ -68,6 +64,15 @@ def check_encoding_sizes(pos: PositionalEncoding, *, dim: int, num_heads: int) -
         )
     if pos.kind == "rotate":
         pos.check(q_len=1, kv_len=1, head_dim=dim // num_heads)
+
+
+def _check_bias_heads(pos: PositionalEncoding, num_heads: int, have: str) -> None:
+    """A bias is one table or slope per head: refuse one built for another number of heads."""
+    if pos.kind == "bias" and pos.num_heads != num_heads:
+        raise ValueError(
+            f"pos={pos.name!r} was built for {pos.num_heads} heads, but {have}; build it with "
+            f"num_heads={num_heads}"
+        )
 
 
 @per_shape(64)  # built outside a compiled graph, as the per-shape structures
@@ -105,10 +110,7 @@ def attention_encoding(
         )
     if pos.kind == "none":
         return None
-    if pos.kind == "bias" and pos.num_heads != num_heads:
-        raise ValueError(
-            f"pos={pos.name!r} was built for {pos.num_heads} heads, but q has {num_heads}"
-        )
+    _check_bias_heads(pos, num_heads, f"q has {num_heads}")
     pos.check(q_len=q.shape[2], kv_len=k.shape[2], head_dim=head_dim)
     return pos
 
