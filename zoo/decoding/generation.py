@@ -10,12 +10,12 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from einops import rearrange
 from torch import Tensor
 
 from ..core.arguments import check_bool, check_int
 from ..core.call import unread_padded_inputs
 from ..core.device_build import can_read_values, refuse_where
+from ..core.heads import join_heads, split_heads
 from ..core.scores import DotProduct
 from ..functional import resolve_pattern, resolved_params
 from ..layout.block_layout import specialized, with_heads
@@ -206,9 +206,9 @@ def module_step(
         x = embed_at(module.pos, x, cache, counts, valid_lens is None)
     if padding is not None:
         x = unread_padded_inputs(x, padding)
-    q = rearrange(module.q_proj(x), "b l (h d) -> b h l d", h=module.num_heads)
-    k = rearrange(module.k_proj(x), "b l (h d) -> b h l d", h=module.num_kv_heads)
-    v = rearrange(module.v_proj(x), "b l (h d) -> b h l d", h=module.num_kv_heads)
+    q = split_heads(module.q_proj(x), module.num_heads)
+    k = split_heads(module.k_proj(x), module.num_kv_heads)
+    v = split_heads(module.v_proj(x), module.num_kv_heads)
     cache.check_step(k, v, counts, positions)
     score = module.score if module.score is not None else DotProduct(module.head_dim**-0.5)
     dropout = module.dropout if module.training else 0.0
@@ -225,7 +225,7 @@ def module_step(
         backend=decode_backend(module.backend, score, dropout, cache, grad_on),
         full=valid_lens is None,
     )
-    out = module.out_proj(rearrange(out, "b h l d -> b l (h d)"))  # (B, t, dim)
+    out = module.out_proj(join_heads(out))  # (B, t, dim)
     if padding is None:  # no padding column
         return out
     return out.masked_fill(padding[:, :, None], 0.0)  # padding columns: zeros

@@ -5,13 +5,13 @@ from __future__ import annotations
 import inspect
 
 import torch
-from einops import rearrange
 from torch import Tensor, nn
 
 from ..backends import Backend, backend_named
 from ..core.arguments import check_bool, check_int, check_probability
 from ..core.autocast import autocast_on
 from ..core.call import check_key_padding_mask, unread_padded_inputs
+from ..core.heads import join_heads, split_heads
 from ..core.prepare import check_encoding_sizes
 from ..core.scores import AdditiveScore
 from ..core.valid_lens import check_valid_lens, padding_from_lengths
@@ -260,7 +260,7 @@ class MultiHeadAttention(nn.Module):
             q = q.masked_fill(key_padding_mask[:, None, :, None], 0)  # padding may hold NaN
         result = self._attend(q, k, v, key_padding_mask, return_weights, edge_index)
         out, weights = result if return_weights else (result, None)
-        out = self.out_proj(rearrange(out, "b h l d -> b l (h d)"))  # (B, Lq, dim)
+        out = self.out_proj(join_heads(out))  # (B, Lq, dim)
         return (out, weights) if return_weights else out
 
     def _check_x(self, x: object) -> None:
@@ -296,9 +296,9 @@ class MultiHeadAttention(nn.Module):
         """q from x, k and v from source, projected and split into heads: k and v into the
         key/value heads, which grouped-query attention shares among the query heads."""
         heads, kv_heads = self.num_heads, self.num_kv_heads
-        q = rearrange(self.q_proj(x), "b l (h d) -> b h l d", h=heads)  # (B, H, Lq, hd)
-        k = rearrange(self.k_proj(source), "b l (h d) -> b h l d", h=kv_heads)  # (B, H_kv, Lk, hd)
-        v = rearrange(self.v_proj(source), "b l (h d) -> b h l d", h=kv_heads)
+        q = split_heads(self.q_proj(x), heads)  # (B, H, Lq, hd)
+        k = split_heads(self.k_proj(source), kv_heads)  # (B, H_kv, Lk, hd)
+        v = split_heads(self.v_proj(source), kv_heads)
         return q, k, v
 
     def _summarises_queries(self) -> bool:

@@ -32,7 +32,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-from einops import rearrange
 from torch import Tensor, nn
 
 from ..backends import Backend, backend_named, resolve_backend
@@ -43,6 +42,7 @@ from ..core.call import (
     unread_padded_inputs,
     unread_padding,
 )
+from ..core.heads import join_heads, split_heads
 from ..core.scores import DotProduct
 from ..core.valid_lens import check_valid_lens
 from ..functional import attention
@@ -198,9 +198,9 @@ class NativeSparseAttention(nn.Module):
         )
         if key_padding_mask is not None:
             x = unread_padded_inputs(x, key_padding_mask)
-        q = rearrange(self.q_proj(x), "b l (h d) -> b h l d", h=self.num_heads)
-        k = rearrange(self.k_proj(x), "b l (h d) -> b h l d", h=self.num_kv_heads)
-        v = rearrange(self.v_proj(x), "b l (h d) -> b h l d", h=self.num_kv_heads)
+        q = split_heads(self.q_proj(x), self.num_heads)
+        k = split_heads(self.k_proj(x), self.num_kv_heads)
+        v = split_heads(self.v_proj(x), self.num_kv_heads)
         o_cmp, p_cmp = self.compressed_branch(q, k, v, key_padding_mask)
         o_slc = self.selected_branch(q, k, v, p_cmp, key_padding_mask)
         o_win = attention(
@@ -208,9 +208,9 @@ class NativeSparseAttention(nn.Module):
             key_padding_mask=key_padding_mask, backend=self.backend,
         )  # fmt: skip
         gates = torch.sigmoid(self.gate(x)).to(q.dtype)  # (B, L, 3H)
-        g = rearrange(gates, "b l (branch h) -> branch b h l 1", branch=3)
+        g = gates.unflatten(-1, (3, -1)).permute(2, 0, 3, 1)[..., None]  # (3, B, H, L, 1)
         out = g[0] * o_cmp + g[1] * o_slc + g[2] * o_win  # (B, H, L, hd)
-        return self.out_proj(rearrange(out, "b h l d -> b l (h d)"))
+        return self.out_proj(join_heads(out))
 
     def compressed_branch(
         self, q: Tensor, k: Tensor, v: Tensor, padding: Tensor | None

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from einops import rearrange
 from torch import Tensor, nn
 
 from ..core.call import unread_padded_inputs
+from ..core.heads import join_heads
 from ..core.valid_lens import padding_from_lengths
 from .sharded import check_group, raised_by_the_call
 from .shards import ShardLayout, check_order
@@ -70,7 +70,7 @@ def sharded_forward(
     q, k, v = module._heads(x, x)
     with raised_by_the_call(problem):
         out = module._attend(q, k, v, key_padding_mask, False, None)
-    return module.out_proj(rearrange(out, "b h l d -> b l (h d)"))  # (B, s, dim)
+    return module.out_proj(join_heads(out))  # (B, s, dim)
 
 
 def _embedded(encoding: nn.Module, x: Tensor, layout: ShardLayout, rank: int) -> Tensor:
