@@ -7,6 +7,12 @@ import os
 # for six cold FlexAttention kernels, one thread. Set before torch reads its config; subprocesses
 # of the tests inherit it.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# Inductor probes each vector ISA the CPU reports by compiling and loading a test library: once
+# per cache (about 15 s of C++ builds on a cold one, which a cold CI run pays) and a loader
+# subprocess per ISA in every process that compiles (workers and the tests' subprocesses). The
+# probe guards against a compiler that cannot emit what the CPU has; the suite's compilers can,
+# so the ISAs the CPU reports are taken as usable. A failing compile would still fail its test.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 import pytest
 import torch
