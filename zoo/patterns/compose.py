@@ -36,6 +36,14 @@ def memo_parts(pattern: Pattern, split: Callable[[], tuple[Pattern, ...]]) -> tu
     return parts
 
 
+def remember_members(pattern: Pattern, members: tuple[Pattern, ...]) -> None:
+    """Whether any member is chosen by content (``routed``) or drawn per head (``per_head``),
+    found once when the composition is built: the members are frozen, and the calls ask often,
+    under ``torch.compile`` too, where each recursive ``any`` over the members was traced anew."""
+    object.__setattr__(pattern, "_routed", any(m.routed for m in members))
+    object.__setattr__(pattern, "_per_head", any(m.per_head for m in members))
+
+
 def order_key(order: object) -> tuple[bool, str]:
     """Sorts token orders: int strides first, by value; then other orders (a grid's ``Tiles``)."""
     return (not isinstance(order, int), f"{order:020d}" if isinstance(order, int) else repr(order))
@@ -66,6 +74,7 @@ class Union(Pattern):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "children", _flatten(Union, self.children))
+        remember_members(self, self.children)
 
     @property
     def stride(self) -> int:  # type: ignore[override]
@@ -85,14 +94,14 @@ class Union(Pattern):
 
     @property
     def routed(self) -> bool:
-        return any(c.routed for c in self.children)
+        return self._routed
 
     def bind(self, inputs: object) -> Pattern:
         return Union(tuple(c.bind(inputs) for c in self.children)) if self.routed else self
 
     @property
     def per_head(self) -> bool:
-        return any(c.per_head for c in self.children)
+        return self._per_head
 
     def for_heads(self, heads: int) -> Pattern:
         return Union(tuple(c.for_heads(heads) for c in self.children)) if self.per_head else self
@@ -143,6 +152,7 @@ class Intersection(Pattern):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "children", _flatten(Intersection, self.children))
+        remember_members(self, self.children)
 
     @property
     def stride(self) -> int:  # type: ignore[override]
@@ -165,7 +175,7 @@ class Intersection(Pattern):
 
     @property
     def routed(self) -> bool:
-        return any(c.routed for c in self.children)
+        return self._routed
 
     def bind(self, inputs: object) -> Pattern:
         """Members chosen by content choose under causal rules when a causal member bounds them
@@ -178,7 +188,7 @@ class Intersection(Pattern):
 
     @property
     def per_head(self) -> bool:
-        return any(c.per_head for c in self.children)
+        return self._per_head
 
     def for_heads(self, heads: int) -> Pattern:
         if not self.per_head:
@@ -225,6 +235,9 @@ class Difference(Pattern):
     include: Pattern
     exclude: Pattern
 
+    def __post_init__(self) -> None:
+        remember_members(self, (self.include, self.exclude))
+
     @property
     def stride(self) -> int:  # type: ignore[override]
         return self.include.stride
@@ -238,7 +251,7 @@ class Difference(Pattern):
 
     @property
     def routed(self) -> bool:
-        return self.include.routed or self.exclude.routed
+        return self._routed
 
     def bind(self, inputs: object) -> Pattern:
         if not self.routed:
@@ -247,7 +260,7 @@ class Difference(Pattern):
 
     @property
     def per_head(self) -> bool:
-        return self.include.per_head or self.exclude.per_head
+        return self._per_head
 
     def for_heads(self, heads: int) -> Pattern:
         if not self.per_head:
