@@ -12,6 +12,7 @@ from .core import call_plans
 from .core.arguments import check_bool
 from .core.autocast import autocast_inputs
 from .core.call import AttentionCall, call_score, check_dropout, check_qkv
+from .core.device_build import has_no_data
 from .core.prepare import (
     Encoding,
     attention_encoding,
@@ -362,7 +363,9 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
             f"{f' ({shown})' if shown else ''} allows every pair {ALLOWS[note]}: it is {note} "
             f"attention at this length, the same as variant {note!r}"
         )
-    return explain_backend(call, backend) + (note or "")
+    if note is None:
+        note = f"; {allowed_note(pattern, call)}"
+    return explain_backend(call, backend) + note
 
 
 def _explain_mechanism(q: Tensor, k: Tensor, v: Tensor, backend: object, **kwargs: object) -> str:
@@ -412,6 +415,37 @@ def _explain_sharded(q: Tensor, k: Tensor, v: Tensor, group: object, **kwargs: o
 
 
 ALLOWS = {"full": "of queries and keys", "causal": "that causal attention allows"}
+
+
+def allowed_note(pattern: Pattern, call: AttentionCall) -> str:
+    """The pairs the pattern allows at the call's lengths, in words (for ``explain``): what a
+    backend's computed scores are set against. Per sequence and head; a range where heads (a
+    pattern drawn per head) or sequences (a graph per sequence) differ. A pattern chosen by
+    content chooses at each call; a graph's edges are counted from the call's own list (not from
+    fake tensors, nor where the graph is composed with other patterns)."""
+    q_len, kv_len = call.q_len, call.kv_len
+    batch = call.q.shape[0]
+    listed = None if has_no_data(call.q) else call.pattern.listed_pairs(batch)
+    if listed is not None:  # a graph's edges
+        counts = torch.bincount(listed[0], minlength=batch).tolist()
+    elif reads_graph(pattern):  # fake tensors, or a graph composed with other patterns
+        return "the pattern's pairs follow the call's graph (not counted here)"
+    elif pattern.routed:
+        return "the pattern chooses its pairs by content, per sequence and head, at each call"
+    elif pattern.per_head:
+        heads = call.q.shape[1]
+        drawn = with_heads(specialized(pattern, q_len, kv_len, torch.device("cpu")), heads)
+        counts = [allowed_pairs(head_layout(drawn, h), q_len, kv_len) for h in range(heads)]
+    else:
+        counts = [allowed_pairs(pattern, q_len, kv_len)]
+    low, high, every = min(counts), max(counts), q_len * kv_len
+    if low == high:
+        return f"the pattern allows {low} pairs per sequence and head, {low / every:.3g} of Lq x Lk"
+    which = "head" if pattern.per_head else "sequence"
+    return (
+        f"the pattern allows {low} to {high} pairs per sequence and head (by {which}), "
+        f"{low / every:.3g} to {high / every:.3g} of Lq x Lk"
+    )
 
 
 def dense_at_length(pattern: Pattern, q_len: int, kv_len: int, heads: int = 1) -> str | None:

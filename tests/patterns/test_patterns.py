@@ -10,7 +10,7 @@ from helpers import FIXED_VARIANTS, small_params
 
 import zoo
 from zoo.functional import resolve_pattern
-from zoo.layout.block_layout import build_layout, specialized
+from zoo.layout.block_layout import allowed_pairs_bounds, build_layout, specialized
 from zoo.layout.frames import build_frame
 from zoo.patterns import (
     EMPTY,
@@ -22,6 +22,7 @@ from zoo.patterns import (
     Local,
     Random,
     dilated,
+    graph,
     query_positions,
     strided,
 )
@@ -260,8 +261,6 @@ def test_allowed_pairs_counts_exactly(causal):
 def test_the_bounds_from_block_states_hold_the_exact_count():
     """``allowed_pairs_bounds`` brackets the count for every variant, and is the count where a
     pattern's blocks align with the counting blocks (no partial block)."""
-    from zoo.layout.block_layout import allowed_pairs_bounds
-
     for variant in FIXED_VARIANTS:
         params = small_params(variant)
         for q_len, kv_len in [(100, 100), (70, 100), (100, 70), (300, 300)]:
@@ -306,6 +305,58 @@ def test_explain_says_dense_exactly_where_the_mask_is_full_or_causal(variant, ca
     if pattern.kind != "sparse":
         want = None  # full and causal themselves are not sparse patterns
     assert dense_at_length(pattern, n, n, heads) == want
+
+
+def _allowed_said(text: str) -> tuple[int, int]:
+    """The allowed pairs ``explain`` states: (fewest, most) over heads or sequences."""
+    said = text.split("the pattern allows ")[1].split(" pairs")[0]
+    low, _, high = said.partition(" to ")
+    return int(low), int(high or low)
+
+
+@pytest.mark.parametrize("variant, causal, params, n", [
+    ("longformer", True, dict(window_size=5), 101),
+    ("strided", False, dict(stride=8, window_size=3), 130),
+    ("neighborhood_2d", False, dict(grid=(10, 13), kernel_size=(3, 5)), 130),
+    ("bigbird", False, dict(block_size=8, random_among="all"), 130),  # heads differ
+    ("bigbird", True, dict(block_size=8), 99),
+])  # fmt: skip
+def test_explain_states_the_pairs_the_pattern_allows_per_head(variant, causal, params, n):
+    """Beside the scores a backend computes, ``explain`` says the pairs the pattern allows:
+    the dense masks' counts, the fewest and most over the heads of a pattern drawn per head.
+    ``allowed_pairs`` itself counts one layout and names what to count for heads drawn."""
+    from zoo.layout.block_layout import head_layout, with_heads
+
+    heads = 3
+    q = torch.randn(1, heads, n, 4)
+    text = zoo.explain(q, q, q, variant=variant, causal=causal, **params)
+    pattern = specialized(resolve_pattern(variant, causal, params), n, n, CPU)
+    drawn = with_heads(pattern, heads) if pattern.per_head else pattern
+    counts = [int(head_layout(drawn, h).dense(n, n).sum()) for h in range(heads)]
+    assert _allowed_said(text) == (min(counts), max(counts)), text
+    if variant == "bigbird" and not causal:
+        assert len(set(counts)) > 1, counts  # the range is exercised
+        with pytest.raises(ValueError, match=r"one per head .*count pattern.head\(h\)"):
+            zoo.allowed_pairs(drawn, n, n)
+        with pytest.raises(ValueError, match=r"one per head"):
+            allowed_pairs_bounds(drawn, n, n)
+
+
+def test_explain_states_a_graphs_pairs_per_sequence_and_a_choice_by_content():
+    """A graph's pairs are its edges, per sequence (a graph each here: a range); MoBA's are
+    chosen at each call, which ``explain`` says rather than counting one call's choice."""
+    n, graphs = 40, [torch.randint(0, 40, (2, m), generator=torch.Generator().manual_seed(m))
+                     for m in (30, 90)]  # fmt: skip
+    q = torch.randn(2, 2, n, 4)
+    for causal in (False, True):
+        text = zoo.explain(q, q, q, variant="graph", edge_index=graphs, causal=causal)
+        counts = [int(zoo.dense_mask("graph", n, edge_index=g, causal=causal).sum())
+                  for g in graphs]  # fmt: skip
+        assert counts[0] != counts[1] and _allowed_said(text) == (min(counts), max(counts)), text
+    composed = zoo.explain(q, q, q, variant=graph() | Local(2), edge_index=graphs)
+    assert "the pattern's pairs follow the call's graph (not counted here)" in composed, composed
+    moba = zoo.explain(q, q, q, variant="moba", block_size=8, top_k=2)
+    assert "the pattern chooses its pairs by content" in moba, moba
 
 
 def test_explain_tells_a_long_sparse_pattern_from_dense_without_counting_its_pairs(monkeypatch):

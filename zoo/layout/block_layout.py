@@ -186,11 +186,21 @@ def _allowed_pairs_bounds(pattern: Pattern, q_len: int, kv_len: int, block: int)
 
 
 def _part_states(pattern: Pattern, q_len: int, kv_len: int, block: int):
-    """Each disjoint part of the pattern with its frame and block states, on the CPU."""
+    """Each disjoint part of the pattern with its frame and block states, on the CPU. A pattern
+    of one layout per head or per sequence (heads drawn by ``for_heads``, a choice by content
+    bound to one call) has no one count: it is refused, saying how to count each layout."""
     device = torch.device("cpu")
     for part in specialized(pattern, q_len, kv_len, device).parts():
         frame = build_frame(part.stride, q_len, kv_len, block, block, device)
-        yield part, frame, build_layout(part, frame).state
+        state = build_layout(part, frame).state
+        if state.dim() != 2:
+            each = "sequence and head" if pattern.routed else "head"
+            how = "" if pattern.routed else ": count pattern.head(h) for each head h"
+            raise ValueError(
+                f"allowed_pairs counts the pairs of one layout; the {type(pattern).__name__} "
+                f"given has one per {each} (block states of shape {tuple(state.shape)}){how}"
+            )
+        yield part, frame, state
 
 
 @per_shape(maxsize=256)
