@@ -42,6 +42,45 @@ def test_chunked_causal_equals_recurrent(chunk_size):
         chunked = feature_attention(phi_q, phi_k, v, causal=True, chunk_size=chunk_size)
         budget = 2 * (fp32.double() - exact).abs().max().item() + 1e-6
         assert (chunked.double() - exact).abs().max().item() <= budget
+        # features φ(k)·exp(c), c spread far beyond float32's range, given as ψ (at most 1)
+        # and its log-scale: a query's sums are representable only relative to the keys it sees
+        spread = torch.randn(phi_k.shape[:3], generator=torch.Generator().manual_seed(5)) * 40
+        top = phi_k.amax(-1)
+        psi, scale = phi_k / top[..., None], spread + top.log()
+        exact = recurrent(
+            phi_q.double(), psi.double() * scale.double().exp()[..., None], v.double()
+        )
+        scaled = feature_attention(
+            phi_q, psi, v, causal=True, chunk_size=chunk_size, key_log_scale=scale
+        )
+        assert (scaled.double() - exact).abs().max().item() <= budget, chunk_size
+
+
+def test_performer_causal_output_never_depends_on_a_later_key():
+    """Causal performer: a query's keys are taken relative to the largest among the keys it
+    sees, never a later one. With large keys (log-features far below 0) and a small last key,
+    one largest over the sequence rounded every earlier key to 0 in float32 and rows 0..6 gave
+    zeros (off by 2.07); padded or not, with keys before the first query (Lk > Lq)."""
+    mech = build("performer", heads=1, head_dim=16).float()
+    generator = torch.Generator().manual_seed(0)
+    q, v = (torch.randn(2, 1, 40, 16, generator=generator) for _ in range(2))
+    k = torch.randn(2, 1, 40, 16, generator=generator) * 12
+    k[:, :, -1] = 0.0
+    for mask in (
+        None,
+        torch.zeros(2, 40, dtype=torch.bool).index_fill_(1, torch.tensor([3]), True),
+    ):
+        for start in (0, 5):  # Lq = Lk, and 5 keys before the first query
+
+            def run(n, dtype=torch.float32, start=start, mask=mask):
+                part = None if mask is None else mask[:, :n]
+                return zoo.attention(q[:, :, start:n].to(dtype), k[:, :, :n].to(dtype),
+                                     v[:, :, :n].to(dtype), variant=mech.to(dtype), causal=True,
+                                     key_padding_mask=part)  # fmt: skip
+
+            whole, shorter, exact = run(40)[:, :, :-1], run(39), run(39, torch.float64)
+            assert torch.equal(whole, shorter)
+            assert (whole.double() - exact).abs().max() < 1e-4
 
 
 def test_causal_lq_longer_than_lk_gives_zeros_before_the_first_key():
@@ -304,3 +343,20 @@ def test_performer_loads_a_state_dict_saved_before_its_schedule_was_kept():
     fresh = zoo.create_attention("performer", dim=32, num_heads=2)
     fresh.load_state_dict(old)
     assert fresh.mechanism.draws == 0 and fresh.mechanism.calls == 0
+
+
+def test_a_module_given_a_mechanism_instance_holds_it_once():
+    """``MultiHeadAttention(variant=<Mechanism>)`` registers it as ``mechanism`` only: it was
+    also the submodule ``variant``, so its parameters were saved twice and the state dict did
+    not load into the same module built by name."""
+    built = build("linformer", heads=2, head_dim=8).float()
+    given = zoo.MultiHeadAttention(16, 2, variant=built)
+    by_name = zoo.create_attention("linformer", dim=16, num_heads=2, proj_len=16, max_len=64)
+    assert [k for k in given.state_dict() if "proj" in k and "_proj." not in k] == [
+        "mechanism.key_proj", "mechanism.value_proj"
+    ]  # fmt: skip
+    assert given.variant is given.mechanism is built
+    by_name.load_state_dict(given.state_dict())  # strict: the same keys
+    x = torch.randn(1, 16, 16)
+    torch.testing.assert_close(by_name(x), given(x), atol=0, rtol=0)
+    assert "variant=LinformerAttention (the submodule mechanism)" in repr(given)

@@ -12,10 +12,12 @@ unbiased) while the orthogonality lowers its variance.
 Attention is then the feature-map form of ``zoo.mechanisms.kernel``: non-causal by
 associativity, causal by the chunked prefix form, O(n·m·Dv).
 
-For stability each query's features are divided by their largest exp, and every key's by the
-largest over the valid keys of a head: both factors cancel in the normalised weights. (The keys'
-factor is one number for the whole sequence, as in the paper's code: a key whose log-feature
-lies more than ~87 below the largest underflows to zero weight in float32.)
+For stability each query's features are divided by their largest exp, and the keys' by the
+largest among the keys that query sees (``zoo.mechanisms.kernel``: all valid keys of the head,
+or causally those up to the query): both factors cancel in the normalised weights. A key whose
+log-feature lies more than ~87 below that largest underflows to zero weight in float32. The
+paper's code divides by one largest over the whole sequence, so that causally a later key could
+round an earlier query's keys away; here it cannot.
 
 Parameters (published defaults):
     num_features: m; None is int(D·ln D), the paper's choice (266 features for D = 64).
@@ -148,13 +150,19 @@ class PerformerAttention(Mechanism):
         log_q.sub_(log_q.amax(dim=-1, keepdim=True).detach())
         log_k = x_k @ w.T  # (B, H, Lk, m)
         log_k.sub_((x_k * x_k).sum(-1, keepdim=True) / 2)
+        # Each key at its own largest feature (its log-scale apart): feature_attention takes
+        # each query's sums relative to the largest scale among the keys that query sees.
+        key_scale = log_k.amax(dim=-1).detach()  # (B, H, Lk)
         if key_padding_mask is not None:
-            log_k = log_k.masked_fill(key_padding_mask[:, None, :, None], -torch.inf)
-        peak = log_k.amax(dim=(2, 3), keepdim=True).detach()
-        log_k.sub_(torch.where(torch.isfinite(peak), peak, 0))
+            key_scale = key_scale.masked_fill(key_padding_mask[:, None, :], -torch.inf)
+        log_k.sub_(torch.where(torch.isfinite(key_scale), key_scale, 0)[..., None])
+        phi_k = log_k.exp_()
+        if key_padding_mask is not None:
+            phi_k = phi_k.masked_fill(key_padding_mask[:, None, :, None], 0)
         out = feature_attention(
-            log_q.exp_(), log_k.exp_(), v.to(dtype), causal=causal, chunk_size=self.chunk_size
-        )
+            log_q.exp_(), phi_k, v.to(dtype), causal=causal, chunk_size=self.chunk_size,
+            key_log_scale=key_scale,
+        )  # fmt: skip
         return out.to(q.dtype)
 
     def extra_repr(self) -> str:

@@ -115,7 +115,11 @@ class MultiHeadAttention(nn.Module):
         check_bool("bias", bias)
         if cp_order not in ORDERS:
             raise ValueError(f"cp_order must be one of {ORDERS}, got {cp_order!r}")
-        self.variant, self.backend, self.causal = variant, backend, causal
+        self.backend, self.causal = backend, causal
+        # A Mechanism instance given as the variant is registered once, as ``mechanism`` below:
+        # as a second submodule its parameters would appear twice in the state dict, which
+        # then would not load into the same module built by name.
+        self.__dict__["variant"] = variant
         self.dropout = check_probability("dropout", dropout)
         # Context parallelism (zoo.parallel): x is then this rank's shard of each sequence.
         # Plain attributes, so that a training loop can set them after building the model
@@ -167,6 +171,10 @@ class MultiHeadAttention(nn.Module):
         that look alike in a printout are alike; the options after it."""
         params = resolved_params(self.variant, self.params)
         shown = "".join(f", {k}={v!r}" for k, v in params.items())
+        # a Mechanism instance prints as the submodule ``mechanism``, below the line
+        variant = repr(self.variant)
+        if isinstance(self.variant, nn.Module):
+            variant = f"{type(self.variant).__name__} (the submodule mechanism)"
         backend = self.backend if isinstance(self.backend, str) else self.backend.name
         options = f", dropout={self.dropout}" if self.dropout else ""
         kv_heads = (
@@ -174,7 +182,7 @@ class MultiHeadAttention(nn.Module):
         )
         return (
             f"dim={self.dim}, num_heads={self.num_heads}{kv_heads}, "
-            f"variant={self.variant!r}{shown}, "
+            f"variant={variant}{shown}, "
             f"causal={self.causal}, backend={backend!r}, pos={self.pos.name!r}{options}"
         )
 
