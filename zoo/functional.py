@@ -48,6 +48,7 @@ from .layout.block_layout import (
 from .mechanisms.dispatch import explain_mechanism, is_mechanism, mechanism_attention
 from .parallel import context_parallel_attention, shard_stats
 from .patterns import Causal, Intersection, Pattern, RouteInputs, reads_graph
+from .patterns.graph_edges import graph_count
 
 # Re-exported: code written against zoo.functional finds them here.
 __all__ = [
@@ -141,7 +142,8 @@ def attention(
     and raise ``torch._dynamo.config.recompile_limit`` (8) above 8 lengths. A Pattern passed as
     ``variant`` must be made outside the compiled region (a module attribute, say).
     """
-    if cache is None or cache.keys.dtype != torch.float32:  # a float32 cache keeps float32 keys
+    # a float32 cache keeps float32 keys (a cache of another type is refused below, by name)
+    if not isinstance(cache, KVCache) or cache.keys.dtype != torch.float32:
         q, k, v = autocast_inputs(q, k, v)
     plain = (
         cp_group is None and score is None and edge_index is None and not return_weights
@@ -326,7 +328,8 @@ def dense_mask(
     pattern = specialized(pattern, q_len, kv_len, torch.device("cpu"))
     check_graph_wanted(edge_index, pattern, variant)
     if reads_graph(pattern):  # a graph: (graphs, L, L), caller's order
-        q, k = torch.zeros(1, 1, q_len, 1), torch.zeros(1, 1, kv_len, 1)
+        graphs = graph_count(edge_index)  # a sequence of each
+        q, k = torch.zeros(graphs, 1, q_len, 1), torch.zeros(graphs, 1, kv_len, 1)
         bound = pattern.bind(RouteInputs(q, k, None, causal, edge_index=edge_index))
         return bound.dense(q_len, kv_len)[:, 0].squeeze(0)
     return pattern.dense(q_len, kv_len)

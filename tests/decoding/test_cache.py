@@ -486,3 +486,48 @@ def test_a_cache_of_the_weights_dtype_under_autocast_names_the_dtype_to_build_it
             attn(x, cache=attn.new_cache(1, 16))
         cache = attn.new_cache(1, 16, dtype=torch.bfloat16)
         assert attn(x, cache=cache).shape == (1, 6, 32)
+
+
+def test_gradients_reach_cached_values_when_only_the_values_record_them():
+    """A prefill whose v records gradients and k does not, then steps of plain tokens: the
+    steps wrote the cache in place (only the call's k, v and the keys were asked), over the
+    values the prefill's backward had saved, and the backward failed. Equal to the whole
+    sequence's gradients."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, n, 6, 4, generator=generator, dtype=torch.float64) for n in (2, 1, 1))
+    v.requires_grad_(True)
+    cache = zoo.new_cache("causal", batch_size=1, max_len=16, num_kv_heads=1, head_dim=4,
+                          dtype=torch.float64)  # fmt: skip
+    parts = [zoo.attention(q[:, :, :4], k[:, :, :4], v[:, :, :4], variant="causal", causal=True,
+                           cache=cache, backend="sdpa")]  # fmt: skip
+    for j in (4, 5):
+        parts.append(zoo.attention(q[:, :, j : j + 1], k[:, :, j : j + 1],
+                                   v[:, :, j : j + 1].detach(), variant="causal", causal=True,
+                                   cache=cache, backend="sdpa"))  # fmt: skip
+    (got,) = torch.autograd.grad(torch.cat(parts, 2).sum(), v)
+    whole = torch.cat([v[:, :, :4], v[:, :, 4:].detach()], 2)
+    (want,) = torch.autograd.grad(
+        zoo.attention(q, k, whole, variant="causal", causal=True).sum(), v
+    )
+    torch.testing.assert_close(got, want)
+
+
+def test_cached_calls_refuse_what_they_cannot_use_by_name():
+    """Found by review: a cache of another type, a mask of the wrong dtype, a graph (whose
+    edges a cached call cannot take) and a module step without tokens, each refused saying
+    what was given, where they failed deep inside or were taken."""
+    q = torch.randn(2, 1, 3, 8)
+    with pytest.raises(TypeError, match=r"cache must be a zoo KVCache .*got dict"):
+        zoo.attention(q, q, q, variant="causal", causal=True, cache={"k": None})
+    cache = zoo.new_cache("causal", batch_size=2, max_len=8, num_kv_heads=1, head_dim=8)
+    with pytest.raises(ValueError, match=r"bool tensor .*got a \(2, 3\) int64 tensor"):
+        zoo.attention(q, q, q, variant="causal", causal=True, cache=cache,
+                      key_padding_mask=torch.zeros(2, 3, dtype=torch.long))  # fmt: skip
+    with pytest.raises(ValueError, match=r"a cache cannot serve 'graph'.*edge_index"):
+        zoo.new_cache("graph", batch_size=1, max_len=8, num_kv_heads=1, head_dim=8)
+    for variant, params in (("causal", {}), ("moba", dict(block_size=4, top_k=2))):
+        attn = zoo.create_attention(variant, dim=16, num_heads=2, causal=True, **params)
+        cache = attn.new_cache(1, 10)
+        attn(torch.randn(1, 3, 16), cache=cache)
+        with pytest.raises(ValueError, match=r"x needs at least one position .*\(1, 0, 16\)"):
+            attn(torch.randn(1, 0, 16), cache=cache)

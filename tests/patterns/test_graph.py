@@ -62,6 +62,26 @@ def test_mask_is_the_edge_list(causal):
     assert torch.equal(both, expected_mask(torch.cat([edges, edges.flip(0)], 1), N))
 
 
+def test_mask_of_a_graph_per_sequence_is_one_mask_per_graph():
+    """``dense_mask`` takes every form ``attention`` takes for a graph per sequence (a list, a
+    (B, 2, E) tensor, a sparse (B, L, L) adjacency): (B, L, L), each graph's own mask. It made
+    a batch of one and refused them all (found by review)."""
+    graphs = [random_graph(N, s) for s in (4, 5)]
+    want = torch.stack([expected_mask(g, N) for g in graphs])
+    cut = min(g.shape[1] for g in graphs)  # a (B, 2, E) tensor: as many edges each
+    stacked = torch.stack([g[:, :cut] for g in graphs])
+    indices = torch.cat([torch.cat([torch.full((1, g.shape[1]), b), g])
+                         for b, g in enumerate(graphs)], 1)  # fmt: skip
+    sparse = torch.sparse_coo_tensor(indices, torch.ones(indices.shape[1]), (2, N, N),
+                                     check_invariants=True)  # fmt: skip
+    assert torch.equal(zoo.dense_mask("graph", N, edge_index=graphs), want)
+    assert torch.equal(zoo.dense_mask("graph", N, edge_index=sparse), want)
+    assert torch.equal(
+        zoo.dense_mask("graph", N, edge_index=stacked),
+        torch.stack([expected_mask(g, N) for g in stacked]),
+    )
+
+
 @pytest.mark.parametrize("reordered", [False, True])
 def test_three_views_agree(reordered):
     graphs = [random_graph(N, s) for s in (1, 2)]

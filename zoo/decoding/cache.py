@@ -573,7 +573,12 @@ class KVCache:
         where no gradient is recorded: the indexed writes were the largest part of a step's own
         host time on a CPU, and on a GPU each index tensor is a kernel launch)."""
         B, t = positions.shape
-        tracked = k.requires_grad or v.requires_grad or self.keys.requires_grad
+        tracked = (
+            k.requires_grad
+            or v.requires_grad
+            or self.keys.requires_grad
+            or self.values.requires_grad
+        )
         grad = torch.is_grad_enabled() and tracked
         if position is not None and not grad and not torch.compiler.is_compiling():
             self._write_at(k[:, :, 0], v[:, :, 0], position)

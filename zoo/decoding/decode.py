@@ -165,7 +165,9 @@ def counts_from_padding(
         return torch.full((batch,), length, dtype=torch.long, device=device)
     mask = key_padding_mask
     if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.shape != (batch, length):
-        shown = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
+        shown = type(mask).__name__
+        if isinstance(mask, Tensor):
+            shown = f"a {tuple(mask.shape)} {str(mask.dtype).removeprefix('torch.')} tensor"
         raise ValueError(
             f"with a cache, key_padding_mask must be a ({batch}, {length}) bool tensor over the "
             f"call's new tokens, got {shown}"

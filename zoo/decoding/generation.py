@@ -19,7 +19,7 @@ from ..core.heads import join_heads, split_heads
 from ..core.scores import DotProduct
 from ..functional import resolve_pattern, resolved_params
 from ..layout.block_layout import specialized, with_heads
-from ..patterns import Pattern
+from ..patterns import Pattern, reads_graph
 from ..patterns.grid import GridPattern
 from ..patterns.retention import keep_all
 from .cache import KVCache, cache_plan, cache_signature
@@ -77,6 +77,12 @@ def new_cache(
         )
     device = torch.device("cpu") if device is None else torch.device(device)
     resolved = resolve_pattern(variant, True, dict(params))
+    if reads_graph(resolved):
+        raise ValueError(
+            f"a cache cannot serve {variant!r}: its pairs are a graph given with each call "
+            f"(edge_index), which a cached call does not take; run it without a cache, on the "
+            f"whole sequence"
+        )
     if _grid_unset(resolved):
         raise ValueError(
             f"a cache of the 2-D pattern {variant!r} needs its grid: pass grid=(H, W) (the cache "
@@ -193,6 +199,8 @@ def module_step(
         )
     )
     batch, t = x.shape[:2]
+    if t == 0:  # as an uncached call refuses it: a step adds at least one token
+        raise ValueError(f"x needs at least one position (dim 1), got {tuple(x.shape)}")
     if batch != cache.batch_size:
         raise ValueError(f"cache holds {cache.batch_size} sequences, x has {batch}")
     if valid_lens is None:  # every row adds the whole call: the cache's own constant

@@ -54,6 +54,16 @@ def _from_sparse(adjacency: Tensor, nodes: int) -> list[Tensor] | Tensor:
     return [indices[1:, indices[0] == b] for b in range(shape[0])]
 
 
+def graph_count(edge_index: object) -> int:
+    """How many graphs ``edge_index`` holds: one per sequence in a list, a (B, 2, E) tensor or a
+    (B, L, L) sparse adjacency; else 1 (one graph for the whole batch)."""
+    if isinstance(edge_index, list | tuple):
+        return len(edge_index)
+    if isinstance(edge_index, Tensor) and edge_index.dim() == 3:
+        return edge_index.shape[0]
+    return 1
+
+
 def graph_edges(edge_index: object, batch: int, nodes: int) -> tuple[Tensor, Tensor, Tensor, int]:
     """(sequence, query node, key node) of every edge, int64, and the number of graphs (1: one
     for the whole batch, else ``batch``). Raises naming the argument and the offending value."""
