@@ -15,7 +15,9 @@ outer bound and the variant chooses pairs inside it:
   models), where it cuts, is intersected with the variant: keys j with q - W < j <= q. A sliding
   window cache keeps only those keys; the dropped ones are put back as padding, so every pattern
   keeps its absolute positions. To let a variant reach past the window, build the model with
-  ``config.sliding_window = None``.
+  ``config.sliding_window = None``. A variant that chooses its keys by content (moba) is refused
+  where such a window cuts: keys beyond it would compete in the choice, and the cache has
+  dropped them, so generation could not compute what the forward does.
 
 Positions are cache indices (0 is the first token of the padded row), as in transformers' own
 masks: with left padding, the absolute positions of a pattern (global tokens, block bounds) count
@@ -147,6 +149,15 @@ class ZooAttention:
             value = torch.cat([value.new_zeros(*shape, value.shape[3]), value], dim=2)
         variant, params = self.variant, self.params
         if mask.window is not None:
+            if self.pattern.routed:
+                raise ValueError(
+                    f"attn_implementation {self.name!r}: this layer has the model's sliding "
+                    f"window of {mask.window}, and the variant chooses its keys by content among "
+                    "all keys: keys beyond the window would compete in its choice, and a "
+                    "sliding-window cache has dropped them, so generation could not match the "
+                    "forward; build the model with config.sliding_window = None, or pick a "
+                    "variant of fixed pairs"
+                )
             band = (mask.window - 1, 0) if mask.causal else (mask.window, mask.window)
             variant, params = Intersection((self.pattern, Local(window_size=band))), {}
         out = attention(
