@@ -53,3 +53,41 @@ def test_alibi_slopes_stay_at_least_float32_when_a_model_is_cast(dtype):
     with torch.inference_mode():  # a cast of a model built there is written there too
         inferred = zoo.MultiHeadAttention(32, 4, pos="alibi", causal=True)
     assert inferred.to(dtype).pos.slopes.dtype == slopes.dtype
+
+
+BUILT = [
+    *[("full", {"pos": pos}) for pos in ("alibi", "rope", "t5", "sinusoidal", "learned")],
+    ("full", {"score": "additive"}),
+    *[(name, {"max_len": 64} if name == "linformer" else {}) for name in zoo.list_mechanisms()],
+    ("nsa", {"learned_compression": True, "causal": True}),
+]
+
+
+@pytest.mark.parametrize(("name", "options"), BUILT, ids=[f"{n}-{o}" for n, o in BUILT])
+def test_meta_built_model_reset_module_by_module_equals_the_model_built_directly(name, options):
+    """A fresh model made on the meta device (no checkpoint) materialises as FSDP and
+    torchtitan do: ``to_empty``, then ``reset_parameters()`` on each module that has it, in
+    ``modules()`` order. Every module holding its own parameters or buffers has it (Performer's
+    W was uninitialised memory, found by review; NSA's learned compression began as the identity
+    only when built), and with the same seed the reset draws what construction drew."""
+
+    def build():
+        return zoo.create_attention(name, dim=32, num_heads=4, **options)
+
+    torch.manual_seed(0)
+    want = build().state_dict()
+    with torch.device("meta"):
+        empty = build()
+    empty.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for module in empty.modules():
+        buffers = module.named_buffers(recurse=False)  # those not saved set themselves (ALiBi)
+        saved = [b for n, b in buffers if n not in module._non_persistent_buffers_set]
+        if [*module.parameters(recurse=False), *saved] and not hasattr(module, "reset_parameters"):
+            pytest.fail(f"{type(module).__name__} holds tensors and has no reset_parameters")
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    got = empty.state_dict()
+    assert got.keys() == want.keys()
+    for key, tensor in want.items():
+        assert torch.equal(got[key], tensor), key

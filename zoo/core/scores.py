@@ -47,10 +47,18 @@ class AdditiveScore(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, hidden: int | None = None) -> None:
         super().__init__()
         hidden = hidden or head_dim
-        bound = 1 / math.sqrt(head_dim)
-        self.w_q = nn.Parameter(torch.empty(num_heads, head_dim, hidden).uniform_(-bound, bound))
-        self.w_k = nn.Parameter(torch.empty(num_heads, head_dim, hidden).uniform_(-bound, bound))
-        self.w_v = nn.Parameter(torch.empty(num_heads, hidden).uniform_(-bound, bound))
+        self.w_q = nn.Parameter(torch.empty(num_heads, head_dim, hidden))
+        self.w_k = nn.Parameter(torch.empty(num_heads, head_dim, hidden))
+        self.w_v = nn.Parameter(torch.empty(num_heads, hidden))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """W_q, W_k and w_v from U(-1/sqrt(head_dim), 1/sqrt(head_dim)): as built, and after a
+        model made on the meta device is materialised (``to_empty``, then each module's reset)."""
+        bound = 1 / math.sqrt(self.w_q.shape[1])
+        with torch.no_grad():
+            for weight in (self.w_q, self.w_k, self.w_v):
+                weight.uniform_(-bound, bound)
 
     def prepare(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """(B, H, L, D) -> (B, H, L, hidden), once per token. Grouped k (B, H_kv, L, D) is

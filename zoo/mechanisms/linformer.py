@@ -48,9 +48,17 @@ class LinformerAttention(Mechanism):
         super().__init__(num_heads=num_heads, head_dim=head_dim)
         self.proj_len = check_int("proj_len", proj_len)
         self.max_len = check_int("max_len", max_len)
-        bound = 1 / math.sqrt(proj_len)
-        self.key_proj = nn.Parameter(torch.empty(proj_len, max_len).uniform_(-bound, bound))
-        self.value_proj = nn.Parameter(torch.empty(proj_len, max_len).uniform_(-bound, bound))
+        self.key_proj = nn.Parameter(torch.empty(proj_len, max_len))
+        self.value_proj = nn.Parameter(torch.empty(proj_len, max_len))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """E and F from U(-1/sqrt(proj_len), 1/sqrt(proj_len)): as built, and after a model made
+        on the meta device is materialised (``to_empty``, then each module's reset)."""
+        bound = 1 / math.sqrt(self.proj_len)
+        with torch.no_grad():
+            self.key_proj.uniform_(-bound, bound)
+            self.value_proj.uniform_(-bound, bound)
 
     def reason(self, capability: str) -> str:
         return "each projected key mixes every position, later ones included"

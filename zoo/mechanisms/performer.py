@@ -87,10 +87,19 @@ class PerformerAttention(Mechanism):
         self.seed = check_seed("seed", seed)
         self.redraw_interval = check_optional_int("redraw_interval", redraw_interval)
         self.chunk_size = check_int("chunk_size", chunk_size)
+        self.register_buffer(
+            "projection", torch.empty(self.num_features, head_dim, dtype=torch.float32)
+        )
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """W drawn from ``seed`` again, the redraw schedule from its start: as built, and after a
+        model made on the meta device is materialised (``to_empty``, then each module's reset)."""
         self.draws = 0  # W was drawn from seed + draws
         self.calls = 0  # forward calls in training since the last draw
-        projection = orthogonal_features(self.num_features, head_dim, seed)
-        self.register_buffer("projection", projection.float())
+        fresh = orthogonal_features(self.num_features, self.head_dim, self.seed)
+        with torch.no_grad():
+            self.projection.copy_(fresh)
 
     def get_extra_state(self) -> Tensor:
         """The redraw schedule, (draws so far, training calls since the last), saved beside the

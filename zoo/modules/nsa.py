@@ -95,6 +95,17 @@ def overlaps(windows: int, blocks: int, length: int, stride: int, block: int, de
     return ((start < first + block) & (start + length > first)).float()
 
 
+class IdentityFirst(nn.Linear):
+    """A linear map that starts as the identity (weight I, bias 0), when built and when reset
+    (``reset_parameters``, as after a model made on the meta device is materialised): the
+    learned compression begins as the plain mean of each block."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()  # draws as nn.Linear does, so later modules draw as before
+        nn.init.eye_(self.weight)
+        nn.init.zeros_(self.bias)
+
+
 class NativeSparseAttention(nn.Module):
     """NSA, (B, L, dim) -> (B, L, dim), causal self-attention; see the module docstring.
 
@@ -163,11 +174,8 @@ class NativeSparseAttention(nn.Module):
         self.gate = nn.Linear(dim, 3 * num_heads)  # (compressed, selected, window) per head
         self.compress_k = self.compress_v = None
         if learned_compression:
-            self.compress_k = nn.Linear(self.head_dim, self.head_dim)
-            self.compress_v = nn.Linear(self.head_dim, self.head_dim)
-            for layer in (self.compress_k, self.compress_v):
-                nn.init.eye_(layer.weight)
-                nn.init.zeros_(layer.bias)
+            self.compress_k = IdentityFirst(self.head_dim, self.head_dim)
+            self.compress_v = IdentityFirst(self.head_dim, self.head_dim)
         self.compressed = Compressed(self.length, self.stride)
 
     def extra_repr(self) -> str:

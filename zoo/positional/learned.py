@@ -37,6 +37,11 @@ class LearnedEncoding(PositionalEncoding):
         self.max_len = check_int("max_len", max_len)
         self.dropout = nn.Dropout(check_probability("dropout", dropout))
         self.weight = nn.Parameter(torch.empty(max_len, dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """W from N(0, 0.02^2): as built, and after a model made on the meta device is
+        materialised (``to_empty``, then each module's reset)."""
         nn.init.normal_(self.weight, std=0.02)
 
     def _check_span(self, length: int, offset: int) -> None:

@@ -105,6 +105,11 @@ class T5RelativeBias(PositionalEncoding):
         # Fail now, not at the first forward, if max_distance does not fit the buckets.
         relative_position_bucket(torch.zeros(()), not causal, num_buckets, max_distance)
         self.weight = nn.Parameter(torch.empty(num_heads, num_buckets))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The biases from N(0, 0.02^2): as built, and after a model made on the meta device is
+        materialised (``to_empty``, then each module's reset)."""
         nn.init.normal_(self.weight, std=0.02)
 
     def bucket(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
