@@ -531,3 +531,21 @@ def test_cached_calls_refuse_what_they_cannot_use_by_name():
         attn(torch.randn(1, 3, 16), cache=cache)
         with pytest.raises(ValueError, match=r"x needs at least one position .*\(1, 0, 16\)"):
             attn(torch.randn(1, 0, 16), cache=cache)
+
+
+def test_a_rollback_or_a_cache_type_that_cannot_work_is_named():
+    """Found by review: a rollback past a row's tokens named ``cache.lengths`` (set to -2), not
+    the n given; an integer cache was built and then refused by every call."""
+    cache = zoo.new_cache("causal", batch_size=2, max_len=8, num_kv_heads=1, head_dim=4)
+    q = torch.randn(2, 1, 3, 4)
+    zoo.attention(q, q, q, variant="causal", causal=True, cache=cache,
+                  key_padding_mask=torch.tensor([[False] * 3, [False, False, True]]))  # fmt: skip
+    for n, shown in ((3, "n=3"), (torch.tensor([1, 3]), r"n=\[1, 3\]")):
+        with pytest.raises(
+            ValueError, match=rf"n must be at most .* row 1 holds 2 tokens, {shown}"
+        ):
+            cache.rollback(n)
+    assert cache.lengths.tolist() == [3, 2]  # refused before anything changed
+    with pytest.raises(ValueError, match=r"dtype must be a floating-point torch.dtype.*int64"):
+        zoo.new_cache("causal", batch_size=1, max_len=8, num_kv_heads=1, head_dim=4,
+                      dtype=torch.int64)  # fmt: skip

@@ -250,15 +250,29 @@ class KVCache:
         longest, even = self.longest, self.even
         if isinstance(n, int) and not isinstance(n, bool):
             check_int("n", n, minimum=0)
+            self._check_back(n)
             self._set_lengths(self._lengths - n, most=n)
             self.longest = None if longest is None else max(longest - n, 0)
             self.even = even
         else:
             n = self._per_row("rollback: n", n)
             refuse_where(n < 0, "rollback: n must hold counts >= 0", lambda _: f", {n.tolist()}")
+            self._check_back(n)
             self.lengths = self._lengths - n
             self.longest, self.even = longest, False  # lengths lowered: still a bound
         return self
+
+    def _check_back(self, n: int | Tensor) -> None:
+        """Refuse a rollback of more tokens than a row holds, naming n and the row (read on the
+        CPU, asserted on the device elsewhere, as every length check)."""
+        held = self._lengths
+
+        def which(bad: Tensor) -> str:  # the error's detail, read only when it is raised
+            row = int(torch.argmax(bad.int()))
+            shown = n if isinstance(n, int) else n.tolist()
+            return f"; row {row} holds {int(held[row])} tokens, n={shown}"
+
+        refuse_where(held - n < 0, "rollback: n must be at most the tokens each row holds", which)
 
     def _per_row(self, name: str, value: object) -> Tensor:
         """``value`` as a (B,) int64 tensor on the cache's device, or a ValueError naming it."""
@@ -295,8 +309,8 @@ class KVCache:
             f"cache.lengths must hold ints in [0, max_len={self.max_len}]",
             f"cache.lengths set back further than the cache holds: its ring of {ring} slots "
             f"has overwritten keys that a query {window} or fewer positions back reads, so a row "
-            f"rolls back at most {ring - window} tokens once its ring has filled; build the "
-            f"cache with rollback=N to keep N more",
+            f"whose ring has filled rolls back at most {ring - window} tokens behind the newest "
+            f"it wrote (rollbacks add up); build the cache with rollback=N to keep N more",
         )
 
         def which(bad: Tensor) -> str:

@@ -75,6 +75,11 @@ def new_cache(
             f"a cache serves causal attention only (generation has no later keys), got "
             f"causal={causal!r}; build the model with causal=True"
         )
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(
+            f"dtype must be a floating-point torch.dtype (the keys' and values' own, float32, "
+            f"bfloat16 or float16, say), got {dtype!r}"
+        )
     device = torch.device("cpu") if device is None else torch.device(device)
     resolved = resolve_pattern(variant, True, dict(params))
     if reads_graph(resolved):
