@@ -180,7 +180,8 @@ SEEDS = 2**SEED_BITS
 
 def check_names(config: RunConfig, source: str) -> None:
     """Every task, variant and encoding named in the config exists, and every setting is within
-    what it takes; errors name the key, the value and what was expected."""
+    what it takes; errors name the key, the value and what was expected. A task's settings are
+    kept as their schema reads them (a float written 1e-2, say), as the config's own are."""
     variants = zoo.list_attention() + zoo.list_modules()  # patterns and mechanisms (nsa)
     for key, names, known in (
         ("tasks", config.tasks, list_tasks()),
@@ -207,7 +208,10 @@ def check_names(config: RunConfig, source: str) -> None:
             )
         where = f"{source}: task_settings: {task}"
         for section, schema in (("model", ModelConfig), ("train", TrainConfig)):
-            build(schema, settings.get(section, {}), f"{where}: {section}")
+            if section in settings:  # kept as the schema reads them: 1e-2 is a string in YAML
+                given = settings[section]
+                built = build(schema, given, f"{where}: {section}")
+                settings[section] = {key: getattr(built, key) for key in given}
         for key in ("train_lengths", "test_lengths"):
             lengths = settings.get(key, [])
             if not isinstance(lengths, list) or not all(
@@ -472,6 +476,11 @@ def training_problem(
         return (
             "train.generation=true decodes token by token, which needs causal=true and a task "
             f"with a per-token head; got {got}"
+        )
+    if getattr(task, "feed_answers", False) and not cell["causal"]:
+        return (
+            f"task {cell['task']!r} with feed_answers=true holds each answer in the slot after "
+            "it, which a bidirectional model reads: it needs causal=true"
         )
     given = task.sample(1, 0).attention_inputs if model.reads else {}
     missing = [name for name in model.reads if name not in given]

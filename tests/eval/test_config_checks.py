@@ -62,6 +62,11 @@ def refusal(*overrides: str, world: int | None = 1) -> str:
         (["task_settings={mqar: {train: {batch_size: 0}}}"], ["mqar: train.batch_size", "0"]),
         (["task_settings={mqar: {train: {steps: 0}}}"], ["mqar: train.steps", "0", ">= 1"]),
         (["train.generation=true"], ["train.generation", "causal=true"]),
+        # trained and recorded: the answer was in the next slot (0.37 where chance is 0.09)
+        (
+            ["tasks=[copy]", "task_params={copy: {feed_answers: true}}", "causal=false"],
+            ["copy", "feed_answers=true", "causal=true"],
+        ),
         (["variants=[graph]"], ["graph", "edge_index", "mqar"]),
         (
             ["tasks=[pathfinder]", "task_params={}", "train_lengths=[256]", "test_lengths=[]"],
@@ -73,6 +78,19 @@ def test_what_cannot_run_is_refused_naming_the_key_and_the_value(overrides, word
     message = refusal(*overrides)
     assert message.startswith("sweep.yaml: "), message
     assert all(w in message for w in words), message
+
+
+def test_a_tasks_settings_are_read_as_the_configs_own():
+    """A float written with an exponent is a string to YAML: at the top level the schema reads
+    it as a number; under task_settings the checks compared the string and failed with a
+    TypeError, or refused dropout 1e-1 as not a number (found by review)."""
+    config = checked(
+        "task_settings={mqar: {train: {weight_decay: 1e-2, grad_clip: 1e0, warmup: 5e-2}, "
+        "model: {dropout: 1e-1}}}"
+    )
+    (cell, *_) = cells(config)
+    assert cell["train"]["weight_decay"] == 0.01 and cell["train"]["grad_clip"] == 1.0
+    assert cell["train"]["warmup"] == 0.05 and cell["model"]["dropout"] == 0.1
 
 
 def test_generation_needs_a_token_head():
