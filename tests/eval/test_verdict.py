@@ -79,6 +79,22 @@ def test_a_reachable_slice_at_chance_is_not_learned_and_one_out_of_reach_is_cann
     assert routed.verdict == NOT_LEARNED
 
 
+def test_an_answer_out_of_reach_above_chance_is_noted_beside_the_verdict():
+    """Out of reach and above chance, not learned: the verdict stays cannot (a guesser passes
+    the bound once in about 740 slices), and says so; it said nothing below learned (a copy
+    task whose answers sat in the next slot scored 0.64 out of reach, found by review)."""
+    n = MIN_EXAMPLES * 10
+    reach = {"2": [n, n], "32": [0, n], "64": [0, n]}
+    said = judge_cell("gap", {"2": 1.0, "32": 0.3, "64": 0.03}, reach, "exact", 0.03)
+    assert said.verdict == CANNOT and said.failing(CANNOT) == ["32", "64"]
+    assert said.reason.endswith("above chance out of reach (a shortcut in the task?): gap 32 "
+                                "0.300 (above chance)"), said.reason  # fmt: skip
+    quiet = judge_cell("gap", {"2": 1.0, "32": 0.03, "64": 0.03}, reach, "exact", 0.03)
+    assert quiet.verdict == CANNOT and "shortcut" not in quiet.reason
+    learned = judge_cell("gap", {"2": 1.0, "32": 0.9, "64": 0.9}, reach, "exact", 0.03)
+    assert learned.verdict == LEARNED and "gap 32 0.900 (learned), gap 64" in learned.reason
+
+
 def window_record(gaps: dict[int, float], curve=FLAT) -> dict:
     """A record of the Zoology preset's causal window (15 keys, 2 layers) with these accuracies
     per gap bucket and no reach of its own: the reach is computed from its cell."""
