@@ -396,6 +396,14 @@ def _check_errors(rank: int, world: int, group) -> list[str]:
             "key_padding_mask",
         ),
         "q a list": ([q.tolist(), *mine[1:]], dict(variant="local"), "q must be a torch.Tensor"),
+        # dropout decides whether wide rows ship: ranks that differed took mismatched
+        # exchanges and gloo aborted every process; a scale that differed ran inconsistently
+        "dropout on one rank": (
+            mine,
+            dict(variant="longformer", dropout_p=0.1 if rank == 1 else 0.0),
+            "differ in dropout_p",
+        ),
+        "scale on one rank": (mine, dict(variant="local", scale=0.5 + rank), "differ in scale"),
     }
     failures = []
     for name, (tensors, kwargs, words) in bad_calls.items():

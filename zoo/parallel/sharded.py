@@ -157,7 +157,12 @@ def context_parallel_attention(
         problem = error if problem is None else problem
     fingerprint = _fingerprint(q, k, v, key_padding_mask, variant, causal, pos, order, params,
                                score)  # fmt: skip
-    options = (("plan_block", plan_block), ("backend", str(backend)))
+    # dropout decides whether wide rows ship (ranks that differed took mismatched exchanges,
+    # and gloo aborted every process); a scale that differed left the ranks' rows inconsistent
+    options = (
+        ("plan_block", plan_block), ("backend", str(backend)), ("dropout_p", repr(dropout_p)),
+        ("scale", repr(scale)),
+    )  # fmt: skip
     _agree(group, fingerprint + options, problem)
     pattern, encoding, padding = setup
     layout = ShardLayout(world, q.shape[2], order)
