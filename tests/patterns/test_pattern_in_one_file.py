@@ -238,3 +238,44 @@ def test_a_registry_built_anew_keeps_the_variant(one_file, monkeypatch):
     monkeypatch.setattr(zoo_registry, "_registry", None)
     assert NAME in zoo.list_variants()
     assert zoo.get_spec(NAME).description == "Keys within w of the query, and key 0."
+
+
+def test_a_user_patterns_odd_defaults_and_values_run_on_auto_and_as_a_module():
+    """Found by review: a family's ``field(default_factory=...)`` default showed as a sentinel
+    among the variant's parameters, and it, or a NumPy int given as a parameter, failed only
+    on auto (its table compares parameters as JSON); ``create_attention`` refused a Pattern
+    that ``MultiHeadAttention`` takes; ``check_pattern`` checked a user's family that shares a
+    mechanism's name instead of saying the name is a mechanism."""
+    import dataclasses
+
+    import numpy as np
+
+    name = "offsets_band_with_a_factory"
+
+    @dataclasses.dataclass(frozen=True)
+    class OffsetsBand(zoo.Pattern):
+        offsets: tuple = dataclasses.field(default_factory=lambda: (0, 2))
+
+        def allowed(self, q_pos, kv_pos):
+            return sum(((q_pos - kv_pos).abs() == o) for o in self.offsets).bool()
+
+    try:
+        zoo.register_pattern(name, description="Keys at the given offsets.")(OffsetsBand)
+        assert zoo.get_spec(name).parameters() == {"offsets": (0, 2)}
+        q = torch.randn(1, 2, 30, 8)
+        want = zoo.attention(q, q, q, variant=name, backend="reference")
+        torch.testing.assert_close(zoo.attention(q, q, q, variant=name), want)
+        given = dict(variant=name, offsets=(np.int64(0), np.int64(3)))
+        torch.testing.assert_close(
+            zoo.attention(q, q, q, **given), zoo.attention(q, q, q, backend="reference", **given)
+        )
+        module = zoo.create_attention(OffsetsBand((0, 1)), dim=16, num_heads=2)
+        assert module(torch.randn(1, 9, 16)).shape == (1, 9, 16)
+        zoo.register_pattern("performer")(OffsetsBand)  # a family only: a building block
+        with pytest.raises(ValueError, match="'performer' is a mechanism"):
+            zoo.check_pattern("performer")
+    finally:
+        zoo_registry.registry().variants.pop(name, None)
+        for family in (name, "performer"):
+            families._FAMILIES.pop(family, None)
+            families._CODE_VARIANTS.pop(family, None)

@@ -166,6 +166,59 @@ def test_zoo_imports_makes_a_one_file_pattern_a_variant_of_the_command_lines(tmp
     assert checked.stdout.strip() == "True", checked.stderr
 
 
+def test_modules_imported_as_the_registry_loads_register_as_a_script_does(tmp_path):
+    """Found by review. A module that a ZOO_REGISTRY entry names (``module:Factory``) and that
+    registers a variant as it is imported: its variant was dropped (the registry was being
+    built), though ``check_pattern`` found the family. A ZOO_IMPORTS module registering a taken
+    name: a warning, the variant left out, but its family kept, so a YAML ``pattern:`` of that
+    name built the user's pattern. Both now go as in a script: the variant is added, or the
+    name is refused and its family taken back."""
+    (tmp_path / "sink.py").write_text(
+        textwrap.dedent(
+            """
+            from dataclasses import dataclass
+            import zoo
+
+            @zoo.register_pattern("dilated_sink", description="Every d-th key within w, and 0.")
+            @dataclass(frozen=True)
+            class DilatedSink(zoo.Pattern):
+                w: int = 8
+                d: int = 2
+
+                def allowed(self, q_pos, kv_pos):
+                    near = ((q_pos - kv_pos).abs() <= self.w) & ((q_pos - kv_pos) % self.d == 0)
+                    return near | (kv_pos == 0)
+            """
+        )
+    )
+    (tmp_path / "taken.py").write_text(
+        "import zoo\n@zoo.register_pattern('longformer', description='mine')\n"
+        "def mine(w: int = 1):\n    return zoo.patterns.Local(w)\n"
+    )
+    (tmp_path / "entries.yaml").write_text(
+        "variants:\n  wide_sink:\n    pattern: sink:DilatedSink\n    params: {w: 16}\n"
+        "    description: d\n"
+    )
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "ZOO_IMPORTS": "taken", "PYTHONPATH": path,
+           "ZOO_REGISTRY": str(tmp_path / "entries.yaml")}  # fmt: skip
+    code = (
+        "import torch, zoo; q = torch.randn(1, 1, 20, 4)\n"
+        "print(sorted({'wide_sink', 'dilated_sink'} & set(zoo.list_variants())))\n"
+        "print(zoo.attention(q, q, q, variant='dilated_sink').shape)\n"
+        "print('longformer' in zoo.list_pattern_families(), zoo.get_spec('longformer').description)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    listed, shape, taken = done.stdout.splitlines()
+    assert listed == "['dilated_sink', 'wide_sink']" and shape == "torch.Size([1, 1, 20, 4])"
+    assert taken.startswith("False ") and "mine" not in taken, taken
+    assert "ZOO_IMPORTS names 'taken', which did not import (ValueError: variant 'longformer'" in (
+        done.stderr
+    )
+
+
 def test_zoo_imports_says_where_to_fix_a_module_that_does_not_import(tmp_path, monkeypatch):
     """Every failure got "is it on sys.path (PYTHONPATH)?", also a module that was found and
     raised (a taken pattern name, a dependency not installed), where sys.path is not the fix."""

@@ -30,8 +30,15 @@ TABLE = Path(__file__).with_name("auto_table.json")
 
 
 def comparable(params: dict[str, Any]) -> dict[str, Any]:
-    """Parameters as JSON keeps them (tuples become lists), to compare a call with an entry."""
-    return json.loads(json.dumps(params))
+    """Parameters as JSON keeps them (tuples become lists), to compare a call with an entry. A
+    value JSON has no form for (a user's object) is kept as its repr, which no entry holds; a
+    NumPy scalar as its number."""
+    return json.loads(json.dumps(params, default=_plain))
+
+
+def _plain(value: object) -> object:
+    item = getattr(value, "item", None)  # NumPy and torch scalars
+    return item() if callable(item) and getattr(value, "ndim", None) == 0 else repr(value)
 
 
 def load_table(path: str | None = None) -> tuple[dict[str, Any], ...]:

@@ -382,12 +382,13 @@ MODULE_OPTIONS = tuple(
 
 
 def create_attention(
-    name: str, *, dim: int, num_heads: int, **overrides: object
+    name: str | Pattern | nn.Module, *, dim: int, num_heads: int, **overrides: object
 ) -> MultiHeadAttention | nn.Module:
-    """A MultiHeadAttention for a registry variant or mechanism, or the module of a ``modules:``
-    entry (NSA); overrides set module options or parameters."""
+    """A MultiHeadAttention for a registry variant or mechanism (or a Pattern or Mechanism
+    instance, as ``variant=`` takes), or the module of a ``modules:`` entry (NSA); overrides set
+    module options or parameters."""
     if isinstance(name, str) and name in list_modules():
         return get_module_spec(name).build(dim=dim, num_heads=num_heads, **overrides)
-    if not is_mechanism_name(name):
+    if isinstance(name, str) and not is_mechanism_name(name):
         get_spec(name)  # an unknown name fails here, with suggestions
     return MultiHeadAttention(dim, num_heads, variant=name, **overrides)

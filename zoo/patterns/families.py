@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
@@ -153,11 +154,25 @@ def _signature_defaults(factory: PatternFactory) -> tuple[tuple[str, object], ..
     # Every call with a registry variant reads its parameters; inspect.signature took a tenth of
     # zoo.attention's own time in a training step. A replaced family is a new factory object, so
     # the cache never answers for the old one.
+    made = _made_defaults(factory)
     return tuple(
-        (p.name, p.default)
+        (p.name, made.get(p.name, p.default))
         for p in inspect.signature(factory).parameters.values()
         if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
     )
+
+
+def _made_defaults(factory: PatternFactory) -> dict[str, object]:
+    """A dataclass family's defaults given as ``field(default_factory=...)``, made: its
+    signature holds a sentinel there, which a variant's parameters would then show (and JSON,
+    for auto's table, could not write)."""
+    if not (isinstance(factory, type) and dataclasses.is_dataclass(factory)):
+        return {}
+    return {
+        f.name: f.default_factory()
+        for f in dataclasses.fields(factory)
+        if f.default_factory is not dataclasses.MISSING
+    }
 
 
 def build_family(name: str, params: dict[str, object]) -> Pattern:

@@ -407,33 +407,42 @@ def _warn_code(message: str) -> None:
 
 
 _registry: Registry | None = None
+# The registry while it is built: the ZOO_IMPORTS modules and the modules that ZOO_REGISTRY
+# entries name register their one-file variants into it (and a module that uses the zoo as it
+# is imported reads it), as a script's registrations go into the loaded registry.
+_building: Registry | None = None
 
 
 def registry() -> Registry:
-    """The process-wide registry: the built-in file, then ``ZOO_REGISTRY`` files, on first use.
+    """The process-wide registry: the built-in file, the ``ZOO_IMPORTS`` modules' variants,
+    then ``ZOO_REGISTRY`` files, on first use.
 
     A bad ``ZOO_REGISTRY`` file or entry is a RegistryWarning naming the file and the entry,
     and is left out (the module docstring says how); the built-in variants keep working."""
     _load_once()
-    return _registry
+    return _registry if _registry is not None else _building
 
 
 @outside_graph  # a first zoo call inside torch.compile must not trace the files' reading
 def _load_once() -> bool:
-    global _registry
-    if _registry is None:
+    global _registry, _building
+    if _registry is not None or _building is not None:  # loaded, or being loaded
+        return True
+    fresh = Registry()
+    fresh.load(BUILTIN_REGISTRY)
+    for name, info in code_variants().items():  # registered before this load
+        try:
+            fresh.add_code_variant(name, info)
+        except ValueError as error:
+            _warn_code(f"{error}; the variant is left out")
+    _building = fresh
+    try:
         _import_user_modules()
-    if _registry is None:  # (a module that used the zoo as it was imported has loaded it)
-        fresh = Registry()
-        fresh.load(BUILTIN_REGISTRY)
-        for name, info in code_variants().items():  # registered before this load
-            try:
-                fresh.add_code_variant(name, info)
-            except ValueError as error:
-                _warn_code(f"{error}; the variant is left out")
         for path in filter(None, os.environ.get("ZOO_REGISTRY", "").split(os.pathsep)):
             fresh.load(path, strict=False)
-        _registry = fresh
+    finally:
+        _building = None
+    _registry = fresh
     return True
 
 
@@ -459,10 +468,10 @@ def _import_user_modules() -> None:
 
 
 def _add_code_variant(name: str, info: VariantInfo, replace: bool) -> None:
-    """A family that ``register_pattern`` made a variant, added to the registry if it is loaded
-    (a registry loaded later adds it in ``_load_once``, after the zoo's own file)."""
-    if _registry is not None:
-        _registry.add_code_variant(name, info, replace)
+    """A family that ``register_pattern`` made a variant, added to the registry, loaded first
+    if it is not: a taken name raises in the registering module, which then keeps no family of
+    that name, wherever it is imported (a script, ZOO_IMPORTS, a ZOO_REGISTRY entry)."""
+    registry().add_code_variant(name, info, replace)
 
 
 on_variant(_add_code_variant)

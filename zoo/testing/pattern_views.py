@@ -79,7 +79,7 @@ def resolve(pattern_or_name: str | Pattern, params: dict[str, object]) -> Patter
     with ``@zoo.register_pattern`` or ``package.module:factory``), with ``params``."""
     from ..core.arguments import suggest
     from ..patterns.families import build_family, list_families
-    from ..registry import NAMESPACES, get_spec, list_variants, registry
+    from ..registry import NAMESPACES, get_spec, list_attention, list_variants, registry
 
     if isinstance(pattern_or_name, Pattern):
         if params:
@@ -93,7 +93,8 @@ def resolve(pattern_or_name: str | Pattern, params: dict[str, object]) -> Patter
             f"{type(pattern_or_name).__name__}"
         )
     name = pattern_or_name
-    if name not in list_variants() and (":" in name or name in list_families()):
+    # a variant's name (a mechanism's too) means the variant, whatever family shares it
+    if name not in list_attention() and (":" in name or name in list_families()):
         return build_family(name, params)
     if name in list_variants() or registry().entry(name, NAMESPACES[0]) is not None:
         return get_spec(name).build(**params)  # a mechanism or a broken entry: its own error
