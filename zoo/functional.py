@@ -442,11 +442,16 @@ def allowed_note(pattern: Pattern, call: AttentionCall) -> str:
     else:
         counts = [allowed_pairs(pattern, q_len, kv_len)]
     low, high, every = min(counts), max(counts), q_len * kv_len
+    # the pattern's pairs: a padded key takes some away from its sequence, which this leaves
+    aside = " (padding aside)" if call.key_padding_mask is not None else ""
     if low == high:
-        return f"the pattern allows {low} pairs per sequence and head, {low / every:.3g} of Lq x Lk"
+        return (
+            f"the pattern allows {low} pairs per sequence and head{aside}, {low / every:.3g} "
+            f"of Lq x Lk"
+        )
     which = "head" if pattern.per_head else "sequence"
     return (
-        f"the pattern allows {low} to {high} pairs per sequence and head (by {which}), "
+        f"the pattern allows {low} to {high} pairs per sequence and head (by {which}){aside}, "
         f"{low / every:.3g} to {high / every:.3g} of Lq x Lk"
     )
 

@@ -334,6 +334,10 @@ def test_explain_states_the_pairs_the_pattern_allows_per_head(variant, causal, p
     drawn = with_heads(pattern, heads) if pattern.per_head else pattern
     counts = [int(head_layout(drawn, h).dense(n, n).sum()) for h in range(heads)]
     assert _allowed_said(text) == (min(counts), max(counts)), text
+    padding = torch.zeros(1, n, dtype=torch.bool).index_fill_(1, torch.tensor([n - 1]), True)
+    padded = zoo.explain(q, q, q, variant=variant, causal=causal, key_padding_mask=padding,
+                         **params)  # fmt: skip
+    assert "(padding aside)" in padded, padded
     if variant == "bigbird" and not causal:
         assert len(set(counts)) > 1, counts  # the range is exercised
         with pytest.raises(ValueError, match=r"one per head .*count pattern.head\(h\)"):
