@@ -198,6 +198,8 @@ print("xformers:", get_backend("xformers").unavailable() or "runs")
 # importing torch and the zoo on a cold machine took more than 10.6 s.
 # ZOO_GPU_SESSION_SHARES replaces them (the same "stage:percent" words; a stage not named gets none).
 read -ra SHARES <<<"${ZOO_GPU_SESSION_SHARES:-env:6 tests:14 realization:7 goals:15 moba:7 divisible:5 overhead:3 profile:7 profile_moba:4 decode:10 decode_compiled:6 compiles:7}"
+# The stages of `all`, in its order below: what a word of the shares may name (check_shares).
+ALL_STAGES="env tests realization goals moba divisible overhead profile profile_moba decode decode_compiled compiles"
 RESERVE_PCT=5  # kept for the summary by every stage's cut (at least 3 s)
 
 now_ms() {
@@ -210,6 +212,22 @@ now_ms() {
     fi
 }
 secs() { printf '%d.%03d' $(($1 / 1000)) $(($1 % 1000)); }
+check_shares() {  # before any stage: a misspelt stage got no time silently ("skipped: no time
+    # left"), and a share such as 12.5 stopped the list at that stage with an arithmetic error
+    local item
+    for item in "${SHARES[@]}"; do
+        if [[ " $ALL_STAGES " != *" ${item%%:*} "* ]]; then
+            echo "ZOO_GPU_SESSION_SHARES: '$item' names no stage of all; STAGE:PERCENT with STAGE" \
+                "one of: $ALL_STAGES" >&2
+            exit 2
+        fi
+        if [[ ! $item =~ ^[a-z_]+:(0|[1-9][0-9]*)$ ]]; then
+            echo "ZOO_GPU_SESSION_SHARES: '$item' must be STAGE:PERCENT, PERCENT a whole number" \
+                "of percent (no sign, point or leading zero)" >&2
+            exit 2
+        fi
+    done
+}
 share_of() {
     local item
     for item in "${SHARES[@]}"; do [[ ${item%%:*} == "$1" ]] && echo "${item#*:}" && return; done
@@ -357,6 +375,7 @@ FINDINGS_RUN=()
 SUMMARY_ARGS=()
 case $stage in
 all)
+    check_shares
     start_list
     run_stage env "$(share_of env)" "$OUT/environment.txt" "$PY" -c "$ENV_PY"
     test_args
@@ -446,6 +465,20 @@ esac
 
 "$PY" -c "$ENV_PY" | tee "$OUT/environment.txt"
 
+# One piece (bench, standard, decode) writes under PIECES, where an earlier command on the same warm
+# machine left its files: a file is shipped only where this command wrote it (newer than STARTED),
+# else the piece failed (exit 1). An earlier command's bench.json was shipped as this one's, exit 0.
+PIECES=${TMPDIR:-/tmp}
+STARTED=$(mktemp "$PIECES/zoo-piece-start.XXXXXX")
+PIECE_RC=0
+ship() {  # FROM TO
+    if [[ $1 -nt $STARTED ]]; then
+        cp "$1" "$2"
+    else
+        echo "== this command wrote no $1: nothing shipped" >&2
+        PIECE_RC=1
+    fi
+}
 case $stage in
 tests)
     test_args
@@ -456,34 +489,38 @@ bench)
     name=${1:?"bench NAME [key=value ...]"}
     shift
     timeout -s INT "$LIMIT" "$PY" -m eval bench "${BENCH_CONFIG:-eval/configs/bench.yaml}" \
-        "out=/tmp/bench-$name" plots=false "$@" 2>&1 |
+        "out=$PIECES/bench-$name" plots=false "$@" 2>&1 |
         tee "$OUT/bench-$name.log"
-    cp "/tmp/bench-$name/bench.json" "$OUT/bench-$name.json"
+    ship "$PIECES/bench-$name/bench.json" "$OUT/bench-$name.json"
     ;;
 standard)
     name=${1:?"standard NAME [key=value ...]"}
     shift
+    # results.jsonl is appended to (a run started again skips the cells done): newer is this run's
     timeout -s INT "$LIMIT" "$PY" -m eval run "${RUN_CONFIG:-eval/configs/standard.yaml}" \
-        "out=/tmp/standard-$name" \
+        "out=$PIECES/standard-$name" \
         save_checkpoints=false "$@" 2>&1 | tee "$OUT/standard-$name.log"
-    cp "/tmp/standard-$name/results.jsonl" "$OUT/standard-$name.jsonl"
+    ship "$PIECES/standard-$name/results.jsonl" "$OUT/standard-$name.jsonl"
     ;;
 decode)
     name=${1:?"decode NAME [key=value ...]"}
     shift
     timeout -s INT "$LIMIT" "$PY" -m eval bench-decode eval/configs/bench_decode.yaml \
-        "out=/tmp/decode-$name" "$@" 2>&1 | tee "$OUT/decode-$name.log"
+        "out=$PIECES/decode-$name" "$@" 2>&1 | tee "$OUT/decode-$name.log"
     # The JSON is rewritten after every (variant, length); the markdown only at the end.
-    for file in bench-decode.json bench-decode.md; do
-        [ -f "/tmp/decode-$name/$file" ] && cp "/tmp/decode-$name/$file" "$OUT/"
-    done
+    ship "$PIECES/decode-$name/bench-decode.json" "$OUT/"
+    [[ $PIECES/decode-$name/bench-decode.md -nt $STARTED ]] &&
+        cp "$PIECES/decode-$name/bench-decode.md" "$OUT/"
     ;;
 *)
+    rm -f "$STARTED"
     echo "unknown stage $stage: all, findings, tests, bench, standard or decode" >&2
     exit 2
     ;;
 esac
+rm -f "$STARTED"
 save_cache
+exit "$PIECE_RC"
 
 # Back on the development machine, with the files under eval/results/gpu/:
 #   python -m eval bench-report eval/results/gpu/bench-*.json out=eval/results/bench-gpu

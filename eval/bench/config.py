@@ -140,7 +140,12 @@ def backend_instances(config: BenchConfig, source: str) -> dict:
             )
         for key, value in options.items():
             if key.endswith("dtype") and isinstance(value, str):
-                options[key] = getattr(torch, value)
+                if value not in DTYPES:  # getattr(torch, "bfloat") raised a bare AttributeError
+                    raise ConfigError(
+                        f"{source}: backend_instances.{name}.{key}: unknown dtype {value!r}; "
+                        f"one of {', '.join(DTYPES)}"
+                    )
+                options[key] = DTYPES[value]
         try:
             backend = type(zoo.backends.get_backend(base))(**options)
         except (TypeError, ValueError) as error:
@@ -160,7 +165,9 @@ def _check_backends(config: BenchConfig, source: str, extra_backends: dict | Non
 def _check_sweep_axes(config: BenchConfig, source: str) -> None:
     """The variants, passes, lengths and causal settings are non-empty, and so are the backends
     and peers together (an empty axis is an empty sweep, which would report nothing and exit 0);
-    every length is positive."""
+    every length is positive; no axis repeats a value (its cells were measured twice, and
+    ``bench-report`` refused the run's own bench.json). Variants need no check: their expansion
+    drops repeats (``expand_variants``)."""
     if not config.variants:
         raise ConfigError(f"{source}: variants must name at least one variant, got []")
     if not config.passes:
@@ -171,6 +178,17 @@ def _check_sweep_axes(config: BenchConfig, source: str) -> None:
         raise ConfigError(f"{source}: lengths must be positive ints, got {config.lengths!r}")
     if not config.causal:
         raise ConfigError(f"{source}: causal must list false, true or both, got []")
+    for key in ("backends", "peers", "lengths", "passes", "causal"):
+        check_distinct(source, key, getattr(config, key))
+
+
+def check_distinct(source: str, key: str, values: list) -> None:
+    """The list ``key`` names each value once; the error names the first repeated one."""
+    repeated = next((v for i, v in enumerate(values) if v in values[:i]), None)
+    if repeated is not None:
+        raise ConfigError(
+            f"{source}: {key} lists {repeated!r} more than once, got {values!r}; each value once"
+        )
 
 
 def _check_minimums(config: BenchConfig, source: str) -> None:

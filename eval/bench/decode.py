@@ -56,10 +56,12 @@ from zoo.patterns import RouteInputs
 
 from ..harness.config import ConfigError, config_arguments, load_config
 from ..harness.distributed import device_name, pick_device
+from .config import DTYPES, check_distinct
 from .measure import failed_cell
 from .profile import profile_calls
 
 PEERS = ("sdpa_dense", "flex_sliced")
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # The decoding backends a cell may name: auto, flex, and sdpa without its split of the keys
 BACKENDS = {"auto": "auto", "flex": "flex", "sdpa_whole": SdpaBackend(split_keys=False)}
 
@@ -258,6 +260,13 @@ def _peer(peer, config, variant, params, n, device, dtype, gen, q) -> dict:
     return cell
 
 
+def label(n: int) -> str:
+    """A length as a column's label, exact: 16K, 1.5K, and 512, 768 or 1000 as they are (n // 1024
+    showed 512 and 768 both as "0K", and 1536 as "1K")."""
+    k = f"{n / 1024:g}"
+    return f"{k}K" if n >= 1024 and float(k) * 1024 == n else str(n)
+
+
 def markdown(header: dict, cells: list[dict]) -> str:
     lengths = sorted({c["n"] for c in cells})
     impls = list(dict.fromkeys((c["variant"], c["impl"]) for c in cells))
@@ -268,8 +277,8 @@ def markdown(header: dict, cells: list[dict]) -> str:
         "Time in ms; memory of the cache (zoo) or of the full K and V (peers) in MiB. "
         f"One kernel on one element, timed as a step: {header['one_kernel_ms'] * 1e3:.3g} us.",
         "",
-        "| variant | impl | " + " | ".join(f"{n // 1024}K ms" for n in lengths) + " | "
-        + " | ".join(f"{n // 1024}K MiB" for n in lengths) + " |",
+        "| variant | impl | " + " | ".join(f"{label(n)} ms" for n in lengths) + " | "
+        + " | ".join(f"{label(n)} MiB" for n in lengths) + " |",
         "|" + "---|" * (2 + 2 * len(lengths)),
     ]  # fmt: skip
     for variant, impl in impls:
@@ -312,6 +321,47 @@ def _profile_lines(cells: list[dict]) -> list[str]:
     return lines
 
 
+def check_config(config: DecodeConfig, source: str) -> None:
+    """Names and values, as ``bench`` checks its own: an empty axis was an empty run (exit 0, no
+    JSON; ``compile: []`` timed no zoo step), a length below 1 was timed, a repeated one timed
+    twice, and kv_heads that does not divide heads failed in every cell."""
+    for peer in config.peers:
+        if peer not in PEERS:
+            raise ConfigError(f"{source}: peers: unknown peer {peer!r}; known: {', '.join(PEERS)}")
+    for backend in config.backends:
+        if backend not in BACKENDS:
+            raise ConfigError(f"{source}: backends: unknown decoding backend {backend!r}; known: "
+                              f"{', '.join(BACKENDS)}")  # fmt: skip
+    if config.compile_mode not in MODES:
+        raise ConfigError(f"{source}: compile_mode: {config.compile_mode!r} is not one of "
+                          f"torch.compile's modes: {', '.join(MODES)}")  # fmt: skip
+    if config.dtype not in ("auto", *DTYPES):
+        raise ConfigError(f"{source}: dtype must be auto or one of {', '.join(DTYPES)}, got "
+                          f"{config.dtype!r}")  # fmt: skip
+    for key, value, least in (("repeats", config.repeats, 1), ("warmup", config.warmup, 0),
+                              ("batch", config.batch, 1), ("heads", config.heads, 1),
+                              ("head_dim", config.head_dim, 1)):  # fmt: skip
+        if value < least:
+            raise ConfigError(f"{source}: {key} must be >= {least}, got {value}")
+    for key in ("variants", "lengths", "compile"):
+        if not getattr(config, key):
+            raise ConfigError(f"{source}: {key} must list at least one value, got []")
+    if not config.backends and not config.peers:
+        raise ConfigError(f"{source}: backends and peers are both empty: nothing to time")
+    if any(n < 1 for n in config.lengths):
+        raise ConfigError(f"{source}: lengths must be positive ints, got {config.lengths!r}")
+    for key in ("variants", "backends", "peers", "lengths", "compile"):
+        check_distinct(source, key, getattr(config, key))
+    if config.kv_heads is not None and (config.kv_heads < 1 or config.heads % config.kv_heads):
+        raise ConfigError(f"{source}: kv_heads must divide heads ({config.heads}) or be null, "
+                          f"got {config.kv_heads!r}")  # fmt: skip
+    known = zoo.list_attention()
+    for variant in config.variants:
+        if variant not in known:
+            message = suggest("variant", variant, known, "zoo.list_attention()")
+            raise ConfigError(f"{source}: variants: {message}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     path, items = config_arguments(
@@ -319,35 +369,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         config = load_config(DecodeConfig, path, items)
+        check_config(config, path or "defaults")
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    for peer in config.peers:
-        if peer not in PEERS:
-            raise SystemExit(f"{path}: peers: unknown peer {peer!r}; known: {', '.join(PEERS)}")
-    modes = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-    if config.compile_mode not in modes:
-        raise SystemExit(f"{path}: compile_mode: {config.compile_mode!r} is not one of "
-                         f"torch.compile's modes: {', '.join(modes)}")  # fmt: skip
-    for backend in config.backends:
-        if backend not in BACKENDS:
-            raise SystemExit(f"{path}: backends: unknown decoding backend {backend!r}; known: "
-                             f"{', '.join(BACKENDS)}")  # fmt: skip
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if config.dtype not in ("auto", *dtypes):
-        raise SystemExit(f"{path}: dtype must be auto or one of {', '.join(dtypes)}, got "
-                         f"{config.dtype!r}")  # fmt: skip
-    for key, value, least in (("repeats", config.repeats, 1), ("warmup", config.warmup, 0)):
-        if value < least:
-            raise SystemExit(f"{path}: {key} must be >= {least}, got {value}")
-    known = zoo.list_attention()
-    for variant in config.variants:
-        if variant not in known:
-            message = suggest("variant", variant, known, "zoo.list_attention()")
-            raise SystemExit(f"{path}: variants: {message}")
     device = pick_device(config.device)
-    dtypes["auto"] = torch.bfloat16 if device.type == "cuda" else torch.float32
-    dtype = dtypes[config.dtype]
+    auto = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = auto if config.dtype == "auto" else DTYPES[config.dtype]
     if config.threads:
         torch.set_num_threads(config.threads)
     out = Path(config.out.format(device=device.type))

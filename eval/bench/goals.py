@@ -16,10 +16,10 @@ that did not run, was cut short before the cell, or failed). The goals and what 
     building a mask per head) passes; one that failed where its twin ran fails. MoBA is chosen by
     content and has no twin (goal b). The worst ratio per variant is reported.
 (b) ``bench-moba.json`` (and the other bench files of the same folder): at 16K and 64K, each pass
-    and causal setting, MoBA's auto time per allowed pair / the time per pair of the fixed pattern
-    whose allowed pairs are nearest to MoBA's (block_local with three blocks of 512, the config's
-    twin; only patterns within 2x of MoBA's pairs count) <= 2. The pairs are the cells'
-    ``allowed_pairs`` (MoBA's counted on the inputs it chose on).
+    and causal setting, MoBA's auto time per allowed pair / the time per pair of its twin on auto,
+    block_local with the parameters the same config gives it (three blocks of 512), never another
+    pattern of the folder, <= 2; a twin whose pairs are not within 2x of MoBA's compares nothing.
+    The pairs are the cells' ``allowed_pairs`` (MoBA's counted on the inputs it chose on).
 (c) ``bench-decode*.json``: each (variant, length) step on auto takes at most 2x
     its memory floor, the bytes of the keys and values its pattern reads / the device's bandwidth
     (a table by device name, or ``bandwidth_tbs=``), and no longer than the sdpa_dense step over
@@ -30,15 +30,18 @@ that did not run, was cut short before the cell, or failed). The goals and what 
     top_k - 1 whole blocks), plus one mean key per block before it.
     The step judged is the fastest of the eager (``zoo:VARIANT``) and the compiled one
     (``zoo:VARIANT+compile``: under CUDA graphs with a static cache, as decoders are served), in
-    any bench-decode*.json of the folder; the figures name it and give the other's time.
+    any bench-decode*.json of the folder; the figures name it and give the other's time. A step
+    that failed in every form that ran (out of memory, an error) fails, its reason in the table.
     Each step's figures also give its time over the floor plus the machine's one-kernel step
     (bench-decode's ``one_kernel_ms``), told and not judged: a window's floor (about 1.3 us) is
     below what one kernel launch costs, so no step reaches 2x of it.
-(d) ``compiles.json``: at most 2 compiles for 20 distinct lengths (``bench-compiles``); more than
-    2 already counted fails even where fewer lengths ran.
+(d) ``compiles.json``: at most 2 compiles for 20 distinct lengths (``bench-compiles``) through
+    the flex backend (the header's ``config.backend``: another backend's count holds nothing);
+    more than 2 already counted fails even where fewer lengths ran.
 (e) ``bench-realization.json``: sparsity realization (the achieved TFLOP/s on the pairs the pattern
     needs / dense FlashAttention's on all pairs, the bench's ``sparsity_realization``) >= 0.6 for
-    local with 1024 keys on each side at 64K, on auto, at every pass and causal setting.
+    local with 1024 keys on each side at 64K, on auto, at every pass and causal setting; an auto
+    cell that failed (out of memory, an error) fails, its reason in the table.
 """
 
 from __future__ import annotations
@@ -64,8 +67,9 @@ GOAL_RUNS = {  # stage name -> its config; the stage writes bench-NAME.json
 ROUTED = ("moba",)  # chosen by content: no flex_standard twin
 A_LENGTHS, A_RATIO = (8192, 131072), 1.05
 B_LENGTHS, B_FACTOR, B_PAIRS = (16384, 65536), 2.0, 2.0
+B_TWIN = "block_local"  # MoBA's fixed twin, with the parameters the moba config gives it
 C_FLOOR = 2.0
-D_LENGTHS, D_COMPILES = 20, 2
+D_LENGTHS, D_COMPILES, D_BACKEND = 20, 2, "flex"
 E_LENGTH, E_WINDOW, E_TARGET = 65536, 1024, 0.6
 # Peak memory bandwidth in TB/s by device name (the first entry whose text the name contains).
 BANDWIDTH_TBS = (
@@ -77,11 +81,12 @@ BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 STAGES = {"a": ("realization", "goals"), "b": ("moba",), "c": ("decode", "decode_compiled"),
           "d": ("compiles",), "e": ("realization",)}  # fmt: skip
 TITLES = {
-    "a": f"auto within {A_RATIO:g}x of flex_standard at every goal cell, 8K-128K",
-    "b": f"MoBA within {B_FACTOR:g}x of a fixed pattern of the same density, 16K and 64K",
+    "a": f"auto within {A_RATIO:g}x of flex_standard at every goal cell the runs asked for, "
+    "8K-128K",
+    "b": f"MoBA within {B_FACTOR:g}x of {B_TWIN} of the same density, 16K and 64K",
     "c": f"every decoding step within {C_FLOOR:g}x of its memory floor and no slower than SDPA "
     "over the whole cache",
-    "d": f"at most {D_COMPILES} compiles for {D_LENGTHS} distinct lengths",
+    "d": f"at most {D_COMPILES} compiles for {D_LENGTHS} distinct lengths on {D_BACKEND}",
     "e": f"realization >= {E_TARGET:g} at 64K for local with {E_WINDOW} keys on each side",
 }
 
@@ -271,10 +276,11 @@ def goal_a(runs: dict[str, list[Run]]) -> Goal:
     return Goal("a", verdict(len(failed), missing, len(results)), summary, details)
 
 
-def _nearest_twin(moba: dict, candidates: list[dict]) -> dict | None:
-    """The fixed-pattern cell whose allowed pairs are nearest MoBA's, within B_PAIRS x."""
+def _same_density(moba: dict, twins: list[dict]) -> dict | None:
+    """The twin cell whose allowed pairs are nearest MoBA's, within B_PAIRS x (a twin of
+    another density, from a config changed since, compares nothing)."""
     best, distance = None, math.log(B_PAIRS)
-    for cell in candidates:
+    for cell in twins:
         d = abs(math.log(cell["allowed_pairs"] / moba["allowed_pairs"]))
         if d <= distance:
             best, distance = cell, d
@@ -283,9 +289,11 @@ def _nearest_twin(moba: dict, candidates: list[dict]) -> dict | None:
 
 def goal_b(runs: dict[str, list[Run]]) -> Goal:
     expected: set[tuple] = set()
+    twin_params: dict[str, str] = {}  # MoBA's parameters -> its twin's, from the same config
     for config in configs("moba", runs):
         if "moba" in config["variants"] and "auto" in config["backends"]:
             params = pkey((config.get("params") or {}).get("moba"))
+            twin_params[params] = pkey((config.get("params") or {}).get(B_TWIN))
             for n in B_LENGTHS:
                 for causal in config["causal"]:
                     for pass_ in config["passes"]:
@@ -300,9 +308,13 @@ def goal_b(runs: dict[str, list[Run]]) -> Goal:
                 c for c in cells
                 if (c["n"], c["causal"], c["pass"], c["backend"]) == (n, causal, pass_, "auto")
             ]  # fmt: skip
+            # Only the twin the config names: any fixed pattern of a similar density in the
+            # folder (local with 1024 keys on each side, from the realization stage) was taken
+            # where its pairs were nearer MoBA's, and the goal's ratio changed with the folder.
             fixed = [
                 c for c in here
-                if c["variant"] not in ROUTED and _ok(c) and c.get("allowed_pairs")
+                if c["variant"] == B_TWIN and pkey(c["params"]) == twin_params[params]
+                and _ok(c) and c.get("allowed_pairs")
             ]  # fmt: skip
             for moba in [c for c in here if c["variant"] == "moba" and pkey(c["params"]) == params]:
                 if not _ok(moba):
@@ -313,7 +325,7 @@ def goal_b(runs: dict[str, list[Run]]) -> Goal:
                 elif not moba.get("allowed_pairs"):
                     continue
                 else:
-                    twin = _nearest_twin(moba, fixed)
+                    twin = _same_density(moba, fixed)
                     if twin is None:
                         continue
                     per_pair = moba["time_ms"] / moba["allowed_pairs"]
@@ -337,10 +349,10 @@ def goal_b(runs: dict[str, list[Run]]) -> Goal:
     failed = [k for k, r in results.items() if not r[2]]
     worst = max(results.items(), key=lambda item: item[1][0], default=None)
     summary = (
-        f"worst MoBA time per pair / the fixed pattern's: {worst[1][0]:.3g} at "
+        f"worst MoBA time per pair / its {B_TWIN} twin's: {worst[1][0]:.3g} at "
         f"{point(*worst[0][1:])}"
         if worst
-        else "no MoBA cell with a fixed pattern of its density"
+        else f"no MoBA cell with its {B_TWIN} twin of the same density"
     ) + f" ({len(results)} of {len(expected)} cells measured)"
     details = ["| point | per-pair ratio | cells |", "|---|---|---|"]
     for key in sorted(expected, key=lambda k: k[1:]):
@@ -483,6 +495,13 @@ def goal_c(folders: list[Path], bandwidth: float | None, problems: list[str]) ->
             before = results.get((variant, n))
             if before is None or failed or not (before[3] or before[4]):
                 results[(variant, n)] = (floor_ratio, sdpa_ratio, note, failed, complete)
+        for key, whys in broken.items():
+            if key in steps:
+                continue  # its other form was timed and is judged above, this failure named
+            # A step that ran and failed (out of memory, an error) is no step within the goal:
+            # not held, as goal (a)'s failed auto cell (it read as not measured, its reason lost).
+            note = "; ".join(f"{kind} failed: {why}" for kind, why in sorted(whys.items()))
+            results[key] = (math.inf, math.inf, note, True, False)
     if not expected:
         return Goal("c", "not measured", "no bench-decode.json (stage decode did not run)")
     failed = [k for k, r in results.items() if r[3]]
@@ -494,6 +513,10 @@ def goal_c(folders: list[Path], bandwidth: float | None, problems: list[str]) ->
         sdpas = [r[1] for r in mine if r[1] is not None]
         if not mine:
             parts.append(f"{variant} not measured")
+            continue
+        lost = sorted(n for (v, n), r in results.items() if v == variant and r[0] == math.inf)
+        if lost:
+            parts.append(f"{variant} step failed at n = {', '.join(map(str, lost))}")
             continue
         floor = f"{max(floors):.3g}x floor" if floors else "floor unknown"
         sdpa = f"{max(sdpas):.3g}x sdpa" if sdpas else "no sdpa"
@@ -525,7 +548,17 @@ def goal_d(folders: list[Path], problems: list[str]) -> Goal:
     found = [d for f in folders if (d := _read_json(f / "compiles.json", problems)) is not None]
     if not found:
         return Goal("d", "not measured", "no compiles.json (stage compiles did not run)")
-    data = max(found, key=lambda d: (d.get("compiles", 0) > D_COMPILES, d.get("measured", 0)))
+
+    def backend(data: dict) -> str:
+        return str((data.get("header", {}).get("config") or {}).get("backend", "no backend named"))
+
+    # The goal is flex's (its kernel of symbolic lengths): a count through another backend, such
+    # as sdpa's no compiles at all, held it.
+    counted = [d for d in found if backend(d) == D_BACKEND]
+    if not counted:
+        others = ", ".join(sorted({backend(d) for d in found}))
+        return Goal("d", "not measured", f"compiles.json counted on {others}, not {D_BACKEND}")
+    data = max(counted, key=lambda d: (d.get("compiles", 0) > D_COMPILES, d.get("measured", 0)))
     compiles, measured = data.get("compiles", 0), data.get("measured", 0)
     call = data.get("header", {}).get("call", "")
     summary = (
@@ -556,18 +589,23 @@ def goal_e(runs: dict[str, list[Run]]) -> Goal:
             params, causal, pass_ = key
             cell = index.get(("local", "auto", params, E_LENGTH, causal, pass_))
             dense = index.get(("full", "sdpa_dense", "{}", E_LENGTH, causal, pass_))
+            if cell is None:
+                continue
             if not _ok(cell):
-                continue
-            value = cell.get("sparsity_realization")
-            if value is None and _ok(dense) and cell.get("allowed_pairs"):
-                value = (dense["time_ms"] / cell["time_ms"]) * (
-                    cell["allowed_pairs"] / cell["all_pairs"]
+                # It ran and failed (out of memory, an error): it realizes nothing, so not held,
+                # as goal (a)'s failed auto cell (it read as not measured, its reason lost).
+                value, note = 0.0, f"auto {_status(cell)}"
+            else:
+                value = cell.get("sparsity_realization")
+                if value is None and _ok(dense) and cell.get("allowed_pairs"):
+                    value = (dense["time_ms"] / cell["time_ms"]) * (
+                        cell["allowed_pairs"] / cell["all_pairs"]
+                    )
+                if value is None:
+                    continue  # nothing to compute its realization from
+                note = f"{cell['time_ms']:.3g} ms" + (
+                    f", dense {dense['time_ms']:.3g} ms" if _ok(dense) else ""
                 )
-            if value is None:
-                continue
-            note = f"{cell['time_ms']:.3g} ms" + (
-                f", dense {dense['time_ms']:.3g} ms" if _ok(dense) else ""
-            )
             if key not in results or value < results[key][0]:
                 results[key] = (value, note)
     failed = [k for k, (value, _) in results.items() if value < E_TARGET]

@@ -129,7 +129,7 @@ class Runner:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.pairs: dict[tuple, int | None] = {}
-        self.oom_at: dict[tuple, int] = {}  # (variant, backend, pass, causal) -> n
+        self.oom_at: dict[tuple, int] = {}  # (variant, backend, kind, pass, causal) -> n
 
     @staticmethod
     def count(impl: Any, point: Point) -> int | None:
@@ -145,7 +145,9 @@ class Runner:
         if key not in self.pairs:
             self.pairs[key] = self.count(impl, point)
         pairs, total = self.pairs[key], report.all_pairs(point.n, point.causal)
-        series = (impl.variant, impl.name, point.pass_name, point.causal)
+        # the kind too: xformers is both a zoo backend and a peer (bench.yaml), and the backend's
+        # out of memory skipped the peer, which never ran
+        series = (impl.variant, impl.name, impl.kind, point.pass_name, point.causal)
         if series in self.oom_at:
             cell = new_record(impl, point, pairs, total)
             reason = f"skipped after out of memory at n={self.oom_at[series]}"

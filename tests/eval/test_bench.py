@@ -201,6 +201,37 @@ def test_out_of_memory_is_recorded_and_longer_lengths_are_skipped(tmp_path):
     assert "out of memory" in cells[1]["reason"] and "n=128" in cells[2]["reason"]
 
 
+def test_a_backend_out_of_memory_does_not_skip_the_peer_of_its_name():
+    """xformers is both a zoo backend and a peer (bench.yaml): the backend's out of memory
+    skipped the peer of its name at that length and every longer one, and the peer never ran.
+    Each kind is a series of its own."""
+    from eval.bench.cell import Settings
+    from eval.bench.impls import Point, Prepared
+    from eval.bench.sweep import Runner
+
+    class Impl:
+        variant, params = "full", {}
+
+        def __init__(self, kind, oom):
+            self.name, self.kind, self.oom, self.ran = "xformers", kind, oom, []
+
+        def setup(self, point):
+            self.ran.append(point.n)
+            if self.oom:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 8 GiB")
+            return Prepared(lambda q, k, v: q.clone(), self.name, False, None, None, 1.0)
+
+    backend, peer = Impl("zoo", oom=True), Impl("peer", oom=False)
+    runner = Runner(Settings(0, 1))
+    statuses = []
+    for n in (64, 128):
+        q = torch.randn(1, 1, n, 8)
+        point = Point(n, False, False, q, q, q, q, False)
+        statuses += [runner.run(impl, point)["status"] for impl in (backend, peer)]
+    assert statuses == ["oom", "ok", "skipped", "ok"]
+    assert peer.ran == [64, 128] and backend.ran == [64]
+
+
 def test_fitted_exponents_and_realization_on_synthetic_numbers():
     ns = [1024 * 2**i for i in range(6)]
     assert fit_exponent(ns, [3e-7 * n**2 for n in ns]) == pytest.approx(2.0)
@@ -319,6 +350,14 @@ def test_out_of_memory_errors_are_recognised():
             "backend_instances={b16: {backend: blocked, waist: 1}}",
             ["backend_instances.b16", "waist"],
         ),
+        # a misspelt dtype raised a bare AttributeError (exit 1)
+        (
+            "backend_instances={b16: {backend: blocked, compute_dtype: bfloat}}",
+            ["backend_instances.b16.compute_dtype", "'bfloat'", "float32, bfloat16, float16"],
+        ),
+        # a repeated value measured its cells twice, and bench-report refused the run's JSON
+        ("lengths=[64,128,64]", ["lengths lists 64 more than once"]),
+        ("passes=[fwd,fwd]", ["passes lists 'fwd' more than once"]),
     ],
 )
 def test_bad_configs_are_errors_that_name_the_file_and_key(tmp_path, capsys, override, expected):

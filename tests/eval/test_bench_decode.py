@@ -46,7 +46,7 @@ def test_without_profile_a_step_is_timed_only(tmp_path):
 
 
 @needs_cxx
-def test_sdpa_without_its_split_is_a_cell_of_its_own(tmp_path):
+def test_sdpa_without_its_split_is_a_cell_of_its_own(tmp_path, capsys):
     """``sdpa_whole``: sdpa with split_keys=False (zoo.backends.split_keys), checked against the
     reference on its own copy of the cache, beside auto; an unknown backend is named."""
     args = [*TINY, "variants=[causal]", "peers=[]", "backends=[auto,sdpa_whole]"]
@@ -54,8 +54,8 @@ def test_sdpa_without_its_split_is_a_cell_of_its_own(tmp_path):
     cells = json.loads((tmp_path / "bench-decode.json").read_text())["cells"]
     assert [c["impl"] for c in cells] == ["zoo:causal", "zoo:causal:sdpa_whole"]
     assert all(c["ms"] > 0 and c["error"] < 1e-5 for c in cells)
-    with pytest.raises(SystemExit, match="known: auto, flex, sdpa_whole"):
-        main([*TINY, "backends=[sdpa_split]", f"out={tmp_path}"])
+    assert main([*TINY, "backends=[sdpa_split]", f"out={tmp_path}"]) == 2
+    assert "known: auto, flex, sdpa_whole" in capsys.readouterr().err
 
 
 def test_compiled_steps_are_cells_of_their_own(tmp_path):
@@ -113,12 +113,9 @@ def test_static_caches_time_steps_of_one_shape(tmp_path, capsys):
     assert data["header"]["config"]["static_cache"] is True
     assert [c["impl"] for c in data["cells"]] == ["zoo:causal", "zoo:causal+compile"]
     assert all(c["ms"] > 0 and c["error"] < 1e-5 for c in data["cells"])
-    try:
-        main([*argv, "compile_mode=fast", f"out={tmp_path}"])
-    except SystemExit as error:
-        assert "compile_mode: 'fast' is not one of torch.compile's modes" in str(error)
-    else:
-        raise AssertionError("compile_mode=fast was accepted")
+    capsys.readouterr()
+    assert main([*argv, "compile_mode=fast", f"out={tmp_path}"]) == 2
+    assert "compile_mode: 'fast' is not one of torch.compile's modes" in capsys.readouterr().err
 
 
 def test_a_cell_that_raises_is_recorded_and_the_others_run(tmp_path):
@@ -133,18 +130,45 @@ def test_a_cell_that_raises_is_recorded_and_the_others_run(tmp_path):
     assert "| linear | zoo:linear | - | - |" in (tmp_path / "bench-decode.md").read_text()
 
 
-def test_config_errors_are_named(tmp_path):
-    for override, message in (
+@pytest.mark.parametrize(
+    "override, message",
+    [
         ("dtype=float8", "dtype must be auto or one of float32, bfloat16, float16"),
         ("repeats=0", "repeats must be >= 1"),
         ("variants=[nope]", "unknown variant 'nope'"),
-    ):
-        try:
-            main([*TINY, override, f"out={tmp_path}"])
-        except SystemExit as stop:
-            assert message in str(stop), (override, stop)
-        else:
-            raise AssertionError(f"{override} ran")
+        # checked as bench checks its config (before: an empty axis ran nothing and exited 0,
+        # compile=[] timed no zoo step, lengths=[0] was timed, a repeated length timed twice,
+        # and kv_heads=3 of 4 heads failed in every cell)
+        ("lengths=[]", "lengths must list at least one value, got []"),
+        ("variants=[]", "variants must list at least one value, got []"),
+        ("compile=[]", "compile must list at least one value, got []"),
+        ("lengths=[0]", "lengths must be positive ints, got [0]"),
+        ("lengths=[64,64]", "lengths lists 64 more than once, got [64, 64]"),
+        ("kv_heads=3", "kv_heads must divide heads (4) or be null, got 3"),
+        ("backends=[]", "backends and peers are both empty"),
+    ],
+)
+def test_config_errors_are_named(tmp_path, capsys, override, message):
+    """A config error names the key and the value, exits 2 and writes nothing."""
+    assert main([*TINY, "peers=[]", override, f"out={tmp_path / 'out'}"]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_column_labels_are_distinct_and_exact():
+    """bench-decode.md's columns: n // 1024 showed 512 and 768 both as "0K" and 1536 as "1K"."""
+    from eval.bench.decode import markdown
+
+    lengths = [512, 768, 1000, 1024, 1536, 16384]
+    cells = [{"variant": "causal", "impl": "zoo:causal", "n": n, "ms": 0.1, "bytes": 2**20}
+             for n in lengths]  # fmt: skip
+    header = {"device": "cpu", "command": "bench-decode", "shape": "B=1", "repeats": 2,
+              "one_kernel_ms": 0.001}  # fmt: skip
+    head = next(line for line in markdown(header, cells).splitlines() if line.startswith("| var"))
+    assert head == (
+        "| variant | impl | 512 ms | 768 ms | 1000 ms | 1K ms | 1.5K ms | 16K ms | 512 MiB | "
+        "768 MiB | 1000 MiB | 1K MiB | 1.5K MiB | 16K MiB |"
+    )
 
 
 def test_moba_keys_read_are_the_union_of_its_query_heads_choices():

@@ -117,7 +117,7 @@ def test_goal_b_compares_time_per_pair_with_the_nearest_fixed_pattern(tmp_path):
     assert "MoBA on blocked 0.75 ms" in "\n".join(goal.details)  # beside auto's, for its table
     moba_run(tmp_path, 1.5, twin_pairs=1536 * 16384 * 2, lengths=(16384, 65536))
     goal = goals.goal_b(goals.load_runs([tmp_path], []))  # twice the pairs in 1 ms: 3x per pair
-    assert goal.verdict == "not held" and "per pair / the fixed pattern's: 3 at" in goal.summary
+    assert goal.verdict == "not held" and "per pair / its block_local twin's: 3 at" in goal.summary
     moba_run(tmp_path, 1.0, twin_pairs=1536 * 16384 // 3, lengths=(16384, 65536))
     assert verdicts(tmp_path)["b"] == "not measured"  # no fixed pattern within 2x of its pairs
     moba_run(tmp_path, 1.0)  # 64K not run
@@ -211,8 +211,8 @@ def test_goal_c_reads_moba_s_measured_keys(tmp_path):
     [(2, 20, "held"), (3, 3, "not held"), (1, 5, "not measured")],
 )
 def test_goal_d(tmp_path, compiles, measured, expected):
-    data = {"header": {"device": H100, "call": "local"}, "compiles": compiles,
-            "measured": measured, "compiled_at": [1000]}  # fmt: skip
+    data = {"header": {"device": H100, "call": "local", "config": {"backend": "flex"}},
+            "compiles": compiles, "measured": measured, "compiled_at": [1000]}  # fmt: skip
     (tmp_path / "compiles.json").write_text(json.dumps(data))
     assert verdicts(tmp_path)["d"] == expected
 
@@ -386,3 +386,73 @@ def test_goal_c_a_step_judged_in_one_folder_is_not_hidden_by_one_unjudged_in_ano
     decode_run(h100, 5e-5)  # over 2x its floor: a failure wins in either order
     assert goals.goal_c([unknown, h100], None, []).verdict == "not held"
     assert goals.goal_c([h100, unknown], None, []).verdict == "not held"
+
+
+def test_goal_c_a_step_that_failed_is_not_held_and_its_reason_shown(tmp_path):
+    """A step on auto that ran and failed (out of memory), SDPA timed beside it: not held, its
+    reason in the table and the variant named in the summary (it read as not measured, the
+    reason nowhere, where goal (a) fails a failed auto cell)."""
+    decode_run(tmp_path, 3.5e-5)
+    data = json.loads((tmp_path / "bench-decode.json").read_text())
+    data["cells"][0].update(ms=None, status="oom", reason="OutOfMemoryError: CUDA out of memory")
+    (tmp_path / "bench-decode.json").write_text(json.dumps(data))
+    goal = goals.goal_c([tmp_path], None, [])
+    assert goal.verdict == "not held", goal.summary
+    assert "sliding_window step failed at n = 4096" in goal.summary
+    assert "(1 of 1 steps measured" in goal.summary
+    row = next(line for line in goal.details if "| sliding_window | 4096 |" in line)
+    assert "eager failed: OutOfMemoryError: CUDA out of memory" in row
+    # Its compiled form timed within the goal: that one is judged, the eager failure named.
+    data["cells"].append({"impl": "zoo:sliding_window+compile", "variant": "sliding_window",
+                          "n": 4096, "ms": 3.5e-5})  # fmt: skip
+    (tmp_path / "bench-decode.json").write_text(json.dumps(data))
+    assert goals.goal_c([tmp_path], None, []).verdict == "held"
+
+
+def test_goal_e_a_failed_auto_cell_is_not_held_and_its_reason_shown(tmp_path):
+    """The auto cell of local (1024 each side) at 64K ran out of memory beside dense SDPA: not
+    held, as goal (a) calls the same cell, its reason in the table (it read as not measured, 'no
+    ... cell with a dense peer', though the peer ran)."""
+    bench(tmp_path, "realization", [
+        cell("full", "sdpa_dense", 65536, 100.0),
+        cell("local", "auto", 65536, None, params=W1024, status="oom", reason="CUDA out of memory"),
+        cell("local", "flex_standard", 65536, 1.0, params=W1024),
+    ], lengths=[65536], params={"local": W1024})  # fmt: skip
+    goal = goals.goal_e(goals.load_runs([tmp_path], []))
+    assert goal.verdict == "not held", goal.summary
+    assert "lowest 0 at 64K non-causal fwd (1 of 1 cells measured)" in goal.summary
+    assert "| 64K non-causal fwd | 0.000 | auto oom: CUDA out of memory |" in goal.details
+
+
+def test_goal_b_compares_with_the_twin_the_config_names_only(tmp_path):
+    """Beside the MoBA run, the realization stage's local (1024 each side) at 64K, whose pairs
+    are nearer MoBA's than block_local's: MoBA is still judged against block_local with the
+    config's parameters (it was judged against local, and the verdict changed with the folder's
+    other files); block_local with other parameters is no twin either."""
+    n = 65536  # pairs per query at 64K causal: MoBA 1268, block_local 764, local 1017
+    bench(tmp_path, "moba", [
+        cell("moba", "auto", n, 4.0, causal=True, params=MOBA, pairs=1268 * n),
+        cell("block_local", "auto", n, 1.0, causal=True, params=TWIN, pairs=764 * n),
+    ], variants=["moba", "block_local"], peers=["sdpa_dense"], lengths=[n], causal=[True],
+          params={"moba": MOBA, "block_local": TWIN})  # fmt: skip
+    goal = goals.goal_b(goals.load_runs([tmp_path], []))
+    row = next(line for line in goal.details if "| 64K causal fwd |" in line)
+    assert "block_local (block_size=512, neighbors=1)" in row and "2.41" in row, row
+    other = {"block_size": 256, "neighbors": 2}
+    bench(tmp_path, "realization", [
+        cell("local", "auto", n, 3.0, causal=True, params=W1024, pairs=1017 * n),
+        cell("block_local", "auto", n, 3.0, causal=True, params=other, pairs=1200 * n),
+    ], lengths=[n], causal=[True], params={"local": W1024})  # fmt: skip
+    goal = goals.goal_b(goals.load_runs([tmp_path], []))
+    assert next(line for line in goal.details if "| 64K causal fwd |" in line) == row
+    assert goal.verdict == "not held"  # 16K not run, and the 64K cell over 2x
+
+
+def test_goal_d_counts_the_compiles_of_the_flex_backend_only(tmp_path):
+    """The goal is flex's: a count through another backend (sdpa, which compiles nothing) held
+    it."""
+    data = {"header": {"device": H100, "call": "local", "config": {"backend": "sdpa"}},
+            "compiles": 0, "measured": 20, "compiled_at": []}  # fmt: skip
+    (tmp_path / "compiles.json").write_text(json.dumps(data))
+    goal = goals.goal_d([tmp_path], [])
+    assert goal.verdict == "not measured" and "counted on sdpa, not flex" in goal.summary

@@ -66,7 +66,8 @@ def stub_data(tmp_path: Path) -> tuple[Path, Path]:
     bench = tmp_path / "realization.json"
     bench.write_text(json.dumps({"header": {"config": config}, "cells": cells}))
     compiles = tmp_path / "compiles.json"
-    compiles.write_text(json.dumps({"header": {"device": "stub"}, "compiles": 1, "measured": 20,
+    header = {"device": "stub", "config": {"backend": "flex"}}
+    compiles.write_text(json.dumps({"header": header, "compiles": 1, "measured": 20,
                                     "compiled_at": [1000]}))  # fmt: skip
     return bench, compiles
 
@@ -290,3 +291,62 @@ def test_without_a_carried_folder_nothing_is_packed(tmp_path):
     env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")
     run_all(env, 20)
     assert _cache_parts(tmp_path / "out") == []
+
+
+@pytest.mark.parametrize(
+    "shares, named",
+    [
+        ("env:4 decode-compiled:40 goals:20", ["'decode-compiled:40'", "decode_compiled"]),
+        ("env:4 goals:12.5", ["'goals:12.5'", "whole number"]),
+        ("env:4 goals", ["'goals'", "STAGE:PERCENT"]),
+    ],
+)
+def test_shares_are_checked_before_any_stage(tmp_path, shares, named):
+    """A misspelt stage got no time silently ("skipped: no time left") and a share of 12.5
+    stopped the list there with an arithmetic error ("unknown stage all"): each is an error that
+    names the word and what is expected, before any stage runs (exit 2)."""
+    out = tmp_path / "out"
+    env = {**environment(out), "ZOO_GPU_SESSION_SHARES": shares}
+    done = subprocess.run(["bash", str(SCRIPT), "all", "20"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    for text in named:
+        assert text in done.stderr
+    assert not (out / "stages.tsv").exists()
+
+
+@pytest.mark.parametrize(
+    "piece, written, shipped",
+    [
+        ("bench", "bench-x/bench.json", "bench-x.json"),
+        ("decode", "decode-x/bench-decode.json", "bench-decode.json"),
+        ("standard", "standard-x/results.jsonl", "standard-x.jsonl"),
+    ],
+)
+def test_a_piece_ships_only_the_file_this_command_wrote(tmp_path, piece, written, shipped):
+    """On a warm machine an earlier command's file is still in the piece's folder: a command that
+    fails before writing its own shipped that one as its result, exit 0. Now it ships nothing and
+    exits 1; a command that writes its file ships it."""
+    out, pieces = tmp_path / "out", tmp_path / "pieces"
+    earlier = pieces / written
+    earlier.parent.mkdir(parents=True)
+    earlier.write_text("earlier command's\n")
+    os.utime(earlier, (time.time() - 60, time.time() - 60))
+    stub = tmp_path / "python"  # the environment's probe prints; the piece's command fails, or
+    stub.write_text(  # with WRITE=1 writes its file into its out= folder
+        "#!/bin/sh\n"
+        'if [ "$1" = -c ]; then echo "torch stub"; exit 0; fi\n'
+        'for a in "$@"; do case $a in out=*) dir=${a#out=} ;; esac; done\n'
+        '[ "$WRITE" = 1 ] || { echo "RuntimeError: no kernel image" >&2; exit 1; }\n'
+        f'mkdir -p "$dir" && echo "this command\'s" > "$dir/{Path(written).name}"\n'
+    )  # fmt: skip
+    stub.chmod(0o755)
+    env = {**environment(out), "PYTHON": str(stub), "TMPDIR": str(pieces), "LIMIT": "20"}
+    command = ["bash", str(SCRIPT), piece, "x"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "nothing shipped" in done.stderr and not (out / shipped).exists()
+    done = subprocess.run(command, cwd=ROOT, env={**env, "WRITE": "1"}, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (out / shipped).read_text() == "this command's\n"
