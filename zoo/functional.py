@@ -23,6 +23,7 @@ from .core.prepare import (
 )
 from .core.resolve import (
     CALL_OPTIONS,
+    call_pattern,
     concrete_params,
     resolve_call_pattern,
     resolve_pattern,
@@ -209,32 +210,40 @@ def attention(
         if key is not None:  # once it has run
             call_plans.keep(key, step, made_in)
         return out
-    call = prepare_call(  # makes the parameters concrete itself
-        q,
-        k,
-        v,
-        variant=variant,
-        causal=causal,
-        key_padding_mask=key_padding_mask,
-        dropout_p=dropout_p,
-        scale=scale,
-        score=score,
-        pos=pos,
-        return_weights=return_weights,
-        edge_index=edge_index,
-        **params,
-    )
+    options = dict(variant=variant, causal=causal, key_padding_mask=key_padding_mask,
+                   dropout_p=dropout_p, scale=scale, score=score, pos=pos,
+                   return_weights=return_weights, edge_index=edge_index, **params)  # fmt: skip
+    if key is not None and not _chosen_by_content(variant, causal, params, q, k):
+        # The first call of a signature runs its plan on q, k and v as given, as every later
+        # call does, and its preparation records no gradients: else the first run saved more
+        # tensors for backward than a later one, and activation checkpointing, whose
+        # recomputation finds the plan made, failed on every new length of a padded batch.
+        with torch.no_grad():
+            call = prepare_call(q, k, v, **options)  # makes the parameters concrete itself
+        plan = plan_of(call, resolve_backend(backend, call), attention_encoding(pos, q, k, causal))
+        if plan is not None:
+            out = plan(q, k, v, key_padding_mask)
+            call_plans.keep(key, plan, made_in)  # once it has run
+            return out
+    call = prepare_call(q, k, v, **options)
     runner = resolve_backend(backend, call)
-    plan = None if key is None else plan_of(call, runner, attention_encoding(pos, q, k, causal))
-    if plan is not None:  # the first call runs the plan too (on q, k, v as the caller gave them)
-        out = plan(q, k, v, key_padding_mask)
-        call_plans.keep(key, plan, made_in)  # once it has run
-        return out
     out, weights = _empty_batch(call) if call.q.shape[0] == 0 else runner.forward(call)
     if call.order is not None:  # a graph run in its node order: back to the caller's
         out = call.order.scatter(out)
         weights = None if weights is None else call.order.scatter(call.order.scatter(weights), 3)
     return (out, weights) if return_weights else out
+
+
+def _chosen_by_content(variant: object, causal: object, params: dict, q: Tensor, k: Tensor) -> bool:
+    """Whether the call's pattern chooses its pairs by content (no plan: each call binds it
+    anew), or cannot be resolved (``prepare_call`` then raises, naming what is wrong)."""
+    try:
+        pattern = call_pattern(
+            variant, causal, concrete_params(params), q.shape[2], k.shape[2], q.device
+        )
+    except Exception:
+        return True
+    return pattern.routed
 
 
 def _check_shardable_options(cache: object, return_weights: bool, edge_index: object) -> None:

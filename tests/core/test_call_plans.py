@@ -333,3 +333,33 @@ def test_a_first_call_that_raises_or_sees_a_clear_keeps_no_plan():
     assert not call_plans._PLANS
     zoo.attention(q, q, q, variant="full", backend="reference")
     assert len(call_plans._PLANS) == 1
+
+
+@pytest.mark.parametrize("backend", ["auto", "blocked", "sdpa", "reference"])
+@pytest.mark.parametrize("variant", ["causal", "local", "bigbird", "moba"])
+def test_activation_checkpointing_recomputes_a_first_call_of_its_signature(variant, backend):
+    """Non-reentrant activation checkpointing (transformers' gradient checkpointing) runs the
+    forward, then recomputes it at backward, when the call's plan is made: the first call
+    zeroed the padded keys and turned q and k twice with gradients recorded (its checked path,
+    then its plan), its recomputation once, and the backward failed ("a different number of
+    tensors was saved") at every new length of a padded batch (found by review). With rope and
+    padding, the gradients equal those without checkpointing; moba, chosen by content, has no
+    plan and its every call is prepared alike."""
+    from torch.utils.checkpoint import checkpoint
+
+    params = small_params(variant)
+    q, k, v = random_qkv(2, 4, 37, 37, kv_heads=2, seed=3)
+    padding = padding_mask(2, 37)
+    grad_out = torch.randn(2, 4, 37, 16, generator=torch.Generator().manual_seed(1))
+
+    def call(q, k, v):
+        return zoo.attention(q, k, v, variant=variant, causal=True, backend=backend, pos="rope",
+                             key_padding_mask=padding, **params)  # fmt: skip
+
+    want = outputs_and_grads(call, [q, k, v], grad_out)
+    clear_caches()  # the checkpointed call is the first of its signature
+    got = outputs_and_grads(
+        lambda *x: checkpoint(call, *x, use_reentrant=False), [q, k, v], grad_out
+    )
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)

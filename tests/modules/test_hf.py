@@ -186,6 +186,25 @@ def test_default_names_and_reregistering() -> None:
         zoo_hf.register("local", name="zoo_test_window", window_size=5)
     with pytest.raises(ValueError, match="'sdpa', by which transformers picks its own"):
         zoo_hf.register("local", name="my_sdpa")
+    # the default name of the zoo's sdpa backend failed its own check (found by review): its
+    # words in capitals, which transformers (matching case) does not read as its own
+    name = zoo_hf.register("causal", backend="sdpa")
+    assert name == "zoo:causal(backend='SDPA')"
+    ids, mask = inputs(padded=True)
+    torch.testing.assert_close(
+        logits(model(config("llama"), name), ids, mask),
+        logits(model(config("llama"), "sdpa"), ids, mask),
+    )
+
+
+def test_attention_weights_asked_of_the_zoo_are_said_to_be_missing() -> None:
+    """``output_attentions=True`` gave an empty tuple, silently (found by review): a warning
+    says so and names 'eager', as transformers' sdpa does."""
+    ids, mask = inputs(padded=False)
+    lm = model(config("llama"), zoo_hf.register("causal"))
+    said = "returns no attention weights.*use 'eager'"
+    with pytest.warns(UserWarning, match=said), torch.no_grad():
+        lm(ids, attention_mask=mask, output_attentions=True)
 
 
 @pytest.mark.parametrize(
@@ -327,5 +346,5 @@ def test_layer_called_without_the_models_mask_follows_its_flags() -> None:
     want = zoo_hf.attention(q, k, v, variant="causal", causal=True, scale=0.3)
     torch.testing.assert_close(out, want.transpose(1, 2))
     assert weights is None
-    with pytest.raises(ValueError, match="softcap"):
+    with pytest.raises(ValueError, match=r"softcap=.*use 'eager' for this model"):
         function(layer, q, k, v, None, softcap=30.0)

@@ -35,6 +35,7 @@ attention, a prepared 4-D mask), soft-capping, attention sinks and position bias
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import import_module
@@ -124,8 +125,16 @@ class ZooAttention:
             if kwargs.get(option) is not None:
                 raise ValueError(
                     f"attn_implementation {self.name!r}: the model passes {option}=..., which "
-                    "zoo variants do not support; use 'eager' or 'sdpa' for this model"
+                    "zoo variants do not support; use 'eager' for this model (some models, as "
+                    "Gemma2 with soft-capping, refuse 'sdpa' too)"
                 )
+        if kwargs.get("output_attentions"):  # said once per name (Python's warning filter)
+            warnings.warn(
+                f"attn_implementation {self.name!r} returns no attention weights "
+                "(output_attentions=True gives an empty tuple); use 'eager' to get them",
+                UserWarning,
+                stacklevel=2,
+            )
         mask = attention_mask
         if mask is None:  # a layer called without transformers' mask builders: trust its flags
             causal = kwargs.get("is_causal")
@@ -314,6 +323,10 @@ def register(
         shown = [f"{k}={v!r}" for k, v in sorted(params.items())]
         shown += [f"backend={backend!r}"] if backend != "auto" else []
         name = f"zoo:{variant}" + (f"({', '.join(shown)})" if shown else "")
+        # transformers matches its words case-sensitively: backend='sdpa' is shown 'SDPA', so
+        # that the name made here passes the check below (it failed its own check)
+        for word in RESERVED:
+            name = name.replace(word, word.upper())
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty string, got {name!r}")
     clash = [r for r in RESERVED if r in name]
