@@ -190,3 +190,19 @@ def test_parts_in_their_own_orders_run_their_cuda_path_on_fake_cuda_tensors():
         for options in ({"key_padding_mask": padding}, {"pos": "alibi", "causal": True}):
             out = zoo.attention(q, k, k, variant="strided", backend="flex", **params, **options)
             assert (out.shape, out.device.type, out.dtype) == (q.shape, "cuda", torch.bfloat16)
+
+
+@pytest.mark.parametrize("pos", ["alibi", "t5"])
+def test_an_encoding_left_on_the_cpu_is_named_on_the_cuda_path(pos):
+    """An ALiBi or T5 instance built on the CPU with CUDA q, k, v: explain said the call ran, and
+    the call failed inside torch indexing the CPU table with CUDA positions (found by review).
+    Now both say where the encoding's tensors are and how to move them; ALiBi, which has no
+    learned table, may be given by name instead."""
+    encoding = zoo.build_encoding(pos, dim=32, num_heads=2)
+    with fake_cuda():
+        q = torch.randn(1, 2, 100, 16, device="cuda")
+        for run in (zoo.attention, zoo.explain):
+            said = r"pos \(\w+\) holds its tensors on cpu, q is on cuda:0; move it there"
+            with pytest.raises(ValueError, match=said) as error:
+                run(q, q, q, variant="local", window_size=7, pos=encoding)
+            assert ("pass its name (pos='alibi')" in str(error.value)) == (pos == "alibi")

@@ -5,6 +5,7 @@ without the checks (``zoo.core.call_plans``)."""
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 import torch
@@ -112,6 +113,17 @@ def attention_encoding(
         return None
     _check_bias_heads(pos, num_heads, f"q has {num_heads}")
     pos.check(q_len=q.shape[2], kv_len=k.shape[2], head_dim=head_dim)
+    # An instance's tables (ALiBi's slopes, T5's biases) are indexed by positions on q's device:
+    # one left on another failed deep inside torch, after explain had said the call runs.
+    # (on meta: a model loaded with assign=True, whose ALiBi makes its slopes where q is)
+    held = next(itertools.chain(pos.parameters(), pos.buffers()), None)
+    if held is not None and held.device not in (q.device, torch.device("meta")):
+        learned = next(pos.parameters(), None) is not None  # (a name would build it anew)
+        by_name = "" if learned else f", or pass its name (pos={pos.name!r})"
+        raise ValueError(
+            f"pos ({type(pos).__name__}) holds its tensors on {held.device}, q is on {q.device}; "
+            f"move it there (pos.to(q.device)){by_name}"
+        )
     return pos
 
 
