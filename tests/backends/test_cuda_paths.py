@@ -206,3 +206,56 @@ def test_an_encoding_left_on_the_cpu_is_named_on_the_cuda_path(pos):
             with pytest.raises(ValueError, match=said) as error:
                 run(q, q, q, variant="local", window_size=7, pos=encoding)
             assert ("pass its name (pos='alibi')" in str(error.value)) == (pos == "alibi")
+
+
+READ_MODS: list = []  # the block masks whose mask_mod the kernel below evaluated
+
+
+def _kernel_reading_the_mods(*args):
+    """A flex kernel that evaluates the block mask's mask_mod and the score_mod on index tensors
+    on q's device, and checks where the block mask lives: flex's own kernel on fake tensors
+    returns an output of the right shape without calling either, so a table on the CPU read by
+    a mod (a device mix a GPU would refuse) passed unseen (found by review)."""
+
+    def kernel(q, k, v, score_mod=None, block_mask=None, return_aux=None, return_lse=False, **kw):
+        (batch, heads, rows, _), cols, device = q.shape, k.shape[2], q.device
+        shapes = ((-1, 1, 1, 1), (1, -1, 1, 1), (1, 1, -1, 1), (1, 1, 1, -1))
+        sizes = (batch, heads, rows, cols)
+        b, h, i, j = (torch.arange(n, device=device).view(shape)
+                      for n, shape in zip(sizes, shapes, strict=True))  # fmt: skip
+        if block_mask is not None:
+            for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+                held = getattr(block_mask, name)
+                assert held is None or held.device == device, f"block_mask.{name} on {held.device}"
+            assert block_mask.mask_mod(b, h, i, j).device == device
+            READ_MODS.append(block_mask)
+        if score_mod is not None:
+            scores = torch.zeros(batch, heads, rows, cols, device=device)
+            assert score_mod(scores, b, h, i, j).device == device
+        out = q.new_empty(batch, heads, rows, v.shape[-1])
+        lse = q.new_empty(batch, heads, rows, dtype=torch.float32)
+        return (out, lse) if return_aux is not None or return_lse else out
+
+    return kernel
+
+
+@pytest.mark.parametrize("pos, padded, causal", [(None, True, False), ("alibi", False, True),
+                                                 ("t5", True, True)])  # fmt: skip
+@pytest.mark.parametrize("variant", SELF_CONTAINED_VARIANTS)
+def test_flexs_mask_and_score_functions_read_tensors_on_the_cuda_device(
+    monkeypatch, variant, pos, padded, causal
+):
+    monkeypatch.setattr(flex_kernel, "_kernel", _kernel_reading_the_mods)
+    if pos == "t5":  # a learned table, on the device by the caller
+        pos = zoo.build_encoding("t5", dim=64, num_heads=4)
+    with fake_cuda():
+        q = torch.randn(2, 4, 300, 16, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(2, 2, 700, 16, device="cuda", dtype=torch.bfloat16)
+        padding = torch.zeros(2, 700, dtype=torch.bool, device="cuda") if padded else None
+        encoding = pos.to("cuda") if isinstance(pos, torch.nn.Module) else pos
+        READ_MODS.clear()
+        out = zoo.attention(q, k, k, variant=variant, backend="flex", causal=causal,
+                            key_padding_mask=padding, pos=encoding,
+                            **small_params(variant))  # fmt: skip
+    assert out.device.type == "cuda" and out.shape == (2, 4, 300, 16)
+    assert READ_MODS, "no block mask reached the kernel: nothing was checked"
