@@ -424,8 +424,11 @@ def test_a_variant_that_is_not_a_name_or_a_pattern():
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.:DeprecationWarning")
-def test_torchscript_is_refused_with_a_pointer_to_compile_and_export():
-    attn = zoo.MultiHeadAttention(8, 2)
+@pytest.mark.parametrize("name", ["full", "nsa"])
+def test_torchscript_is_refused_with_a_pointer_to_compile_and_export(name):
+    """NSA, built by the same create_attention, failed inside TorchScript's compiler or, traced,
+    deep in a kernel (found by review): it refuses as MultiHeadAttention does."""
+    attn = zoo.create_attention(name, dim=8, num_heads=2, causal=True)
     advice = r"compile the model with torch.compile\(model\), or export .*torch.export.export"
     with pytest.raises(RuntimeError, match=r"does not support TorchScript \(torch.jit.script\)"):
         torch.jit.script(torch.nn.Sequential(attn))

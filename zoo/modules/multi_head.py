@@ -164,7 +164,7 @@ class MultiHeadAttention(nn.Module):
 
     def __prepare_scriptable__(self) -> nn.Module:
         """torch.jit.script calls this first, on every submodule: refuse with a clear error."""
-        raise RuntimeError(_no_torchscript("torch.jit.script"))
+        raise RuntimeError(no_torchscript("torch.jit.script"))
 
     def extra_repr(self) -> str:
         """The variant with every parameter it runs with (its defaults too), so that two modules
@@ -233,7 +233,7 @@ class MultiHeadAttention(nn.Module):
         edge_index: object = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         if not torch.compiler.is_compiling() and torch.jit.is_tracing():
-            raise RuntimeError(_no_torchscript("torch.jit.trace"))
+            raise RuntimeError(no_torchscript("torch.jit.trace"))
         self._check_x(x)
         if context is None and self.kv_dim != self.dim:  # before a cached call, which has none
             raise ValueError(
@@ -366,9 +366,10 @@ def padding_of(
     return padding_from_lengths(valid_lens.to(x.device), source.shape[1])
 
 
-def _no_torchscript(how: str) -> str:
+def no_torchscript(how: str, module: str = "zoo.MultiHeadAttention") -> str:
+    """The refusal of TorchScript (``how``: script or trace) by a zoo module, with what to use."""
     return (
-        f"zoo.MultiHeadAttention does not support TorchScript ({how}): its variants, backends "
+        f"{module} does not support TorchScript ({how}): its variants, backends "
         "and per-shape structures are Python; compile the model with torch.compile(model), or "
         "export a graph that runs without Python with torch.export.export(model, args)"
     )

@@ -49,7 +49,7 @@ from ..functional import attention
 from ..patterns import Causal, ChosenBlocks, Intersection, Pattern, Spans
 from ..patterns.base import state_from
 from ..patterns.routed import top_blocks
-from .multi_head import padding_of
+from .multi_head import no_torchscript, padding_of
 
 
 @dataclass(frozen=True)
@@ -187,12 +187,18 @@ class NativeSparseAttention(nn.Module):
             f"learned_compression={self.compress_k is not None}"
         )
 
+    def __prepare_scriptable__(self) -> nn.Module:
+        """torch.jit.script calls this first, on every submodule: refuse with a clear error."""
+        raise RuntimeError(no_torchscript("torch.jit.script", "NativeSparseAttention"))
+
     def forward(
         self, x: Tensor, key_padding_mask: Tensor | None = None, valid_lens: Tensor | None = None
     ) -> Tensor:
         """x (B, L, dim) -> (B, L, dim); padding as ``MultiHeadAttention`` takes it: a
         ``key_padding_mask`` (B, L), True at padding, or ``valid_lens`` (B,), the real tokens of
         each row (then right padding), not both."""
+        if not torch.compiler.is_compiling() and torch.jit.is_tracing():
+            raise RuntimeError(no_torchscript("torch.jit.trace", "NativeSparseAttention"))
         if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
             shown = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"x must have shape (batch, length, {self.dim}), got {shown}")
