@@ -31,7 +31,7 @@ import zoo
 from ..harness.config import ConfigError, config_arguments, load_config
 from ..harness.distributed import device_name, pick_device, thread_count
 from .config import DTYPES
-from .run import compiler_settings
+from .run import compiler_settings, write_whole
 
 
 @dataclass
@@ -155,7 +155,7 @@ def run_compiles(config: CompilesConfig, argv: list[str]) -> Path:
             calls.append(one_call(config, n, device, dtype))
             print(json.dumps(calls[-1]), flush=True)
             data = summary(config, calls, header)
-            (out / "compiles.json").write_text(json.dumps(data, indent=1))
+            write_whole(out / "compiles.json", data)
     (out / "compiles.md").write_text(markdown(data))
     print(f"{data['compiles']} compiles for {data['measured']} lengths; wrote {out}/compiles.json")
     return out

@@ -59,6 +59,7 @@ from ..harness.distributed import device_name, pick_device
 from .config import DTYPES, check_distinct
 from .measure import failed_cell
 from .profile import profile_calls
+from .run import write_whole
 
 PEERS = ("sdpa_dense", "flex_sliced")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -400,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
                 measured = [failed_cell(error, impl=f"zoo:{variant}", variant=variant, n=n)]
             cells += measured
             print(json.dumps(measured[0]), flush=True)
-            (out / "bench-decode.json").write_text(json.dumps({"header": header, "cells": cells}))
+            write_whole(out / "bench-decode.json", {"header": header, "cells": cells}, indent=None)
     (out / "bench-decode.md").write_text(markdown(header, cells))
     print(f"wrote {out / 'bench-decode.md'}")
     return 0

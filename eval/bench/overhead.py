@@ -45,6 +45,7 @@ from zoo.testing.shape_only_kernels import OperationCount, ShapeOnlyEfficientOps
 from ..harness.config import ConfigError, config_arguments, load_config
 from ..harness.distributed import device_name, pick_device, thread_count
 from .measure import failed_cell
+from .run import write_whole
 
 STUBBED = {
     "flex": "zoo.backends.flex_kernel._kernel",
@@ -195,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                         cells.append(failed_cell(error, variant=variant, backend=backend, n=n))
                     print(json.dumps(cells[-1]), flush=True)
                     # after every cell: a run stopped at its time limit keeps those it measured
-                    (out / "overhead.json").write_text(json.dumps(data, indent=1))
-    (out / "overhead.json").write_text(json.dumps(data, indent=1))
+                    write_whole(out / "overhead.json", data)
+    write_whole(out / "overhead.json", data)
     (out / "overhead.md").write_text(markdown(data))
     print(f"wrote {out}/overhead.json")
     return 0

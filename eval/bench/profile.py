@@ -33,7 +33,6 @@ Writes ``profile.json`` (rewritten after every cell, so a run cut short keeps it
 
 from __future__ import annotations
 
-import json
 import shlex
 import statistics
 import sys
@@ -50,7 +49,7 @@ from .config import BenchConfig, check_config, resolve_device, resolve_dtype
 from .goals import twin_rows
 from .impls import Point, clear_zoo_caches
 from .measure import CellSkip, failure, free_memory, synchronize
-from .run import compiler_settings
+from .run import compiler_settings, write_whole
 from .sweep import Sweep, make_point, random_inputs
 
 STEP = "zoo_bench_profile_step"
@@ -343,7 +342,7 @@ def run_profile(config: BenchConfig, source: str, argv: list[str]) -> Path:
     cells: list[dict[str, Any]] = []
 
     def save() -> None:
-        (out / "profile.json").write_text(json.dumps({"header": header, "cells": cells}, indent=1))
+        write_whole(out / "profile.json", {"header": header, "cells": cells})
         (out / "profile.md").write_text(markdown(header, cells))
 
     print(f"bench-profile: {source} on {header['device']} -> {out}", flush=True)

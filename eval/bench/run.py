@@ -98,11 +98,16 @@ def _plain(value: Any) -> Any:
 
 
 def write_json(path: Path, header: dict[str, Any], cells: list[dict], **extra: Any) -> None:
-    """bench.json written whole or not at all (a temporary file renamed over it): rewritten after
-    every cell, it must survive a signal that stops the sweep in the middle of a write."""
-    text = json.dumps(_plain({"header": header, "cells": cells, **extra}), indent=1)
+    """bench.json, written whole (``write_whole``)."""
+    write_whole(path, _plain({"header": header, "cells": cells, **extra}))
+
+
+def write_whole(path: Path, data: object, indent: int | None = 1) -> None:
+    """A bench's JSON written whole or not at all (a temporary file renamed over it): rewritten
+    after every cell, it must survive the signal that ends a stage at its time limit in the
+    middle of a write (gpu_session.sh ships what is there, and the summary reads it)."""
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
+    partial.write_text(json.dumps(data, indent=indent))
     os.replace(partial, path)
 
 
