@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .backends import Backend, explain_backend, resolve_backend
 from .core import call_plans
@@ -213,7 +213,7 @@ def attention(
     options = dict(variant=variant, causal=causal, key_padding_mask=key_padding_mask,
                    dropout_p=dropout_p, scale=scale, score=score, pos=pos,
                    return_weights=return_weights, edge_index=edge_index, **params)  # fmt: skip
-    if key is not None and not _chosen_by_content(variant, causal, params, q, k):
+    if key is not None and _planned(variant, causal, params, q, k, pos):
         # The first call of a signature runs its plan on q, k and v as given, as every later
         # call does, and its preparation records no gradients: else the first run saved more
         # tensors for backward than a later one, and activation checkpointing, whose
@@ -234,16 +234,20 @@ def attention(
     return (out, weights) if return_weights else out
 
 
-def _chosen_by_content(variant: object, causal: object, params: dict, q: Tensor, k: Tensor) -> bool:
-    """Whether the call's pattern chooses its pairs by content (no plan: each call binds it
-    anew), or cannot be resolved (``prepare_call`` then raises, naming what is wrong)."""
+def _planned(variant: object, causal: object, params: dict, q: Tensor, k: Tensor, pos) -> bool:
+    """Whether ``plan_of`` will give the call a plan, told before it is prepared: not for no
+    sequences, an encoding with learned parameters or a pattern chosen by content (``plan_of``'s
+    cases; such a call, prepared for nothing, would be prepared twice at every call), nor for a
+    pattern that cannot be resolved (``prepare_call`` then raises, naming what is wrong)."""
+    if not q.shape[0] or (isinstance(pos, nn.Module) and next(pos.parameters(), None) is not None):
+        return False
     try:
         pattern = call_pattern(
             variant, causal, concrete_params(params), q.shape[2], k.shape[2], q.device
         )
     except Exception:
-        return True
-    return pattern.routed
+        return False
+    return not pattern.routed
 
 
 def _check_shardable_options(cache: object, return_weights: bool, edge_index: object) -> None:
