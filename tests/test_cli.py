@@ -216,3 +216,16 @@ def test_zoo_readme_outside_the_repository_says_it_found_no_page(tmp_path, monke
     assert main(["readme"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and "has a generated table" in err and "repository's root" in err
+
+
+def test_check_all_at_a_prime_length_skips_the_grids_and_passes(capsys):
+    """``zoo check --all --lengths 37`` exited 1: the 2-D variants fit no grid of 37 tokens,
+    which is no disagreement. They are listed as skipped with the reason; the rest are checked.
+    A NAME that fits none of its lengths still fails: nothing was checked."""
+    assert main(["check", "--all", "--lengths", "37"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    assert "ok: local: three views agree at " in out
+    assert "skipped: neighborhood_2d: pattern 'neighborhood_2d' fits none of the lengths" in out
+    assert main(["check", "neighborhood_2d", "--lengths", "37"]) == 1
+    assert "fits none of the lengths checked" in capsys.readouterr().err

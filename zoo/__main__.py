@@ -275,9 +275,12 @@ def check(args: argparse.Namespace) -> bool:
     size, and 600 above moba's default block of 512, so the last blocks are partial), a pattern
     chosen by content on a seeded random input and ``graph`` on an example graph
     (``zoo.testing.routed_views``); seconds on one core
-    (measured: eval/results/design-notes-cpu.md#zoo-check-one-thread)."""
+    (measured: eval/results/design-notes-cpu.md#zoo-check-one-thread). Under ``--all``, a
+    variant that fits none of the lengths (a 2-D grid at a prime ``--lengths``) is listed as
+    skipped, with the reason, and fails nothing unless every variant was skipped; a NAME that
+    fits none fails, since nothing was checked."""
     from .registry import list_variants
-    from .testing.pattern_views import LENGTHS, PatternCheckError, check_pattern
+    from .testing.pattern_views import LENGTHS, NoLengthFits, PatternCheckError, check_pattern
 
     if args.all == bool(args.name):
         raise ValueError("give a pattern NAME or --all, not both or neither")
@@ -285,15 +288,25 @@ def check(args: argparse.Namespace) -> bool:
         raise ValueError("--all checks the variants with their defaults; key=value needs a NAME")
     lengths = LENGTHS if args.lengths is None else args.lengths
     params = command_params(args)
-    failed = False
+    failed, checked = False, 0
     for name in list_variants() if args.all else [args.name]:
         try:
             shapes = check_pattern(name, lengths=lengths, **params)
+        except NoLengthFits as error:  # --all at lengths a variant cannot take: not its fault
+            if not args.all:
+                print(f"zoo check: {error}", file=sys.stderr)
+                failed = True
+            else:
+                print(f"skipped: {name}: {error}")
         except PatternCheckError as error:
             print(f"zoo check: {error}", file=sys.stderr)
             failed = True
         else:
             print(f"ok: {name}: three views agree at {shapes} shapes")
+            checked += 1
+    if args.all and not checked and not failed:
+        print(f"zoo check: no variant fits the lengths {lengths}", file=sys.stderr)
+        failed = True
     return failed
 
 

@@ -46,6 +46,11 @@ class PatternCheckError(ValueError):
     """A pattern's views disagree; the message names the first disagreement in words."""
 
 
+class NoLengthFits(PatternCheckError):
+    """No length checked fits the pattern's parameters (a 2-D grid at a prime length): nothing
+    was checked, which is no disagreement but no pass either."""
+
+
 def shapes_of(lengths: Iterable[int | tuple[int, int]]) -> list[tuple[int, int]]:
     """(q_len, kv_len) pairs: a pair as given; a length n as (n, n), (1, n) (decoding),
     (2n/3, n) and (n, 2n/3) (fewer and more queries than keys)."""
@@ -159,7 +164,7 @@ def check_pattern(
                 _check_heads(p, q_len, kv_len, blocks, fail)
         checked += 1
     if not checked:
-        raise PatternCheckError(
+        raise NoLengthFits(
             f"pattern {label} fits none of the lengths checked ({'; '.join(skipped)})"
         )
     return checked
