@@ -328,13 +328,25 @@ def _cached_step(
 
 
 def dense_mask(
-    variant: str | Pattern, q_len: int, kv_len: int | None = None, **params: object
+    variant: str | Pattern,
+    q_len: int,
+    kv_len: int | None = None,
+    *,
+    heads: int | None = None,
+    **params: object,
 ) -> Tensor:
-    """The [q_len, kv_len] bool mask of allowed pairs (True = may attend): tests, pictures."""
+    """The [q_len, kv_len] bool mask of allowed pairs (True = may attend): tests, pictures.
+
+    A pattern drawn per query head (``bigbird``'s random blocks) shows head 0 by default;
+    ``heads=H`` gives the [H, q_len, kv_len] masks of the H heads that ``attention`` runs with H
+    query heads (any pattern: a pattern the same for every head repeats its mask). A graph's
+    masks lead with its sequences: (graphs, [H,] q_len, kv_len) for a graph per sequence."""
     kv_len = q_len if kv_len is None else kv_len
     for name, n in (("q_len", q_len), ("kv_len", kv_len)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"{name} must be a positive int, got {n!r}")
+    if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1):
+        raise ValueError(f"heads must be a positive int or None, got {heads!r}")
     causal = check_bool("causal", params.pop("causal", False))
     edge_index = params.pop("edge_index", None)
     pattern = resolve_pattern(variant, causal, params)
@@ -344,8 +356,16 @@ def dense_mask(
         graphs = graph_count(edge_index)  # a sequence of each
         q, k = torch.zeros(graphs, 1, q_len, 1), torch.zeros(graphs, 1, kv_len, 1)
         bound = pattern.bind(RouteInputs(q, k, None, causal, edge_index=edge_index))
-        return bound.dense(q_len, kv_len)[:, 0].squeeze(0)
-    return pattern.dense(q_len, kv_len)
+        masks = bound.dense(q_len, kv_len)[:, 0]
+        if heads is not None:
+            masks = masks[:, None].expand(-1, heads, -1, -1)
+        return masks.squeeze(0)
+    if heads is None:
+        return pattern.dense(q_len, kv_len)
+    if not pattern.per_head:
+        return pattern.dense(q_len, kv_len).expand(heads, -1, -1)
+    drawn = pattern.for_heads(heads)
+    return torch.stack([drawn.head(h).dense(q_len, kv_len) for h in range(heads)])
 
 
 def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:

@@ -233,3 +233,23 @@ def test_spans_of_a_few_blocks_read_the_drawn_blocks_as_the_rectangles_count(hea
         counted = pattern.block_state(*(dataclasses.replace(s, aligned=None) for s in (q, k)))
         assert torch.equal(read, counted), size
         assert size > 8 or int((read == FULL).sum()) > 0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dense_mask_with_heads_gives_the_masks_attention_runs(causal):
+    """``zoo.dense_mask("bigbird", L)`` gave head 0's mask with no way to ask for another head's:
+    a user masking scores by it got heads 1.. wrong. ``heads=H`` gives each head's mask, and
+    softmax over scores masked by it equals ``zoo.attention`` head by head."""
+    q, k, v = (t.detach() for t in random_qkv(1, 3, 200, 200, head_dim=8, seed=3))
+    params = dict(block_size=16, random_blocks=2, causal=causal)
+    masks = zoo.dense_mask("bigbird", 200, heads=3, **params)
+    assert masks.shape == (3, 200, 200)
+    assert torch.equal(masks[0], zoo.dense_mask("bigbird", 200, **params))
+    assert not torch.equal(masks[1], masks[0])
+    scores = (q @ k.transpose(-1, -2)) * 8**-0.5
+    expected = torch.softmax(scores.masked_fill(~masks, float("-inf")), -1) @ v
+    out = zoo.attention(q, k, v, variant="bigbird", backend="reference", **params)
+    torch.testing.assert_close(out, expected)
+    assert zoo.dense_mask("local", 20, heads=2).shape == (2, 20, 20)
+    with pytest.raises(ValueError, match="heads must be a positive int or None, got 0"):
+        zoo.dense_mask("local", 20, heads=0)

@@ -31,11 +31,12 @@ variant, ``random_per_head``) query head h draws its own table with seed ``seed 
 by the same rules as the shared table, so head 0's table is the shared one and a head's table does
 not depend on how many heads there are. It is still a fixed pattern (chosen by position, not by
 content, unlike ``zoo.patterns.routed``): ``specialize`` gives a ``RandomBlocks`` whose views are
-head 0's (what pictures and ``zoo.dense_mask`` show), and ``for_heads(H)`` (``Pattern.for_heads``,
-which ``zoo.attention`` applies once per shape and number of query heads) gives the layout of H
-heads: ``table`` [H, blocks, r], ``allowed_at`` reads the head, ``block_state`` is [1, H, query
-blocks, key blocks] and ``dense`` [1, H, q_len, kv_len], the (batch, heads) form of a routed
-layout with a batch of one, which backends take where they take routed layouts. Under
+head 0's (what pictures show, and ``zoo.dense_mask`` unless given ``heads``), and
+``for_heads(H)`` (``Pattern.for_heads``, which ``zoo.attention`` applies once per shape and
+number of query heads) gives the layout of H heads: ``table`` [H, blocks, r], ``allowed_at``
+reads the head, ``block_state`` is [1, H, query blocks, key blocks] and ``dense`` [1, H, q_len,
+kv_len], the (batch, heads) form of a routed layout with a batch of one, which backends take
+where they take routed layouts. Under
 grouped-query attention the table is per *query* head: the query heads that share a key/value
 head draw their own blocks (HF's BigBird has no grouped heads; per query head keeps the paper's
 per-head draw). A cache for generation keeps the union of what its heads read.
