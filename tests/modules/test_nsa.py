@@ -115,7 +115,7 @@ def test_module_equals_the_dense_definition(backend, learned):
         1
     ]
     want, chosen = dense_nsa(module, x, padding)
-    picks = module.choose(p_cmp, L, padding)
+    picks = module.choose(p_cmp, L, padding, x.device)
     assert torch.equal(picks_mask(picks, chosen.shape[-1]).expand_as(chosen), chosen)
     assert (got - want).abs().max() < 1e-10
     grad_out = torch.randn_like(got)
@@ -147,7 +147,7 @@ def test_selection_keeps_first_and_local_blocks_and_never_a_future_one():
     module = make()
     x, _ = inputs()
     p_cmp = module.compressed_branch(*_qkv(module, x), None)[1]
-    chosen = picks_mask(module.choose(p_cmp, L, None), -(-L // module.select_block))
+    chosen = picks_mask(module.choose(p_cmp, L, None, x.device), -(-L // module.select_block))
     own = torch.arange(L) // module.select_block
     assert chosen[..., 0].all()
     assert chosen.gather(-1, own.view(1, 1, L, 1).expand(2, HEADS, L, 1)).all()

@@ -257,12 +257,15 @@ class NativeSparseAttention(nn.Module):
         return out, probs
 
     @torch.no_grad()
-    def choose(self, p_cmp: Tensor | None, L: int, padding: Tensor | None) -> Tensor:
-        """(B, H, L, select_count or fewer) int32: the selected blocks of each query (module
-        docstring), as ``ChosenBlocks.picks`` holds them (``blocks`` in an empty slot)."""
+    def choose(
+        self, p_cmp: Tensor | None, L: int, padding: Tensor | None, device: torch.device
+    ) -> Tensor:
+        """(B, H, L, select_count or fewer) int32 on ``device``: the selected blocks of each
+        query (module docstring), as ``ChosenBlocks.picks`` holds them (``blocks`` in an empty
+        slot). Without ``p_cmp`` (a sequence shorter than one compression block) only the forced
+        blocks are chosen."""
         B, H = (1, 1) if p_cmp is None else p_cmp.shape[:2]
         blocks = -(-L // self.select_block)
-        device = p_cmp.device if p_cmp is not None else None
         importance = torch.zeros(B, H, L, blocks, device=device)
         if p_cmp is not None:
             m = overlaps(p_cmp.shape[-1], blocks, self.length, self.stride, self.select_block,
@@ -285,7 +288,7 @@ class NativeSparseAttention(nn.Module):
         self, q: Tensor, k: Tensor, v: Tensor, p_cmp: Tensor | None, padding: Tensor | None
     ) -> Tensor:
         L = q.shape[2]
-        chosen = self.choose(p_cmp, L, padding).expand(q.shape[0], q.shape[1], -1, -1)
+        chosen = self.choose(p_cmp, L, padding, q.device).expand(q.shape[0], q.shape[1], -1, -1)
         blocks = -(-L // self.select_block)
         pattern = Intersection((ChosenBlocks(self.select_block, chosen, blocks, 0), Causal()))
         # The call is built here, not through zoo.attention: its per-shape caches would keep
