@@ -65,8 +65,10 @@ def test_on_cuda_the_kernel_gets_whole_blocks_declared_whole(monkeypatch):
 
     monkeypatch.setattr(flex_kernel, "_kernel", lambda *args: kernel)
     skip_without_fake_cuda()
-    with fake_cuda(), torch.device("cuda"):
-        q = torch.randn(1, 2, 300, 32, dtype=torch.bfloat16)
+    with fake_cuda():
+        q = torch.randn(1, 2, 300, 32, dtype=torch.bfloat16, device="cuda")
+        # the calls run outside torch.device("cuda"), as users' do: there a tensor the zoo makes
+        # without device= lands on the CPU, and the mix raises
         for pad in (True, False):
             backend = FlexBackend(kernel_options={"num_stages": 2}, pad_to_blocks=pad)
             out = zoo.attention(q, q, q, variant="local", window_size=16, backend=backend)

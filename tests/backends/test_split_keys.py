@@ -157,13 +157,15 @@ def test_the_runs_are_views_of_the_cache():
         return forward(q, k, v, mask, scale)
 
     kernel = lse_kernel.KERNELS["cuda"]
-    with pytest.MonkeyPatch.context() as patch, fake_cuda(), torch.device("cuda"):
+    with pytest.MonkeyPatch.context() as patch, fake_cuda():
         patch.setitem(lse_kernel.KERNELS, "cuda", lse_kernel.LseKernel(
             "cuda", kernel.head_multiple, spy, kernel.backward))  # fmt: skip
-        cache = zoo.new_cache("causal", batch_size=8, max_len=16384, num_kv_heads=4, head_dim=128,
-                              dtype=torch.bfloat16, device="cuda", static=True)  # fmt: skip
-        q = torch.randn(8, 16, 1, 128, dtype=torch.bfloat16)
-        k = torch.randn(8, 4, 1, 128, dtype=torch.bfloat16)
+        with torch.device("cuda"):  # built here; the call runs outside it, as users do
+            cache = zoo.new_cache("causal", batch_size=8, max_len=16384, num_kv_heads=4,
+                                  head_dim=128, dtype=torch.bfloat16, device="cuda",
+                                  static=True)  # fmt: skip
+            q = torch.randn(8, 16, 1, 128, dtype=torch.bfloat16)
+            k = torch.randn(8, 4, 1, 128, dtype=torch.bfloat16)
         with torch.no_grad():
             out = zoo.attention(q, k, k, cache=cache, variant="causal", causal=True)
     assert out.shape == (8, 16, 1, 128)
@@ -182,10 +184,12 @@ def test_where_a_step_does_not_split():
     skip_without_fake_cuda()
     q, keys, mask = torch.randn(8, 16, 1, 128), torch.randn(8, 4, 16384, 128), torch.ones(1)
     assert key_chunk(q, keys, keys, mask, 0.0) == 0  # a CPU
-    with fake_cuda(), torch.device("cuda"), torch.no_grad():
-        q = torch.randn(8, 16, 1, 128, dtype=torch.bfloat16)
-        keys = torch.randn(8, 4, 16384, 128, dtype=torch.bfloat16)
-        mask = torch.zeros(8, 1, 1, 16384, dtype=torch.bfloat16)
+    with fake_cuda(), torch.no_grad():
+        with torch.device("cuda"):  # built here; key_chunk runs outside it, as users' calls do
+            q = torch.randn(8, 16, 1, 128, dtype=torch.bfloat16)
+            keys = torch.randn(8, 4, 16384, 128, dtype=torch.bfloat16)
+            mask = torch.zeros(8, 1, 1, 16384, dtype=torch.bfloat16)
+            many = torch.randn(64, 4, 4096, 128, dtype=torch.bfloat16)  # 256 rows x heads
         assert key_chunk(q, keys, keys, mask, 0.0) == 1024
         assert key_chunk(q, keys, keys, mask, 0.1) == 0
         with torch.enable_grad():
@@ -197,7 +201,6 @@ def test_where_a_step_does_not_split():
         assert key_chunk(q, keys.transpose(0, 1), keys, mask, 0.0) == 0
         assert key_chunk(q, keys[:, :, :2047], keys[:, :, :2047], mask, 0.0) == 0
         assert key_chunk(q, keys[:, :, :2048], keys[:, :, :2048], mask, 0.0) == 1024
-        many = torch.randn(64, 4, 4096, 128, dtype=torch.bfloat16)  # 256 rows x heads
         assert key_chunk(q[:1].expand(64, -1, -1, -1), many, many, mask, 0.0) == 0
         assert key_chunk(q[:1].expand(63, -1, -1, -1), many[:63], many[:63], mask, 0.0) == 1024
 

@@ -123,9 +123,11 @@ def test_masked_steps_run_grouped_heads_as_query_rows(monkeypatch, variant):
     x = torch.randn(2, 30, 24, dtype=torch.float64)
     got = _decoded_rows(attn, x, [12, 5])[1]
     try:
-        with fake_cuda(), torch.device("cuda"), torch.no_grad():
-            on_cuda, y = module(), torch.randn(2, 20, 24)
-            cache = on_cuda.new_cache(2, 32)
+        with fake_cuda(), torch.no_grad():
+            with torch.device("cuda"):
+                on_cuda, y = module(), torch.randn(2, 20, 24)
+                cache = on_cuda.new_cache(2, 32)
+            # run outside torch.device("cuda"), as users do, so that a CPU tensor shows
             on_cuda(y[:, :12], cache=cache)
             for i in range(12, 20):
                 on_cuda(y[:, i : i + 1], cache=cache)

@@ -28,9 +28,10 @@ def _decode(device, steps: int = 3) -> None:
         ).eval()  # fmt: skip
         x = torch.randn(2, 8 + steps, 32)
         cache = attn.new_cache(2, 32)
-        attn(x[:, :8], cache=cache)
-        for i in range(8, 8 + steps):
-            attn(x[:, i : i + 1], cache=cache)
+    # the calls run outside torch.device(device), as users do, so that a CPU tensor shows
+    attn(x[:, :8], cache=cache)
+    for i in range(8, 8 + steps):
+        attn(x[:, i : i + 1], cache=cache)
 
 
 @pytest.mark.parametrize(
@@ -54,7 +55,7 @@ def test_a_step_on_cuda_leaves_cudnn_out_and_the_callers_choices_in(monkeypatch,
             getattr(torch.backends.cuda, f"enable_{disabled}_sdp")(False)
         expected = {**_flags(), "cudnn": disabled == "math"}
         try:
-            with fake_cuda(), torch.device("cuda"), torch.no_grad():
+            with fake_cuda(), torch.no_grad():  # _decode builds under torch.device, calls outside
                 _decode("cuda")
         except FakeCudaUnavailable as error:
             pytest.skip(str(error))

@@ -44,7 +44,8 @@ def _steps(
     """A prefill of ``prefill`` tokens (rows of 12 and 5 with valid_lens), then one-token steps
     (rows adding 1 and 0 tokens in turn with valid_lens); the last step's output."""
     x = torch.randn(2, prefill + steps, attn.dim, device=device)
-    cache = attn.new_cache(2, LENGTH, static=static)
+    with torch.device(device):  # built on the device; the calls run outside the context, as
+        cache = attn.new_cache(2, LENGTH, static=static)  # users do (device= left out fails)
     lens = torch.tensor([prefill, 5], device=device) if valid_lens else None
     attn(x[:, :prefill], cache=cache, valid_lens=lens)
     for i in range(prefill, prefill + steps):
@@ -61,11 +62,12 @@ def test_a_step_reads_no_device_value(variant, backend, valid_lens, static):
     """Prefill and one-token steps on fake CUDA tensors, 4 query heads on 2 key/value heads;
     a static cache's too (its range check asserted on the device)."""
     skip_without_fake_cuda()
-    with fake_cuda(), torch.device("cuda"), torch.no_grad():
-        attn = zoo.create_attention(
-            variant, dim=32, num_heads=4, num_kv_heads=2, pos="rope", causal=True,
-            backend=BACKENDS[backend], **small(variant),
-        ).eval()  # fmt: skip
+    with fake_cuda(), torch.no_grad():
+        with torch.device("cuda"):
+            attn = zoo.create_attention(
+                variant, dim=32, num_heads=4, num_kv_heads=2, pos="rope", causal=True,
+                backend=BACKENDS[backend], **small(variant),
+            ).eval()  # fmt: skip
         out = _steps(attn, "cuda", valid_lens=valid_lens, static=static)
     assert out.device.type == "cuda" and out.shape == (2, 1, 32)
 
@@ -76,10 +78,12 @@ def test_encodings_read_no_device_value(variant, pos):
     """Absolute encodings at each row's own position (rows of different lengths: the table's rows
     at their positions) and score biases at the slots' positions, on fake CUDA tensors."""
     skip_without_fake_cuda()
-    with fake_cuda(), torch.device("cuda"), torch.no_grad():
-        attn = zoo.create_attention(
-            variant, dim=32, num_heads=4, num_kv_heads=2, pos=pos, causal=True, **small(variant)
-        ).eval()  # fmt: skip
+    with fake_cuda(), torch.no_grad():
+        with torch.device("cuda"):
+            attn = zoo.create_attention(
+                variant, dim=32, num_heads=4, num_kv_heads=2, pos=pos, causal=True,
+                **small(variant),
+            ).eval()  # fmt: skip
         for valid_lens in (False, True):
             assert _steps(attn, "cuda", valid_lens=valid_lens).shape == (2, 1, 32)
 
@@ -89,14 +93,15 @@ def test_the_functional_step_reads_no_device_value(variant):
     """zoo.attention with a cache (a padding mask of one column, and none)."""
     skip_without_fake_cuda()
     params = small(variant)
-    with fake_cuda(), torch.device("cuda"), torch.no_grad():
-        q, k, v = torch.randn(2, 4, 13, 8), torch.randn(2, 2, 13, 8), torch.randn(2, 2, 13, 8)
-        cache = zoo.new_cache(variant, batch_size=2, max_len=LENGTH, num_kv_heads=2,
-                              head_dim=8, num_heads=4, device="cuda", **params)  # fmt: skip
+    with fake_cuda(), torch.no_grad():
+        with torch.device("cuda"):  # built here; the calls run outside it, as users do
+            q, k, v = torch.randn(2, 4, 13, 8), torch.randn(2, 2, 13, 8), torch.randn(2, 2, 13, 8)
+            cache = zoo.new_cache(variant, batch_size=2, max_len=LENGTH, num_kv_heads=2,
+                                  head_dim=8, num_heads=4, device="cuda", **params)  # fmt: skip
         kw = dict(variant=variant, causal=True, cache=cache, pos="alibi", **params)
         zoo.attention(q[:, :, :12], k[:, :, :12], v[:, :, :12], **kw)
         one = slice(12, 13)
-        for padding in (None, torch.tensor([[False], [True]])):
+        for padding in (None, torch.tensor([[False], [True]], device="cuda")):
             out = zoo.attention(q[:, :, one], k[:, :, one], v[:, :, one],
                                 key_padding_mask=padding, **kw)  # fmt: skip
     assert out.shape == (2, 4, 1, 8)

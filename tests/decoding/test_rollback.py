@@ -220,13 +220,16 @@ def test_a_rollback_on_fake_cuda_reads_no_value():
     """On a device the checks are assertions there (no synchronisation); fake tensors, which
     hold no values, pass through (torch.export of a generation loop)."""
     try:
-        with fake_cuda(), torch.device("cuda"), torch.no_grad():
-            attn = zoo.create_attention("sliding_window", dim=16, num_heads=2, num_kv_heads=1,
-                                        causal=True, window_size=4).eval()  # fmt: skip
-            cache = attn.new_cache(2, 64)
-            attn(torch.randn(2, 30, 16), cache=cache)
+        with fake_cuda(), torch.no_grad():
+            with torch.device("cuda"):
+                attn = zoo.create_attention("sliding_window", dim=16, num_heads=2, num_kv_heads=1,
+                                            causal=True, window_size=4).eval()  # fmt: skip
+                cache = attn.new_cache(2, 64)
+                x, y = torch.randn(2, 30, 16), torch.randn(2, 1, 16)
+            # run outside torch.device("cuda"), as users do, so that a CPU tensor shows
+            attn(x, cache=cache)
             cache.lengths = cache.lengths - 1
-            attn(torch.randn(2, 1, 16), cache=cache)
+            attn(y, cache=cache)
     except FakeCudaUnavailable as error:
         pytest.skip(str(error))
     assert cache.lengths.device.type == "cuda" and cache.longest is not None

@@ -36,10 +36,12 @@ def _steps_on(device: str, static: bool, monkeypatch) -> list[str]:
             return original(self, step)
 
         monkeypatch.setattr(cls, "decode_step", spy)
-    with torch.device(device), torch.no_grad():
-        attn = zoo.create_attention("causal", dim=32, num_heads=4, num_kv_heads=2, causal=True)
-        x = torch.randn(2, 12, 32)
-        cache = attn.eval().new_cache(2, MAX_LEN, static=static)
+    with torch.no_grad():
+        with torch.device(device):
+            attn = zoo.create_attention("causal", dim=32, num_heads=4, num_kv_heads=2, causal=True)
+            x = torch.randn(2, 12, 32)
+            cache = attn.eval().new_cache(2, MAX_LEN, static=static)
+        # run outside torch.device(device), as users do, so that a CPU tensor shows
         attn(x[:, :9], cache=cache)
         for i in range(9, 12):
             out = attn(x[:, i : i + 1], cache=cache)
@@ -64,16 +66,17 @@ def test_flex_named_decodes_a_static_cache_on_cuda():
     """A named flex decodes a static CUDA cache, with or without gradients, and refuses dropout
     (flex has none), naming the backends that can; explain says which backend runs."""
     skip_without_fake_cuda()
-    with fake_cuda(), torch.device("cuda"):
-        attn = zoo.create_attention("causal", dim=32, num_heads=4, causal=True)
-        cache = attn.new_cache(1, MAX_LEN, static=True)
+    with fake_cuda():
+        with torch.device("cuda"):  # built here; the calls run outside it, as users do
+            attn = zoo.create_attention("causal", dim=32, num_heads=4, causal=True)
+            cache = attn.new_cache(1, MAX_LEN, static=True)
+            q = torch.randn(1, 4, 1, 8)
         dot = DotProduct(0.125)
         assert decode_backend("auto", dot, 0.0, cache).name == "sdpa"
         assert decode_backend("flex", dot, 0.0, cache).name == "flex"
         assert decode_backend("flex", dot, 0.0, cache, "cuda").name == "flex"
         with pytest.raises(ValueError, match=r"backend 'flex' cannot decode this call: .*sdpa"):
             decode_backend("flex", dot, 0.1, cache)
-        q = torch.randn(1, 4, 1, 8)
         named = zoo.explain(q, q, q, variant="causal", causal=True, cache=cache, backend="flex")
         chosen = explain_decode("auto", dot, cache)
     assert named.startswith("decoding with a cache on flex")
@@ -93,10 +96,11 @@ def test_flex_decoding_on_cuda_passes_the_cache_itself(monkeypatch):
         return original(compiled, least, q, k, v, **kwargs)
 
     monkeypatch.setattr(flex_decode_module, "run_kernel", spy)
-    with fake_cuda(), torch.device("cuda"), torch.no_grad():
-        attn = zoo.create_attention("causal", dim=32, num_heads=4, causal=True, backend="flex")
-        cache = attn.eval().new_cache(2, MAX_LEN, static=True)
-        x = torch.randn(2, 10, 32)
+    with fake_cuda(), torch.no_grad():
+        with torch.device("cuda"):
+            attn = zoo.create_attention("causal", dim=32, num_heads=4, causal=True, backend="flex")
+            cache = attn.eval().new_cache(2, MAX_LEN, static=True)
+            x = torch.randn(2, 10, 32)
         attn(x[:, :9], cache=cache)
         attn(x[:, 9:], cache=cache)
     prefill = MAX_LEN + 9

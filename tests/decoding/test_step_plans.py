@@ -46,8 +46,9 @@ def _generate(variant: str, pos, backend: str, steps: int = 12):
     return outs, cache
 
 
-def _qkv(t: int):
-    return torch.randn(2, 4, t, 8), torch.randn(2, 2, t, 8), torch.randn(2, 2, t, 8)
+def _qkv(t: int, device=None):
+    return (torch.randn(2, 4, t, 8, device=device), torch.randn(2, 2, t, 8, device=device),
+            torch.randn(2, 2, t, 8, device=device))  # fmt: skip
 
 
 @pytest.mark.parametrize("pos", [None, "rope", "alibi"])
@@ -162,13 +163,16 @@ def test_a_step_plan_runs_on_fake_cuda_tensors(variant):
     from zoo.testing.fake_cuda import fake_cuda
 
     params = cache_params(variant, 64)
-    with fake_cuda(), torch.device("cuda"), torch.no_grad():
-        cache = zoo.new_cache(variant, batch_size=2, max_len=64, num_kv_heads=2, head_dim=8,
-                              num_heads=4, device="cuda", **params)  # fmt: skip
-        zoo.attention(*_qkv(20), variant=variant, causal=True, cache=cache, pos="rope", **params)
+    # inputs built with device="cuda"; the calls run outside torch.device("cuda"), as users do
+    with fake_cuda(), torch.no_grad():
+        with torch.device("cuda"):
+            cache = zoo.new_cache(variant, batch_size=2, max_len=64, num_kv_heads=2, head_dim=8,
+                                  num_heads=4, device="cuda", **params)  # fmt: skip
+        zoo.attention(*_qkv(20, "cuda"), variant=variant, causal=True, cache=cache, pos="rope",
+                      **params)  # fmt: skip
         _, step = _cached_step(
-            *_qkv(1), cache, None, variant=variant, backend="auto", causal=True, dropout_p=0.0,
-            scale=None, score=None, pos="rope", params=params,
+            *_qkv(1, "cuda"), cache, None, variant=variant, backend="auto", causal=True,
+            dropout_p=0.0, scale=None, score=None, pos="rope", params=params,
         )  # fmt: skip
-        outs = [step(*_qkv(1), cache) for _ in range(3)]
+        outs = [step(*_qkv(1, "cuda"), cache) for _ in range(3)]
     assert all(out.device.type == "cuda" and out.shape == (2, 4, 1, 8) for out in outs)
