@@ -295,6 +295,10 @@ def check_names(config: RunConfig, source: str) -> None:
             if "lr" in settings.get("train", {})
         ),
     ):
+        if not values and not key.endswith("test_lengths"):  # empty test_lengths: the train's
+            raise ConfigError(
+                f"{source}: {key} is an empty list; list at least one (an empty one trains nothing)"
+            )
         repeated = [v for i, v in enumerate(values) if v in values[:i]]
         if repeated:
             raise ConfigError(

@@ -237,6 +237,51 @@ def test_a_scale_that_is_not_finite(scale):
         zoo.attention(q, q, q, variant="full", scale=scale)  # inf returned NaN everywhere
 
 
+@pytest.mark.parametrize("variant", ["full", "performer"])
+def test_a_scale_beyond_the_scores_dtype_is_not_finite(variant):
+    """1e39 is finite in Python, infinite in the float32 the scores are formed in: every output
+    was NaN. float64 inputs form their scores in float64, where it is finite."""
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match=r"got 1e\+39: .* finite in the scores' torch.float32"):
+        zoo.attention(q, q, q, variant=variant, scale=1e39)
+    with pytest.raises(ValueError, match=r"got 1e\+39: .* finite in the scores' torch.float32"):
+        zoo.attention(q.half(), q.half(), q.half(), variant="full", scale=1e39)
+    out = zoo.attention(q.double(), q.double(), q.double(), variant="full", scale=1e39)
+    assert not out.isnan().any()
+
+
+def test_return_weights_is_checked_whether_or_not_a_plan_was_kept():
+    """A call of a kept plan's signature took return_weights=None or 0 as False: the same call
+    was refused before the first plain call and accepted after it."""
+    q = torch.randn(1, 2, 8, 4)
+    zoo.attention(q, q, q, variant="local", window_size=2)
+    for value in (None, 0):
+        with pytest.raises(TypeError, match=f"return_weights must be True or False, got {value}"):
+            zoo.attention(q, q, q, variant="local", window_size=2, return_weights=value)
+
+
+def test_cp_order_is_named_without_cp_group_and_explain_takes_it():
+    """explain refused cp_order as a parameter of the variant; attention took any cp_order
+    without a cp_group."""
+    q = torch.randn(1, 2, 8, 4)
+    assert "auto -> " in zoo.explain(q, q, q, variant="local", window_size=2, cp_order="head_tail")
+    for call in (zoo.attention, zoo.explain):
+        with pytest.raises(ValueError, match=r"cp_order must be one of .*, got 'bogus'"):
+            call(q, q, q, variant="local", window_size=2, cp_order="bogus")
+
+
+@pytest.mark.parametrize(
+    ("variant", "param"),
+    [("local", "window_size"), ("dilated", "dilation"), ("block_local", "block_size"),
+     ("global", "global_tokens"), ("performer", "num_features"), ("bigbird", "block_size")],
+)  # fmt: skip
+def test_an_int_beyond_int64_is_named(variant, param):
+    """2**70 failed inside torch ("Overflow when unpacking long long"), naming nothing."""
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match=rf"{param} must be at most 2\*\*62 .*, got {2**70}"):
+        zoo.attention(q, q, q, variant=variant, **{param: 2**70})
+
+
 def test_a_seed_beyond_32_bits():
     """torch's CPU generator reads the low 32 bits of a seed: 2**32 + 5 would draw the pattern
     of 5, so seeds above 2**32 - 1 are refused, naming the bound and why."""

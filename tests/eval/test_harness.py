@@ -285,6 +285,10 @@ def test_a_bad_shard_is_named(text):
         (["train.steps=many"], r"train: steps must be int, got 'many'"),
         (["encodings=[learned]", "encoding_params={learned: {max_len: 40}}"], r"max_len=40 .* 64"),
         (["variant_params={lokal: {window_size: 3}}"], r"variant_params: unknown variant 'lokal'"),
+        # an empty list trained nothing, then the report failed on the missing results file
+        (["seeds=[]"], r"seeds is an empty list; list at least one"),
+        (["variants=[]"], r"variants is an empty list"),
+        (["train_lengths=[]"], r"train_lengths is an empty list"),
     ],
 )
 def test_bad_configs_name_the_file_and_the_key(tmp_path, overrides, message):

@@ -246,6 +246,19 @@ def test_rope_turns_q_and_k_before_the_mechanism(name):
 
 
 @pytest.mark.parametrize("name", MECHANISMS)
+def test_a_module_takes_an_empty_batch(name):
+    """No sequences, as the pattern variants take them: an empty output and empty gradients.
+    Linformer's projection failed to reshape an empty batch."""
+    params = {"max_len": 64} if name == "linformer" else {}
+    module = zoo.create_attention(name, dim=32, num_heads=2, **params)
+    x = torch.randn(0, 40, 32, requires_grad=True)
+    out = module(x)
+    assert out.shape == (0, 40, 32)
+    out.sum().backward()
+    assert x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("name", MECHANISMS)
 def test_module_trains_with_each_mechanism(name):
     """create_attention by name: forward with valid_lens, finite gradients for every parameter
     (linformer's E and F included), the mechanism's parameters in the state dict."""

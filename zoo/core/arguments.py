@@ -111,13 +111,20 @@ def import_object(reference: str, what: str) -> object:
     return getattr(module, attribute)
 
 
+# Sizes and positions become int64 tensors: a larger int failed inside torch ("Overflow when
+# unpacking long long"), far from the parameter that held it.
+INT_LIMIT = 2**62
+
+
 def check_int(name: str, value: object, *, minimum: int = 1) -> int:
-    """An int (not a bool) that is at least `minimum`."""
+    """An int (not a bool) that is at least `minimum` and at most ``INT_LIMIT``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if value < minimum:
         what = "positive" if minimum == 1 else f"at least {minimum}"
         raise ValueError(f"{name} must be {what}, got {value}")
+    if value > INT_LIMIT:
+        raise ValueError(f"{name} must be at most 2**62 (an int64 size), got {value}")
     return value
 
 

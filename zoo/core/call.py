@@ -151,7 +151,7 @@ def call_score(score: object, scale: object, q: Tensor) -> DotProduct | Additive
     ``AdditiveScore``, made for q's heads and head size (B, H, L, D), which weighs q and k
     itself: a ``scale`` beside it is refused, not ignored."""
     if score is None:
-        return DotProduct(resolve_scale(scale, q.shape[-1]))
+        return DotProduct(resolve_scale(scale, q.shape[-1], q.dtype))
     if not isinstance(score, AdditiveScore):
         raise TypeError(
             f"score must be a zoo.core.scores.AdditiveScore (or None: the scaled dot product), "
@@ -171,8 +171,10 @@ def call_score(score: object, scale: object, q: Tensor) -> DotProduct | Additive
     return score
 
 
-def resolve_scale(scale: object, head_dim: int) -> float:
-    """The score scale: ``scale`` if given, a finite positive number, else 1/sqrt(head_dim)."""
+def resolve_scale(scale: object, head_dim: int, dtype: torch.dtype | None = None) -> float:
+    """The score scale: ``scale`` if given, a finite positive number, else 1/sqrt(head_dim).
+    With q's ``dtype``: finite where the scores are computed too (float32, float64 for float64
+    inputs), as 1e39 is not in float32."""
     if scale is None:
         return 1 / math.sqrt(concrete(head_dim))
     number = not isinstance(scale, bool) and isinstance(scale, int | float)
@@ -180,10 +182,13 @@ def resolve_scale(scale: object, head_dim: int) -> float:
         value = float(scale) if number else math.nan
     except OverflowError:  # an int beyond the floats
         value = math.inf
+    if dtype is not None and value > torch.finfo(scores_dtype(dtype)).max:
+        value = math.inf  # overflows to inf there
     if not (number and math.isfinite(value) and value > 0):
         hint = (
             ": a finite positive number is expected (an infinite or NaN scale makes every "
             "weight NaN)"
+            + ("" if dtype is None else f", finite in the scores' {scores_dtype(dtype)}")
             if number and not math.isfinite(value)
             else ""
         )
@@ -210,3 +215,8 @@ def unread_padding(x: Tensor, key_padding_mask: Tensor) -> Tensor:
     to a masked score (inf - inf) or weigh a masked value by 0 (0 * NaN) would spread it. The
     padded keys get zero gradients."""
     return x.masked_fill(key_padding_mask[:, None, :, None], 0)
+
+
+def scores_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype in which the backends form the scores of inputs of ``dtype``."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

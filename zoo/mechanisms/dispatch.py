@@ -113,9 +113,8 @@ def mechanism_attention(
         key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale, score=score,
         return_weights=return_weights, params=params,
     )  # fmt: skip
-    return mechanism(
-        q, k, v, causal=causal, key_padding_mask=mask, scale=resolve_scale(scale, q.shape[-1])
-    )
+    scale = resolve_scale(scale, q.shape[-1], q.dtype)
+    return mechanism(q, k, v, causal=causal, key_padding_mask=mask, scale=scale)
 
 
 def explain_mechanism(

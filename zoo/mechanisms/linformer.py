@@ -35,7 +35,7 @@ def _project(e: Tensor, x: Tensor) -> Tensor:
     product over all batches and heads."""
     batch, heads, n, width = x.shape
     flat = x.permute(2, 0, 1, 3).reshape(n, batch * heads * width)  # (n, B·H·D)
-    return (e @ flat).reshape(-1, batch, heads, width).permute(1, 2, 0, 3)
+    return (e @ flat).reshape(e.shape[0], batch, heads, width).permute(1, 2, 0, 3)
 
 
 class LinformerAttention(Mechanism):
