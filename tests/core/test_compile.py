@@ -1,5 +1,6 @@
 """``torch.compile(fullgraph=True)`` of models built from zoo modules: no graph break for any
-variant, compiled equals eager, and one graph per sequence length (``zoo.core.shape_cache``).
+variant but graph (its layout comes from the call's edges), compiled equals eager, and one
+graph per sequence length (``zoo.core.shape_cache``).
 
 Graph breaks are a dynamo matter, so most tests compile with a counting backend that skips
 Inductor (``CompileCounter``, or "aot_eager" where the backward graph is traced too); Inductor
@@ -153,16 +154,51 @@ def test_no_recompilation_across_training_steps():
 
 
 @pytest.mark.parametrize("dynamic", [None, True])
-@pytest.mark.parametrize("variant", ["full", "bigbird"])
-def test_one_graph_per_length(variant, dynamic):
+@pytest.mark.parametrize(("variant", "backend"), [("full", "auto"), ("bigbird", "auto"),
+                                                  ("local", "blocked")])  # fmt: skip
+def test_one_graph_per_length(variant, backend, dynamic):
     """The policy (zoo.attention): lengths are static, one graph per length seen, whether or not
-    dynamo was asked for dynamic shapes; a length seen before reuses its graph."""
-    model = layer(variant, "auto")
+    dynamo was asked for dynamic shapes; a length seen before reuses its graph. Blocked failed
+    under dynamic=True: dynamo read its float ``waste`` as a symbolic float, which no per-shape
+    builder can take."""
+    model = layer(variant, backend)
     counter = CompileCounter()
     compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=dynamic)
     for length in (64, 80, 64, 96, 80):
         compiled(inputs(length))
     assert counter.frame_count == 3
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_a_scale_argument_takes_new_values_in_one_graph_each(dynamic):
+    """A float scale given to the compiled function: from its second value (dynamic=None) or its
+    first (True) dynamo makes it symbolic, and the check of the scale broke the graph
+    (math.isfinite); now one graph per value under fullgraph, equal to eager."""
+
+    def attend(q, scale):
+        return zoo.attention(q, q, q, variant="local", window_size=4, scale=scale)
+
+    counter = CompileCounter()
+    compiled = torch.compile(attend, backend=counter, fullgraph=True, dynamic=dynamic)
+    q = torch.randn(1, 2, 32, 8)
+    for scale in (0.3, 0.5):
+        torch.testing.assert_close(compiled(q, scale), attend(q, scale), rtol=0, atol=0)
+    assert counter.frame_count <= 2
+
+
+def test_graph_says_why_fullgraph_cannot_hold_it_and_compiles_with_breaks():
+    """variant='graph' builds its layout from the call's edge_index (data): under fullgraph it
+    failed on a data-dependent guard deep in its edge checks; now a sentence says why, and
+    compiled with graph breaks it equals eager."""
+    q = torch.randn(1, 2, 10, 8)
+    edges = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1], [0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9]])
+
+    def attend(q, edges):
+        return zoo.attention(q, q, q, variant="graph", edge_index=edges)
+
+    with pytest.raises(Exception, match="variant 'graph' builds its layout from the call's edge"):
+        torch.compile(attend, backend="eager", fullgraph=True)(q, edges)
+    torch.testing.assert_close(torch.compile(attend, backend="eager")(q, edges), attend(q, edges))
 
 
 def test_inductor_survives_a_length_change():

@@ -116,15 +116,19 @@ def import_object(reference: str, what: str) -> object:
 INT_LIMIT = 2**62
 
 
-def check_int(name: str, value: object, *, minimum: int = 1) -> int:
-    """An int (not a bool) that is at least `minimum` and at most ``INT_LIMIT``."""
+def check_int(
+    name: str, value: object, *, minimum: int = 1, maximum: int | None = INT_LIMIT
+) -> int:
+    """An int (not a bool) that is at least `minimum` and at most ``maximum`` (a caller with a
+    bound of its own, and the reason for it, passes None)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if value < minimum:
         what = "positive" if minimum == 1 else f"at least {minimum}"
         raise ValueError(f"{name} must be {what}, got {value}")
-    if value > INT_LIMIT:
-        raise ValueError(f"{name} must be at most 2**62 (an int64 size), got {value}")
+    if maximum is not None and value > maximum:
+        shown = "2**62 (an int64 size)" if maximum == INT_LIMIT else str(maximum)
+        raise ValueError(f"{name} must be at most {shown}, got {value}")
     return value
 
 
@@ -142,8 +146,7 @@ SEED_MAX = 2**32 - 1
 
 def check_seed(name: str, value: object) -> int:
     """A seed for ``torch.Generator().manual_seed`` on the CPU: an int in [0, 2**32 - 1]."""
-    check_int(name, value, minimum=0)
-    if value > SEED_MAX:
+    if check_int(name, value, minimum=0, maximum=None) > SEED_MAX:
         raise ValueError(
             f"{name} must be at most 2**32 - 1 = {SEED_MAX} (torch's CPU generator reads 32 bits "
             f"of a seed: a larger one would repeat a smaller one's draws), got {value}"

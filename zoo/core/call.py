@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -182,14 +183,15 @@ def resolve_scale(scale: object, head_dim: int, dtype: torch.dtype | None = None
         value = float(scale) if number else math.nan
     except OverflowError:  # an int beyond the floats
         value = math.inf
-    if dtype is not None and value > torch.finfo(scores_dtype(dtype)).max:
-        value = math.inf  # overflows to inf there
-    if not (number and math.isfinite(value) and value > 0):
+    # Comparisons, not math.isfinite: under torch.compile a float argument may be symbolic
+    # (dynamic=True, or a second value), which they guard on and isfinite breaks the graph at.
+    largest = sys.float_info.max if dtype is None else torch.finfo(scores_dtype(dtype)).max
+    if not (number and 0 < value <= largest):
         hint = (
             ": a finite positive number is expected (an infinite or NaN scale makes every "
             "weight NaN)"
             + ("" if dtype is None else f", finite in the scores' {scores_dtype(dtype)}")
-            if number and not math.isfinite(value)
+            if number and not -largest <= value <= largest
             else ""
         )
         raise ValueError(

@@ -101,6 +101,12 @@ class Graph(Pattern):
                 "one graph per sequence, or a sparse adjacency) to zoo.attention or to "
                 "MultiHeadAttention.forward"
             )
+        if torch.compiler.is_compiling():  # fullgraph=True raises here, with this sentence
+            torch._dynamo.graph_break(
+                msg="variant 'graph' builds its layout from the call's edge_index, data that "
+                "torch.compile cannot trace into a static structure: it compiles with graph "
+                "breaks (fullgraph=False), as docs/using-in-a-model.md says"
+            )
         n, device = inputs.k.shape[2], inputs.k.device
         which, query, key, graphs = graph_edges(inputs.edge_index, inputs.q.shape[0], n)
         which, query, key = which.to(device), query.to(device), key.to(device)

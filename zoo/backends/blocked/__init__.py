@@ -220,7 +220,14 @@ class BlockedBackend(Backend):
         self.compute_dtype = compute_dtype
         if isinstance(waste, bool) or not isinstance(waste, int | float) or not 0 <= waste <= 1:
             raise ValueError(f"waste must be a number in [0, 1], got {waste!r}")
-        self.waste = float(waste)
+        # Kept as its repr: under torch.compile(dynamic=True) dynamo reads a float attribute as a
+        # symbolic float, which the per-shape builders cannot take as a constant; a str it
+        # reads as a constant, and float() of it too.
+        self._waste = repr(float(waste))
+
+    @property
+    def waste(self) -> float:
+        return float(self._waste)
 
     def __repr__(self) -> str:
         dtype = "" if self.compute_dtype is None else f", compute_dtype={self.compute_dtype}"
