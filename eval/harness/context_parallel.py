@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import zoo
 from zoo.parallel import shard, use_context_parallel
 
 from ..tasks import IGNORE, Task
@@ -48,6 +49,11 @@ def check(cell: dict[str, Any], context: Context, task: Task, encoding_kind: str
         )
     if cell["train"].get("compile"):
         problems.append("train.compile must be false")
+    if cell["variant"] in zoo.list_modules():  # its own module: use_context_parallel refuses it
+        problems.append(
+            f"variant {cell['variant']!r} is a module of its own (zoo.list_modules()), which does "
+            "not shard over processes"
+        )
     if problems:
         raise ValueError("context parallelism: " + "; ".join(problems))
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 from helpers import subprocess_timeout
 
+import zoo
 from eval.harness.context_parallel import check
 from eval.harness.distributed import Context
 from eval.tasks import get_task
@@ -68,10 +69,13 @@ def test_two_processes_on_one_sequence_train_as_one(tmp_path):
         ({"train_len": 63}, "not a multiple of 2"),
         ({"task": "listops"}, "per-token"),
         ({"encoding": "learned"}, "adds a table"),
+        # NSA's branches attend within each rank's shard: it trained on wrong attention
+        ({"variant": "nsa"}, "variant 'nsa' is a module of its own .* does not shard"),
     ],
 )
 def test_a_cell_that_cannot_train_sharded_says_what_to_change(change, words):
-    cell = {"train": {"context_parallel": 2}, "train_len": 64, "task": "copy", "encoding": "rope"}
+    cell = {"train": {"context_parallel": 2}, "train_len": 64, "task": "copy", "encoding": "rope",
+            "variant": "local"}  # fmt: skip
     cell.update(change)
     task = SimpleNamespace(head="sequence" if cell["task"] == "listops" else "token")
     kind = "embed" if cell["encoding"] == "learned" else "rotate"
@@ -80,6 +84,22 @@ def test_a_cell_that_cannot_train_sharded_says_what_to_change(change, words):
 
 
 def test_the_number_of_processes_must_be_the_number_of_shards():
-    cell = {"train": {"context_parallel": 2}, "train_len": 64, "task": "copy", "encoding": "rope"}
+    cell = {"train": {"context_parallel": 2}, "train_len": 64, "task": "copy", "encoding": "rope",
+            "variant": "local"}  # fmt: skip
     with pytest.raises(ValueError, match="--nproc-per-node 2"):
         check(cell, Context(0, 1, torch.device("cpu")), get_task("copy", seq_len=64), "rotate")
+
+
+def test_use_context_parallel_refuses_a_module_that_does_not_shard():
+    """NSA has no cp_group: use_context_parallel skipped it, and each rank attended within its
+    own shard as if it were the whole sequence (rank 1 off by 0.57 from the whole's rows)."""
+    model = torch.nn.Sequential(zoo.create_attention("local", dim=16, num_heads=2),
+                                zoo.create_attention("nsa", dim=16, num_heads=2))  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"use_context_parallel: 1 is a NativeSparseAttention, "
+        r"which does not shard over processes: its compressed",
+    ):
+        zoo.parallel.use_context_parallel(model, group=object())
+    assert model[0].cp_group is None, "nothing is set when one is refused"
+    assert zoo.parallel.use_context_parallel(model, group=None) is model

@@ -119,6 +119,12 @@ class NativeSparseAttention(nn.Module):
         backend: the backend of the three branches ("auto", or a name).
     """
 
+    # What zoo.parallel.use_context_parallel says of it: its branches are not sharded.
+    context_parallel_refusal = (
+        "its compressed, selected and window branches attend within one process's sequence "
+        "(a sequence of each rank's length would be attended as if whole); run it unsharded"
+    )
+
     def __init__(
         self,
         dim: int,

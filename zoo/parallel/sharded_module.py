@@ -23,7 +23,17 @@ from .shards import ShardLayout, check_order
 
 def use_context_parallel(model: nn.Module, group: object, order: str = "contiguous") -> nn.Module:
     """Set ``cp_group`` and ``cp_order`` on every ``zoo.MultiHeadAttention`` inside ``model``
-    (``group=None``: back to one process); returns the model."""
+    (``group=None``: back to one process); returns the model. A zoo attention module that does
+    not shard (``context_parallel_refusal``: NSA) is refused, naming it, before any is set: left
+    as it is, it would attend within each rank's shard as if it were the whole sequence."""
+    if group is not None:
+        for name, module in model.named_modules():
+            reason = getattr(type(module), "context_parallel_refusal", None)
+            if reason is not None:
+                raise ValueError(
+                    f"use_context_parallel: {name or 'the model'} is a "
+                    f"{type(module).__name__}, which does not shard over processes: {reason}"
+                )
     for module in model.modules():
         if hasattr(module, "cp_group") and hasattr(module, "cp_order"):
             module.cp_group, module.cp_order = group, order
