@@ -16,7 +16,8 @@ runs merge by log-sum-exp, as FlashAttention merges key blocks::
 - Key blocks of runs: the kernel block coarsened up to 8x (512 keys at the default 64) while
   that fits the keys twice: MoBA's 512-key blocks are then one run each, and the kernel is
   faster per score on 512 keys than on 64
-  (measured: eval/results/design-notes-cpu.md#by-key-run-blocks).
+  (measured: eval/results/design-notes-cpu.md#by-key-run-blocks). A run never cuts a chosen
+  block: against blocks of 256 it holds 256 keys (eval/results/moba-runs-cpu).
 - FULL runs (every key of the block allowed for each of its queries) are masked by the keys'
   own padding only, or not at all. PARTIAL runs (the query's own block under causal rules, a
   window's edge) get a mask per row, read from the kernel blocks' states per 64-query block
