@@ -433,7 +433,10 @@ def _explain_mechanism(q: Tensor, k: Tensor, v: Tensor, backend: object, **kwarg
 def _explain_sharded(q: Tensor, k: Tensor, v: Tensor, group: object, **kwargs: object) -> str:
     """``explain`` with a cp_group: what this rank receives and computes (no collective)."""
     order = kwargs.pop("cp_order", "contiguous")
-    for option in ("scale", "score", "return_weights"):  # no effect on the plan
+    # refused as attention refuses them, not described as a call that would run
+    _check_shardable_options(kwargs.pop("cache", None), kwargs.pop("return_weights", False),
+                             kwargs.get("edge_index"))  # fmt: skip
+    for option in ("scale", "score"):  # no effect on the plan
         kwargs.pop(option, None)
     stats = shard_stats(q, k, v, group=group, order=order, **kwargs)
     if stats.routed:

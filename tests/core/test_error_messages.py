@@ -282,6 +282,16 @@ def test_an_int_beyond_int64_is_named(variant, param):
         zoo.attention(q, q, q, variant=variant, **{param: 2**70})
 
 
+@pytest.mark.parametrize("option", ["return_weights", "edge_index"])
+def test_explain_with_a_cp_group_refuses_what_attention_refuses(option):
+    """explain dropped return_weights=True and described a sharded call that attention refuses
+    (checked before any collective, so no process group is needed to see it)."""
+    q = torch.randn(1, 2, 8, 4)
+    value = True if option == "return_weights" else torch.tensor([[0, 1], [1, 0]])
+    with pytest.raises(ValueError, match=f"{option} is not available with cp_group"):
+        zoo.explain(q, q, q, variant="local", window_size=2, cp_group=object(), **{option: value})
+
+
 def test_a_seed_beyond_32_bits():
     """torch's CPU generator reads the low 32 bits of a seed: 2**32 + 5 would draw the pattern
     of 5, so seeds above 2**32 - 1 are refused, naming the bound and why."""
