@@ -209,7 +209,7 @@ def _chosen_block(part: Pattern) -> int | None:
     """The size of the key blocks that ``part`` chooses by content (MoBA's, a ``ChosenBlocks``
     alone or intersected with fixed members), else None. A run's key block holds whole chosen
     blocks only: one across two of them (512 keys against blocks of 256) is PARTIAL for almost
-    every query, and each of its keys is then asked (12x the time at 8K, measured)."""
+    every query, and each of its keys is then asked (eval/results/moba-runs-cpu)."""
     members = part.children if isinstance(part, Intersection) else (part,)
     sizes = [m.block_size for m in members if isinstance(m, ChosenBlocks)]
     return sizes[0] if len(sizes) == 1 else None
