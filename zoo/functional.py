@@ -48,7 +48,7 @@ from .layout.block_layout import (
 )
 from .mechanisms.dispatch import explain_mechanism, is_mechanism, mechanism_attention
 from .parallel import context_parallel_attention, shard_stats
-from .parallel.shards import ORDERS
+from .parallel.shards import check_order_name
 from .patterns import Causal, Intersection, Pattern, RouteInputs, reads_graph
 from .patterns.graph_edges import graph_count
 
@@ -148,7 +148,7 @@ def attention(
     if not isinstance(cache, KVCache) or cache.keys.dtype != torch.float32:
         q, k, v = autocast_inputs(q, k, v)
     if cp_order != "contiguous":  # also without cp_group: a misspelt order is named at once
-        _check_cp_order(cp_order)
+        check_order_name(cp_order)
     plain = (
         cp_group is None and score is None and edge_index is None and return_weights is False
         and not isinstance(dropout_p, bool) and isinstance(dropout_p, int | float)
@@ -381,7 +381,7 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
     cp_group = kwargs.pop("cp_group", None)
     if cp_group is not None:
         return _explain_sharded(q, k, v, cp_group, **kwargs)
-    _check_cp_order(kwargs.pop("cp_order", "contiguous"))  # as attention takes it
+    check_order_name(kwargs.pop("cp_order", "contiguous"))  # as attention takes it
     cache = kwargs.pop("cache", None)
     if cache is not None:
         params = {key: value for key, value in kwargs.items() if key not in CALL_OPTIONS}
@@ -406,12 +406,6 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> str:
     if note is None:
         note = f"; {allowed_note(pattern, call)}"
     return explain_backend(call, backend) + note
-
-
-def _check_cp_order(order: object) -> None:
-    """Refuse a ``cp_order`` that names no order (``zoo.parallel.shards.ORDERS``)."""
-    if order not in ORDERS:
-        raise ValueError(f"cp_order must be one of {ORDERS}, got {order!r}")
 
 
 def _explain_mechanism(q: Tensor, k: Tensor, v: Tensor, backend: object, **kwargs: object) -> str:

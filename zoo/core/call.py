@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ..patterns import Pattern
 from .arguments import check_probability
-from .scores import AdditiveScore, DotProduct
+from .scores import AdditiveScore, DotProduct, score_dtype
 from .shape_cache import concrete
 
 ScoreBias = Callable[[Tensor, Tensor, Tensor], Tensor]  # (head, q_pos, kv_pos) -> bias
@@ -152,7 +152,7 @@ def call_score(score: object, scale: object, q: Tensor) -> DotProduct | Additive
     ``AdditiveScore``, made for q's heads and head size (B, H, L, D), which weighs q and k
     itself: a ``scale`` beside it is refused, not ignored."""
     if score is None:
-        return DotProduct(resolve_scale(scale, q.shape[-1], q.dtype))
+        return DotProduct(resolve_scale(scale, q.shape[-1], score_dtype(q)))
     if not isinstance(score, AdditiveScore):
         raise TypeError(
             f"score must be a zoo.core.scores.AdditiveScore (or None: the scaled dot product), "
@@ -172,10 +172,10 @@ def call_score(score: object, scale: object, q: Tensor) -> DotProduct | Additive
     return score
 
 
-def resolve_scale(scale: object, head_dim: int, dtype: torch.dtype | None = None) -> float:
+def resolve_scale(scale: object, head_dim: int, scores: torch.dtype | None = None) -> float:
     """The score scale: ``scale`` if given, a finite positive number, else 1/sqrt(head_dim).
-    With q's ``dtype``: finite where the scores are computed too (float32, float64 for float64
-    inputs), as 1e39 is not in float32."""
+    With the ``scores``' dtype (``score_dtype(q)``): finite there too, as 1e39 is not in
+    float32."""
     if scale is None:
         return 1 / math.sqrt(concrete(head_dim))
     number = not isinstance(scale, bool) and isinstance(scale, int | float)
@@ -185,12 +185,11 @@ def resolve_scale(scale: object, head_dim: int, dtype: torch.dtype | None = None
         value = math.inf
     # Comparisons, not math.isfinite: under torch.compile a float argument may be symbolic
     # (dynamic=True, or a second value), which they guard on and isfinite breaks the graph at.
-    largest = sys.float_info.max if dtype is None else torch.finfo(scores_dtype(dtype)).max
+    largest = sys.float_info.max if scores is None else torch.finfo(scores).max
     if not (number and 0 < value <= largest):
         hint = (
             ": a finite positive number is expected (an infinite or NaN scale makes every "
-            "weight NaN)"
-            + ("" if dtype is None else f", finite in the scores' {scores_dtype(dtype)}")
+            "weight NaN)" + ("" if scores is None else f", finite in the scores' {scores}")
             if number and not -largest <= value <= largest
             else ""
         )
@@ -217,8 +216,3 @@ def unread_padding(x: Tensor, key_padding_mask: Tensor) -> Tensor:
     to a masked score (inf - inf) or weigh a masked value by 0 (0 * NaN) would spread it. The
     padded keys get zero gradients."""
     return x.masked_fill(key_padding_mask[:, None, :, None], 0)
-
-
-def scores_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype in which the backends form the scores of inputs of ``dtype``."""
-    return torch.float64 if dtype == torch.float64 else torch.float32

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from ..backends.base import repeat_kv
 from ..core.call import check_dropout, check_key_padding_mask, resolve_scale
+from ..core.scores import score_dtype
 from ..core.shape_cache import per_shape
 from ..patterns import query_positions
 from ..positional import PositionalEncoding
@@ -113,7 +114,7 @@ def mechanism_attention(
         key_padding_mask=key_padding_mask, dropout_p=dropout_p, scale=scale, score=score,
         return_weights=return_weights, params=params,
     )  # fmt: skip
-    scale = resolve_scale(scale, q.shape[-1], q.dtype)
+    scale = resolve_scale(scale, q.shape[-1], score_dtype(q))
     return mechanism(q, k, v, causal=causal, key_padding_mask=mask, scale=scale)
 
 

@@ -21,7 +21,7 @@ from ..functional import attention, build_encoding, resolve_pattern, resolved_pa
 from ..mechanisms.dispatch import check_encoding
 from ..mechanisms.layer import module_mechanism
 from ..parallel.sharded_module import sharded_forward
-from ..parallel.shards import ORDERS
+from ..parallel.shards import check_order_name
 from ..patterns import Pattern
 from ..positional import PositionalEncoding
 from ..registry import get_module_spec, get_spec, is_mechanism_name, list_modules
@@ -113,8 +113,7 @@ class MultiHeadAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         backend_named(backend)  # a misspelt name or a wrong type fails now, not at a forward
         check_bool("bias", bias)
-        if cp_order not in ORDERS:
-            raise ValueError(f"cp_order must be one of {ORDERS}, got {cp_order!r}")
+        check_order_name(cp_order)
         self.backend, self.causal = backend, causal
         # A Mechanism instance given as the variant is registered once, as ``mechanism`` below:
         # as a second submodule its parameters would appear twice in the state dict, which

@@ -64,10 +64,22 @@ class ShardLayout:
         )
 
 
+def check_order_name(order: object) -> None:
+    """Raise ValueError for a ``cp_order`` that names no order (a call without cp_group too)."""
+    problem = _unknown_order(order)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def _unknown_order(order: object) -> str | None:
+    return None if order in ORDERS else f"cp_order must be one of {ORDERS}, got {order!r}"
+
+
 def check_order(order: object, shard: int) -> str | None:
     """The reason ``order`` cannot cut shards of ``shard`` rows, or None."""
-    if order not in ORDERS:
-        return f"cp_order must be one of {ORDERS}, got {order!r}"
+    unknown = _unknown_order(order)
+    if unknown is not None:
+        return unknown
     if order == "head_tail" and shard % 2:
         return (
             f"cp_order='head_tail' cuts each rank's shard into two halves, but the shard length is "
